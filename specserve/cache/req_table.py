@@ -1,0 +1,36 @@
+"""The request-to-token table: row r, column p holds the slot of request r's token p.
+
+Rows are handed out to running requests. Committing accepted draft tokens or sharing a
+cached prefix is a write into this table, never a KV copy. The table lives on the model's
+device so attention kernels can read it directly.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenTable:
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device | str) -> None:
+        self.max_reqs = max_reqs
+        self.max_context = max_context
+        self.table = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_reqs))
+
+    @property
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        assert row not in self._free_rows, f"row {row} freed twice"
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """table[row, start:start+len(slots)] = slots."""
+        self.table[row, start:start + slots.numel()] = slots.to(self.table.device, non_blocking=True)
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        """The slots of positions [start, end) of a row, as a CPU int64 tensor."""
+        return self.table[row, start:end].to("cpu")
