@@ -1,0 +1,81 @@
+"""The reference attention backend: gather K/V by slot, run SDPA with an explicit mask.
+
+Slow and obviously right; runs on CPU and GPU and is the oracle every kernel is tested
+against. Each forward pads the batch to [B, max_new] queries over [B, max_kv] keys:
+  key j of request b is visible to its new token i iff
+    j < prefix_b                                   (the cached prefix), or
+    j - prefix_b <= i (causal) / custom_mask_b[i, j - prefix_b]   (the new tokens),
+  and j < prefix_b + n_b. Padded query rows see key 0 only (their output is dropped).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.base import AttentionBackend
+from specserve.runner.forward_batch import ForwardBatch
+
+
+@dataclass
+class _Meta:
+    kv_index: torch.Tensor  # [B, max_kv] slots (padding points at real but masked slots)
+    q_index: torch.Tensor  # [B, max_new] rows into the packed T tokens (padding -> 0)
+    q_valid: torch.Tensor  # [B * max_new] bool: which padded rows are real tokens
+    mask: torch.Tensor | None  # [B, 1, max_new, max_kv] bool, None when nothing is masked
+
+
+class TorchRefBackend(AttentionBackend):
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        dev = fb.input_ids.device
+        prefix = torch.tensor(fb.prefix_lens, device=dev)
+        new = torch.tensor(fb.extend_lens, device=dev)
+        max_new, max_kv = max(fb.extend_lens), max(fb.seq_lens)
+        kv_index = fb.req_to_token[fb.req_rows, :max_kv]
+        starts = torch.cumsum(new, 0) - new
+        i = torch.arange(max_new, device=dev)
+        q_valid = i[None, :] < new[:, None]  # [B, max_new]
+        q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
+        mask = None
+        uniform_decode = max_new == 1 and min(fb.seq_lens) == max_kv
+        if not uniform_decode:
+            mask = self._build_mask(fb, prefix, new, q_valid, max_new, max_kv)
+        fb.attn_meta = _Meta(kv_index, q_index, q_valid.reshape(-1), mask)
+
+    @staticmethod
+    def _build_mask(fb: ForwardBatch, prefix: torch.Tensor, new: torch.Tensor,
+                    q_valid: torch.Tensor, max_new: int, max_kv: int) -> torch.Tensor:
+        dev = prefix.device
+        j = torch.arange(max_kv, device=dev)[None, None, :]  # [1, 1, max_kv]
+        i = torch.arange(max_new, device=dev)[None, :, None]  # [1, max_new, 1]
+        rel = j - prefix[:, None, None]  # key position relative to the first new token
+        in_prefix = rel < 0
+        in_new = (rel >= 0) & (rel < new[:, None, None])
+        if fb.custom_masks is None:
+            new_ok = rel <= i
+        else:
+            new_ok = torch.zeros(len(new), max_new, max_kv, dtype=torch.bool, device=dev)
+            for b, m in enumerate(fb.custom_masks):
+                n, p = m.shape[0], fb.prefix_lens[b]
+                new_ok[b, :n, p:p + n] = m.to(dev)
+        mask = in_prefix | (in_new & new_ok)
+        mask &= q_valid[:, :, None]
+        mask[:, :, 0] |= ~q_valid  # padded query rows: attend to key 0 to avoid NaN
+        return mask[:, None]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: ForwardBatch, scale: float) -> torch.Tensor:
+        fb.kv_pool.write(layer_id, fb.out_slots, k, v)
+        m: _Meta = fb.attn_meta
+        bsz, max_new = m.q_index.shape
+        heads, dim = q.shape[1], q.shape[2]
+        keys = fb.kv_pool.k[layer_id][m.kv_index].transpose(1, 2)  # [B, kvH, max_kv, D]
+        vals = fb.kv_pool.v[layer_id][m.kv_index].transpose(1, 2)
+        qp = q[m.q_index].transpose(1, 2)  # [B, H, max_new, D]
+        out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=m.mask, scale=scale,
+                                             enable_gqa=heads != keys.shape[1])
+        out = out.transpose(1, 2).reshape(bsz * max_new, heads * dim)  # [B*max_new, H*D]
+        if out.shape[0] == q.shape[0]:  # no padding: rows are already the packed tokens
+            return out
+        return out[m.q_valid]

@@ -1,0 +1,52 @@
+"""ForwardBatch: everything one model forward needs, as device tensors.
+
+Built by `model_runner.py` from the scheduler's CPU-side batch. The model reads
+`input_ids` and `positions`; the attention backend reads the rest (through its own
+metadata, built once per forward in `init_forward_metadata`). T is the number of new
+tokens in the batch, B the number of requests.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specserve.attention.base import AttentionBackend
+    from specserve.cache.kv_pool import KVPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill / chunked prefill, possibly over a cached prefix
+    DECODE = "decode"  # one new token per request
+    VERIFY = "verify"  # root + drafts per request, with a tree mask (speculative)
+    DRAFT_EXTEND = "draft_extend"  # draft model catching up on accepted tokens
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64: where the new tokens' K/V are written
+    req_rows: torch.Tensor  # [B] int64: rows of the req-to-token table
+    prefix_lens: list[int]  # [B] tokens already in the KV cache before this forward
+    extend_lens: list[int]  # [B] new tokens per request (sum == T)
+    req_to_token: torch.Tensor  # [max_reqs, max_context]: slots of positions < prefix+extend
+    kv_pool: "KVPool"
+    attn_backend: "AttentionBackend"
+    # Per-request boolean masks over the new tokens ([n_i, n_i], True = may attend), for
+    # tree verify. None means causal. Attention to the cached prefix is always allowed.
+    custom_masks: list[torch.Tensor] | None = None
+    logit_rows: torch.Tensor | None = None  # [R] rows of T whose logits are wanted
+    attn_meta: object = field(default=None, repr=False)  # the backend's, per forward
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
