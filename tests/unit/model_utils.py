@@ -1,0 +1,76 @@
+"""Test helpers: tiny random Hugging Face checkpoints and a bare forward without a scheduler."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specserve.attention.torch_ref import TorchRefBackend
+from specserve.cache.kv_pool import KVPool
+from specserve.cache.req_table import ReqToTokenTable
+from specserve.models.llama import LlamaForCausalLM
+from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def save_tiny_hf(kind: str, path: Path, vocab_size: int = 512, seed: int = 0, **overrides) -> Path:
+    """Save a randomly initialised tiny HF model of `kind` (llama|qwen2|qwen3) to `path`."""
+    import transformers as tf
+
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[kind]
+    extra = {"head_dim": 16} if kind == "qwen3" else {}
+    cfg = cfg_cls(vocab_size=vocab_size, **{**TINY, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # random, non-trivial norms and biases so a wrong load shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+class BareRunner:
+    """One model, one KV pool, one request row: prefill/decode/verify by hand."""
+
+    def __init__(self, model: LlamaForCausalLM, num_slots: int = 1024, max_reqs: int = 8) -> None:
+        cfg = model.config
+        dev = next(model.parameters()).device
+        self.model = model
+        self.pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                           next(model.parameters()).dtype, dev)
+        self.table = ReqToTokenTable(max_reqs, 512, dev)
+        self.backend = TorchRefBackend()
+        self.next_slot = 1
+
+    def slots(self, n: int) -> torch.Tensor:
+        s = torch.arange(self.next_slot, self.next_slot + n)
+        self.next_slot += n
+        return s
+
+    @torch.inference_mode()
+    def forward(self, rows: list[int], prefix_lens: list[int], tokens: list[list[int]],
+                positions: list[list[int]] | None = None, masks: list[torch.Tensor] | None = None,
+                mode: ForwardMode = ForwardMode.EXTEND) -> torch.Tensor:
+        """Logits [T, V] for every new token; new tokens' slots are appended to each row."""
+        out_slots = []
+        for row, p, toks in zip(rows, prefix_lens, tokens):
+            s = self.slots(len(toks))
+            self.table.write(row, p, s)
+            out_slots.append(s)
+        if positions is None:
+            positions = [[p + i for i in range(len(t))] for p, t in zip(prefix_lens, tokens)]
+        flat = [t for ts in tokens for t in ts]
+        fb = ForwardBatch(mode, torch.tensor(flat), torch.tensor([q for ps in positions for q in ps]),
+                          torch.cat(out_slots), torch.tensor(rows), prefix_lens, [len(t) for t in tokens],
+                          self.table.table, self.pool, self.backend, custom_masks=masks,
+                          logit_rows=torch.arange(len(flat)))
+        self.backend.init_forward_metadata(fb)
+        hidden, _ = self.model(fb)
+        return self.model.compute_logits(hidden)
