@@ -1,0 +1,120 @@
+"""Batched token sampling: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Randomness is counter-based: the uniform noise for request b, vocabulary entry v at its
+n-th output token is a hash of (seed_b, n, v). So a request's samples depend only on its
+own seed and progress, never on which other requests share the batch, and the whole
+batch samples with tensor ops (no per-request loop, CPU or GPU). Sampling is Gumbel-max:
+argmax(logits / T + Gumbel noise) draws exactly from softmax(logits / T) restricted to
+the tokens the filters keep.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M1, _M2 = 0x7FEB352D, 0x2C1B3C6D  # odd multipliers < 2**31: products stay inside int64
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _M2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] float32 uniforms in (0, 1), a pure function of (seed, counter, column)."""
+    col = torch.arange(width, device=seeds.device, dtype=torch.int64)[None, :]
+    h = _mix32((seeds[:, None] & _MASK32) ^ _mix32(seeds[:, None] >> 32))
+    h = _mix32(h ^ _mix32(counters[:, None] & _MASK32))
+    h = _mix32(h ^ col)
+    return ((h >> 8).float() + 0.5) / float(1 << 24)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-request sampling parameters as [B] tensors on the logits' device."""
+
+    temperature: torch.Tensor  # float32; rows with greedy=True ignore it
+    greedy: torch.Tensor  # bool
+    top_p: torch.Tensor
+    top_k: torch.Tensor  # int64, vocab size when unlimited
+    min_p: torch.Tensor
+    freq_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    seeds: torch.Tensor  # int64
+    counters: torch.Tensor  # int64: index of the token being sampled within the output
+    output_ids: list[list[int]]  # for penalties
+    top_logprobs: int = 0  # max over the batch; 0 and want_logprobs False: skip
+    want_logprobs: bool = False
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool((self.freq_penalty != 0).any() or (self.presence_penalty != 0).any())
+
+
+@dataclass
+class SampleOutput:
+    next_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] log p(chosen) under the model distribution
+    top_ids: torch.Tensor | None = None  # [B, K]
+    top_logprobs: torch.Tensor | None = None  # [B, K]
+
+
+def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """OpenAI semantics: logit -= freq * count + presence * (count > 0), over output tokens."""
+    counts = torch.zeros_like(logits)
+    for b, ids in enumerate(sb.output_ids):
+        if ids:
+            idx = torch.tensor(ids, device=logits.device)
+            counts[b].index_add_(0, idx, torch.ones(len(ids), device=logits.device))
+    return logits - sb.freq_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
+
+
+def filter_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Temperature-scaled logits with -inf outside top-k, top-p and min-p."""
+    t = torch.where(sb.greedy, 1.0, sb.temperature).clamp_min(1e-5)
+    scaled = logits / t[:, None]
+    vocab = logits.shape[-1]
+    if bool((sb.top_k < vocab).any() | (sb.top_p < 1.0).any()):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        rank = torch.arange(vocab, device=logits.device)[None, :]
+        drop = rank >= sb.top_k[:, None]
+        # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
+        drop |= (probs.cumsum(-1) - probs) >= sb.top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    if bool((sb.min_p > 0).any()):
+        probs = scaled.softmax(-1)
+        keep = probs >= sb.min_p[:, None] * probs.max(-1, keepdim=True).values
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    return scaled
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
+    """logits [B, V] float32 -> next tokens (and logprobs if any request asked)."""
+    if sb.has_penalties:
+        logits = apply_penalties(logits, sb)
+    if sb.all_greedy:
+        next_ids = logits.argmax(-1)
+    else:
+        scaled = filter_logits(logits, sb)
+        gumbel = -torch.log(-torch.log(uniform_noise(sb.seeds, sb.counters, logits.shape[-1])))
+        sampled = (scaled + gumbel).argmax(-1)
+        next_ids = torch.where(sb.greedy, logits.argmax(-1), sampled)
+    out = SampleOutput(next_ids)
+    if sb.want_logprobs:
+        logp = logits.log_softmax(-1)
+        out.logprobs = logp.gather(-1, next_ids[:, None]).squeeze(-1)
+        if sb.top_logprobs:
+            out.top_logprobs, out.top_ids = logp.topk(sb.top_logprobs, dim=-1)
+    return out
