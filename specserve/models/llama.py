@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.rope import RotaryEmbedding
+from specserve.models.rope import RotaryEmbedding, apply_rope
 from specserve.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger("specserve")
@@ -99,9 +99,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_id: int) -> None:
         super().__init__()
-        self.layer_id, self.rope = layer_id, [rope]  # list: share, don't register twice
+        self.layer_id = layer_id
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
@@ -110,14 +110,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.heads, self.head_dim)  # [T, H, D]
         k = k.view(-1, self.kv_heads, self.head_dim)  # [T, kvH, D]
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope[0](fb.positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         out = fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale)
         return self.o_proj(out)
 
@@ -134,15 +134,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id, rope)
+        self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), fb)
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fb, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -152,7 +152,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -167,11 +167,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden [T, hidden] and the aux hidden states asked for."""
         x = self.model.embed_tokens(fb.input_ids)
+        rope = self.model.rotary.lookup(fb.positions)
         aux = []
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layers:
                 aux.append(x)
-            x = layer(x, fb)
+            x = layer(x, fb, rope)
         return self.model.norm(x), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

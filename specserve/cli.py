@@ -1,0 +1,38 @@
+"""The `specserve` console script: `serve`, `bench`, `train-draft`."""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: specserve <command> [args]
+
+commands:
+  serve [flags]        start the OpenAI-compatible server (same flags as python -m specserve.launch_server)
+  bench compare [...]  our engine against Hugging Face transformers on the same prompts
+  train-draft [...]    train an EAGLE draft head (not implemented yet)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "serve":
+        from specserve.launch_server import main as serve
+
+        return serve(rest)
+    if cmd == "bench":
+        from specserve.bench.cli import main as bench
+
+        return bench(rest)
+    if cmd == "train-draft":
+        print("error: specserve train-draft is not implemented yet (planned: EAGLE-2/EAGLE-3 "
+              "distillation, see the project issues)", file=sys.stderr)
+        return 2
+    print(f"error: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
