@@ -1,0 +1,107 @@
+"""Frozen configuration dataclasses, one per subsystem.
+
+This file owns the *shape* of the configuration: every knob the engine reads lives in one
+of these dataclasses, with its default. It knows nothing about argparse or validation;
+`specserve/args.py` turns a command line into a `Config`, fills the auto-defaults and
+rejects invalid combinations. Subsystems take only their own slice (`cfg.cache`,
+`cfg.spec`, ...), never the whole object, so a change to one topic stays in one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str = DEFAULT_MODEL  # HF dir, .gguf file, catalogue name or hub id
+    tokenizer_path: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    trust_remote_code: bool = False
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    quantization: str | None = None
+    served_model_name: str | None = None
+    revision: str | None = None
+    load_format: str = "auto"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    mem_fraction_static: float | None = None  # None: auto (GPU only)
+    max_total_tokens: int | None = None  # None: auto (GPU: from memory, CPU: a fixed budget)
+    page_size: int = 1
+    disable_radix_cache: bool = False
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None  # None: auto; -1 disables chunking
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    random_seed: int | None = None
+    decode_log_interval: int = 40
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str | None = None  # EAGLE | EAGLE3 | STANDALONE | NGRAM (NEXTN -> EAGLE)
+    draft_model_path: str | None = None
+    draft_model_revision: str | None = None
+    draft_load_format: str | None = None
+    num_steps: int | None = None
+    eagle_topk: int | None = None
+    num_draft_tokens: int | None = None
+    accept_threshold_single: float = 1.0
+    accept_threshold_acc: float = 1.0
+    token_map: str | None = None
+    attention_mode: str = "prefill"
+    draft_attention_backend: str | None = None
+    moe_runner_backend: str | None = None
+    moe_a2a_backend: str | None = None
+    draft_model_quantization: str | None = None
+    ngram_min_match_window_size: int = 1
+    ngram_max_match_window_size: int = 12
+    ngram_min_bfs_breadth: int = 1
+    ngram_max_bfs_breadth: int = 10
+    ngram_match_type: str = "BFS"
+    ngram_branch_length: int = 18
+    ngram_capacity: int = 10_000_000
+    enable_multi_layer_eagle: bool = False
+    enable_spec_v2: bool = False  # from SPECSERVE_ENABLE_SPEC_V2 / SGLANG_ENABLE_SPEC_V2
+    ngram_force_greedy_verify: bool = False  # from *_NGRAM_FORCE_GREEDY_VERIFY
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm is not None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    enable_metrics: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
