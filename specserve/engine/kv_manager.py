@@ -1,0 +1,87 @@
+"""Request-level KV memory: rows, slots, prefix sharing, release and retraction.
+
+Owns the slot allocator, the request-to-token table and the prefix cache, and keeps
+them consistent. Every path that gives a request memory or takes it back goes through
+here, so the leak check (`assert_no_leak`) can hold after every test:
+free slots + slots owned by the prefix cache == all slots, no locks, every row free.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.cache.kv_pool import SlotAllocator
+from specserve.cache.radix import NoPrefixCache, RadixCache
+from specserve.cache.req_table import ReqToTokenTable
+from specserve.engine.request import Req
+
+
+class KVManager:
+    def __init__(self, num_slots: int, max_reqs: int, max_context: int, device: torch.device,
+                 enable_prefix_cache: bool) -> None:
+        self.allocator = SlotAllocator(num_slots)
+        self.table = ReqToTokenTable(max_reqs, max_context, device)
+        cls = RadixCache if enable_prefix_cache else NoPrefixCache
+        self.prefix_cache = cls(self.allocator)
+
+    @property
+    def num_slots(self) -> int:
+        return self.allocator.num_slots
+
+    def available(self) -> int:
+        """Slots that could be handed out now, evicting unlocked cached prefixes if needed."""
+        return self.allocator.available + self.prefix_cache.evictable_size()
+
+    def used(self) -> int:
+        return self.num_slots - self.allocator.available - self.prefix_cache.evictable_size()
+
+    def alloc_slots(self, n: int) -> torch.Tensor | None:
+        if n > self.allocator.available:
+            self.prefix_cache.evict(n - self.allocator.available)
+        return self.allocator.alloc(n)
+
+    def admit(self, req: Req) -> bool:
+        """Give `req` a table row and borrow its longest cached prefix. False: no row free."""
+        row = self.table.alloc()
+        if row is None:
+            return False
+        # Keep at least one token to compute: its logits give the next token.
+        slots, node = self.prefix_cache.match_prefix(req.all_ids[:-1])
+        self.prefix_cache.lock(node)
+        req.row, req.cache_node = row, node
+        req.kv_len = req.cached_len = slots.numel()
+        req.cached_tokens = max(req.cached_tokens, min(req.cached_len, len(req.prompt_ids)))
+        if slots.numel():
+            self.table.write(row, 0, slots)
+        return True
+
+    def extend(self, req: Req, n: int) -> torch.Tensor | None:
+        """Allocate slots for positions [kv_len, kv_len+n) of `req` and advance kv_len."""
+        slots = self.alloc_slots(n)
+        if slots is None:
+            return None
+        self.table.write(req.row, req.kv_len, slots)
+        req.kv_len += n
+        return slots
+
+    def release(self, req: Req) -> None:
+        """Hand the request's KV to the prefix cache (or free it) and free its row."""
+        if req.row is None:
+            return
+        slots = self.table.read(req.row, 0, req.kv_len)
+        already = self.prefix_cache.insert(req.all_ids[:req.kv_len], slots)
+        # slots[:cached_len] came from the cache itself; [cached_len:already] duplicate
+        # tokens another request cached meanwhile: those copies are ours to free.
+        self.allocator.free(slots[req.cached_len:already])
+        self.prefix_cache.unlock(req.cache_node)
+        self.table.free(req.row)
+        req.row, req.cache_node, req.kv_len, req.cached_len = None, None, 0, 0
+
+    def flush_cache(self) -> bool:
+        return self.prefix_cache.flush()
+
+    def assert_no_leak(self) -> None:
+        assert self.prefix_cache.protected_size() == 0, "prefix cache still has locked nodes"
+        assert self.table.available == self.table.max_reqs, "a table row is still in use"
+        cached = self.prefix_cache.total_size()
+        free = self.allocator.available
+        assert free + cached == self.num_slots, f"leak: {free} free + {cached} cached != {self.num_slots}"

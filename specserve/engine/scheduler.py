@@ -1,0 +1,244 @@
+"""The scheduler: continuous batching over one ModelRunner.
+
+One `step()` = pick a batch, run it, process its tokens:
+  * prefill first: continue chunked prefills, then admit waiting requests while the
+    chunk budget, the running-request cap, table rows and KV memory allow;
+  * otherwise decode every running request one token, retracting the newest requests
+    (their KV handed to the prefix cache, themselves requeued at the front) when memory
+    runs out, so nothing is lost and nothing crashes.
+It knows requests, memory and policy; not HTTP, not processes, not the model's insides.
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from specserve.config import Config
+from specserve.engine.batch import ScheduleBatch, sampling_batch
+from specserve.engine.kv_manager import KVManager
+from specserve.engine.messages import GenerateReq, TokenLogprob, TokenOut
+from specserve.engine.metrics import SchedulerStats
+from specserve.engine.output import commit_token, finish_abort, take_output
+from specserve.engine.request import Req
+from specserve.runner.forward_batch import ForwardMode
+from specserve.runner.model_runner import ModelRunner
+from specserve.runner.sampler import SampleOutput, sample
+from specserve.server.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+DECODE_RESERVE_CLIP = 256  # future tokens per request counted when admitting new work
+DECODE_RESERVE_RATIO = 0.3
+
+
+class Scheduler:
+    def __init__(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model_dir, cfg.model, cfg.cache, cfg.runner)
+        self.context_length = self.runner.context_length
+        sc = cfg.scheduler
+        self.max_running = sc.max_running_requests or (256 if self.runner.device.type == "cuda" else 128)
+        chunk = sc.chunked_prefill_size or (4096 if self.runner.device.type == "cuda" else 1024)
+        self.chunk_budget = chunk if chunk > 0 else sc.max_prefill_tokens
+        self.chunking = chunk > 0
+        self.kv = KVManager(self.runner.num_slots, self.max_running + 8, self.context_length + 8,
+                            self.runner.device, not cfg.cache.disable_radix_cache)
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.rng = random.Random(sc.random_seed)
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []
+        self.running: list[Req] = []
+        self.stats = SchedulerStats()
+
+    # -- requests in and out ------------------------------------------------------------
+    def add_request(self, g: GenerateReq) -> list[TokenOut]:
+        p = g.params
+        req = Req(g.rid, g.input_ids, p, p.seed if p.seed is not None else self.rng.getrandbits(63),
+                  IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens), StopChecker(p.stop))
+        self.stats.requests_total += 1
+        error = self._check_request(req)
+        if error:
+            finish_abort(req, error)
+            return [take_output(req)]
+        if req.max_new_tokens == 0:
+            req.finish_reason = {"type": "length"}
+            return [take_output(req)]
+        self.waiting.append(req)
+        return []
+
+    def _check_request(self, req: Req) -> str | None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.context_length:
+            return f"the prompt has {n} tokens, the context length is {self.context_length}"
+        try:
+            req.params.validate(self.runner.vocab_size)
+        except ValueError as e:
+            return str(e)
+        if any(not 0 <= t < self.runner.vocab_size for t in req.prompt_ids):
+            return "input_ids contain ids outside the vocabulary"
+        return None
+
+    def abort(self, rid: str) -> list[TokenOut]:
+        for queue in (self.waiting, self.prefilling, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self.kv.release(req)
+                    finish_abort(req, "aborted")
+                    self.stats.requests_aborted += 1
+                    return [take_output(req)]
+        return []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    # -- one step ---------------------------------------------------------------------
+    def step(self) -> list[TokenOut]:
+        batch = self._prefill_batch() or self._decode_batch()
+        if batch is None:
+            return []
+        fb = self.runner.forward_batch(batch, self.kv.table.table)
+        logits = self.runner.forward(fb)
+        sampled = batch.sampled_reqs
+        if sampled:
+            so = sample(logits, sampling_batch(sampled, self.runner.vocab_size, logits.device))
+            self._commit(sampled, so)
+        return self._collect(batch)
+
+    def _commit(self, reqs: list[Req], so: SampleOutput) -> None:
+        ids = so.next_ids.tolist()  # the one device->host sync of a step
+        lps = so.logprobs.tolist() if so.logprobs is not None else None
+        tops = (so.top_ids.tolist(), so.top_logprobs.tolist()) if so.top_ids is not None else None
+        for b, (req, tid) in enumerate(zip(reqs, ids)):
+            entry = None
+            if lps is not None and req.params.logprobs:
+                k = req.params.top_logprobs
+                top = list(zip(tops[0][b][:k], tops[1][b][:k])) if tops and k else []
+                entry = TokenLogprob(tid, lps[b], top)
+            commit_token(req, tid, self.eos_ids, self.context_length, entry)
+            self.stats.generation_tokens_total += 1
+
+    def _collect(self, batch: ScheduleBatch) -> list[TokenOut]:
+        sampled = batch.sampled_reqs
+        if batch.mode == ForwardMode.EXTEND:  # prefill complete: these now decode
+            done = {id(r) for r in sampled}
+            self.prefilling = [r for r in self.prefilling if id(r) not in done]
+            self.running += sampled
+        outs = []
+        for req in sampled:
+            if req.finished:
+                self.running.remove(req)
+                self.kv.release(req)
+                self.stats.requests_finished += 1
+            outs.append(take_output(req))
+        return outs
+
+    # -- batch selection --------------------------------------------------------------
+    def _decode_reserve(self) -> int:
+        reqs = self.running + self.prefilling
+        return int(DECODE_RESERVE_RATIO * sum(min(r.remaining_new_tokens, DECODE_RESERVE_CLIP) for r in reqs))
+
+    def _prefill_batch(self) -> ScheduleBatch | None:
+        budget = self.chunk_budget
+        chosen: list[tuple[Req, int, torch.Tensor]] = []
+        for req in self.prefilling:  # chunked prefills in progress go first
+            n = min(req.prefill_remaining, budget)
+            start = req.kv_len
+            slots = self.kv.extend(req, n) if n > 0 else None
+            if slots is None:
+                break
+            chosen.append((req, start, slots))
+            budget -= n
+        while self.waiting and budget > 0 and self._can_admit():
+            req = self.waiting[0]
+            if not self.kv.admit(req):
+                break
+            n = req.prefill_remaining if not self.chunking and not chosen else min(req.prefill_remaining, budget)
+            need = n + int(DECODE_RESERVE_RATIO * min(req.remaining_new_tokens, DECODE_RESERVE_CLIP))
+            if self.kv.available() - self._decode_reserve() < need and (chosen or self.running):
+                self.kv.release(req)
+                break
+            start = req.kv_len
+            slots = self.kv.extend(req, n)
+            if slots is None:
+                self.kv.release(req)
+                break
+            self.waiting.popleft()
+            self.prefilling.append(req)
+            chosen.append((req, start, slots))
+            budget -= n
+        if not chosen:
+            return None
+        return self._make_extend(chosen)
+
+    def _can_admit(self) -> bool:
+        return len(self.running) + len(self.prefilling) < self.max_running
+
+    def _make_extend(self, chosen: list[tuple[Req, int, torch.Tensor]]) -> ScheduleBatch:
+        reqs = [r for r, _, _ in chosen]
+        ids, prefix, ext, mask = [], [], [], []
+        for req, start, slots in chosen:
+            ids += req.all_ids[start:start + slots.numel()]
+            prefix.append(start)
+            ext.append(slots.numel())
+            mask.append(start + slots.numel() == req.seq_len)
+        new_tokens = sum(ext)
+        cached = sum(r.cached_len for r, s, _ in chosen if s == r.cached_len)
+        self.stats.prompt_tokens_total += new_tokens
+        self.stats.cached_tokens_total += cached
+        self.stats.on_prefill(len(chosen), new_tokens, cached, self.token_usage,
+                              len(self.running), len(self.waiting))
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, ids, torch.cat([s for _, _, s in chosen]),
+                             prefix, ext, mask)
+
+    def _decode_batch(self) -> ScheduleBatch | None:
+        while self.running and self.kv.available() < len(self.running):
+            self._retract(self.running[-1])
+        if not self.running:
+            return None
+        reqs = list(self.running)
+        prefix = [r.kv_len for r in reqs]
+        slots = torch.cat([self.kv.extend(r, 1) for r in reqs])
+        self.stats.on_decode(len(reqs), self.cfg.scheduler.decode_log_interval, len(reqs),
+                             self.kv.used(), self.token_usage, len(self.waiting), False)
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [r.all_ids[-1] for r in reqs], slots,
+                             prefix, [1] * len(reqs), [True] * len(reqs))
+
+    def _retract(self, req: Req) -> None:
+        """Out of KV memory: free req's slots (cached for later) and requeue it first."""
+        self.running.remove(req)
+        self.kv.release(req)
+        self.waiting.appendleft(req)
+        self.stats.retractions_total += 1
+
+    # -- introspection ----------------------------------------------------------------
+    @property
+    def token_usage(self) -> float:
+        return self.kv.used() / self.kv.num_slots
+
+    def flush_cache(self) -> bool:
+        if self.has_work:
+            return False
+        return self.kv.flush_cache()
+
+    def server_info(self) -> dict:
+        return {**asdict(self.cfg), "max_total_num_tokens": self.kv.num_slots,
+                "context_length": self.context_length, "max_running_requests": self.max_running,
+                "device": str(self.runner.device), "dtype": str(self.runner.dtype),
+                "internal_states": [{"avg_spec_accept_length": None}]}
+
+    def metrics(self) -> dict:
+        s = self.stats
+        return {"num_running_reqs": len(self.running) + len(self.prefilling),
+                "num_queue_reqs": len(self.waiting), "token_usage": self.token_usage,
+                "gen_throughput": s.gen_throughput, "prompt_tokens_total": s.prompt_tokens_total,
+                "generation_tokens_total": s.generation_tokens_total,
+                "cached_tokens_total": s.cached_tokens_total, "num_requests_total": s.requests_total,
+                "num_requests_aborted_total": s.requests_aborted,
+                "num_retractions_total": s.retractions_total}
