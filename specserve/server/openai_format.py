@@ -1,0 +1,181 @@
+"""Engine outputs -> OpenAI response objects: final responses, stream chunks, logprobs, usage.
+
+Owns the mapping from `TokenOut`/`ChoiceState` to the shapes in `server/responses.py`,
+for chat and for completions, streaming and not. It knows nothing about HTTP or the engine
+beyond those output types; the tokenizer is used only to spell token ids (`token_str`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.engine.messages import TokenLogprob, TokenOut
+from specserve.server.fanout import ChoiceState, finish_reason_str
+from specserve.server.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    TokenLogprobOut,
+    TopLogprob,
+    Usage,
+)
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+@dataclass(frozen=True)
+class ResponseCtx:
+    """What every chunk of one HTTP response shares."""
+
+    id: str
+    model: str
+    created: int
+    n: int  # choices per prompt; choice k belongs to prompt k // n
+    prompt_lens: list[int]
+    tokenizer: Any
+    logprobs: bool = False
+    include_usage: bool = False
+
+
+def _clamp(logprob: float) -> float:
+    return logprob if not math.isnan(logprob) and logprob > MIN_LOGPROB else MIN_LOGPROB
+
+
+def make_usage(ctx: ResponseCtx, states: list[ChoiceState]) -> Usage:
+    """Prompt tokens count once per prompt (not per choice), as OpenAI and vLLM do."""
+    prompt = sum(ctx.prompt_lens)
+    completion = sum(s.completion_tokens for s in states)
+    cached = sum(
+        max((s.cached_tokens for s in states[p * ctx.n : (p + 1) * ctx.n]), default=0)
+        for p in range(len(ctx.prompt_lens))
+    )
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _top(tokenizer: Any, token_id: int, logprob: float) -> TopLogprob:
+    text = tokenizer.token_str(token_id)
+    return TopLogprob(token=text, logprob=_clamp(logprob), bytes=list(text.encode("utf-8")))
+
+
+def chat_logprobs(tokenizer: Any, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+    content = []
+    for lp in logprobs:
+        head = _top(tokenizer, lp.token_id, lp.logprob)
+        tops = [_top(tokenizer, tid, tlp) for tid, tlp in lp.top]
+        content.append(TokenLogprobOut(**head.model_dump(), top_logprobs=tops))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(tokenizer: Any, logprobs: list[TokenLogprob], offset: int) -> tuple[CompletionLogprobs, int]:
+    """Legacy completions logprobs; `offset` is where the first token starts in the choice text."""
+    out = CompletionLogprobs()
+    for lp in logprobs:
+        text = tokenizer.token_str(lp.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(_clamp(lp.logprob))
+        out.top_logprobs.append({tokenizer.token_str(t): _clamp(v) for t, v in lp.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out, offset
+
+
+def chat_response(ctx: ResponseCtx, states: list[ChoiceState]) -> ChatCompletionResponse:
+    choices = [
+        ChatChoice(
+            index=s.index,
+            message=AssistantMessage(content=s.text),
+            logprobs=chat_logprobs(ctx.tokenizer, s.logprobs) if ctx.logprobs else None,
+            finish_reason=finish_reason_str(s.finish_reason),
+        )
+        for s in states
+    ]
+    return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=make_usage(ctx, states))
+
+
+def completion_response(ctx: ResponseCtx, states: list[ChoiceState]) -> CompletionResponse:
+    choices = [
+        CompletionChoice(
+            index=s.index,
+            text=s.text,
+            logprobs=completion_logprobs(ctx.tokenizer, s.logprobs, 0)[0] if ctx.logprobs else None,
+            finish_reason=finish_reason_str(s.finish_reason),
+        )
+        for s in states
+    ]
+    return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=make_usage(ctx, states))
+
+
+class _StreamBase:
+    def __init__(self, ctx: ResponseCtx, num_choices: int):
+        self.ctx = ctx
+        self.states = [ChoiceState(i) for i in range(num_choices)]
+
+    def _track(self, index: int, out: TokenOut) -> bool:
+        """Record `out`; False when it carries nothing worth a chunk (e.g. held-back text)."""
+        self.states[index].add(out)
+        return bool(out.text or out.finished or (self.ctx.logprobs and out.logprobs))
+
+    def _finish(self, out: TokenOut) -> str | None:
+        return finish_reason_str(out.finish_reason or {"type": "stop"}) if out.finished else None
+
+
+class ChatStream(_StreamBase):
+    """Chunks of /v1/chat/completions: a role delta per choice, content deltas, usage last."""
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        c = self.ctx
+        return ChatCompletionChunk(id=c.id, created=c.created, model=c.model, choices=choices, usage=usage).model_dump_json()
+
+    def start(self) -> list[str]:
+        return [self._chunk([ChatChunkChoice(index=s.index, delta=ChatDelta(role="assistant", content=""))]) for s in self.states]
+
+    def delta(self, index: int, out: TokenOut) -> list[str]:
+        if not self._track(index, out):
+            return []
+        lps = chat_logprobs(self.ctx.tokenizer, out.logprobs) if self.ctx.logprobs else None
+        delta = ChatDelta(content=out.text) if out.text or not out.finished else ChatDelta()
+        return [self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lps, finish_reason=self._finish(out))])]
+
+    def end(self) -> list[str]:
+        return [self._chunk([], make_usage(self.ctx, self.states))] if self.ctx.include_usage else []
+
+
+class CompletionStream(_StreamBase):
+    """Chunks of /v1/completions: text deltas per choice, usage last."""
+
+    def __init__(self, ctx: ResponseCtx, num_choices: int):
+        super().__init__(ctx, num_choices)
+        self._offsets = [0] * num_choices
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        c = self.ctx
+        return CompletionResponse(id=c.id, created=c.created, model=c.model, choices=choices, usage=usage).model_dump_json()
+
+    def start(self) -> list[str]:
+        return []
+
+    def delta(self, index: int, out: TokenOut) -> list[str]:
+        if not self._track(index, out):
+            return []
+        lps = None
+        if self.ctx.logprobs:
+            lps, self._offsets[index] = completion_logprobs(self.ctx.tokenizer, out.logprobs, self._offsets[index])
+        choice = CompletionChoice(index=index, text=out.text, logprobs=lps, finish_reason=self._finish(out))
+        return [self._chunk([choice])]
+
+    def end(self) -> list[str]:
+        return [self._chunk([], make_usage(self.ctx, self.states))] if self.ctx.include_usage else []

@@ -1,0 +1,302 @@
+"""Request bodies of the HTTP API (pydantic v2) and their mapping onto `SamplingParams`.
+
+Owns the wire shape of what clients send: the OpenAI `ChatCompletionRequest` and
+`CompletionRequest`, and SGLang's native `GenerateRequest`. Validation here is about
+*types and shapes* (strict: a known field of the wrong type is an error; unknown fields are
+ignored because OpenAI clients send extras). Value ranges that need the model (vocab size,
+context length) are checked later by `SamplingParams.validate` and `server/validate.py`.
+Response bodies live in `server/responses.py`.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from specserve.engine.sampling_params import SamplingParams
+
+MAX_N = 16
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_prompt(value: Any) -> Any:
+    """Accept str | list[str] | list[int] | list[list[int]], nothing empty; explain failures.
+
+    Checking the shape ourselves gives one clear message instead of pydantic's per-union-member
+    error list.
+    """
+    shape = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("prompt must not be empty")
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"must be {shape} (and not empty)" if value == [] else f"must be {shape}")
+    if all(isinstance(x, str) for x in value):
+        if not all(value):
+            raise ValueError("prompts must not be empty strings")
+    elif all(_is_int(x) for x in value):
+        pass
+    elif all(isinstance(x, list) for x in value):
+        if not all(x and all(_is_int(t) for t in x) for x in value):
+            raise ValueError("each token-id prompt must be a non-empty list of integers")
+    else:
+        raise ValueError(f"must be {shape}")
+    return value
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise ValueError("must be a string or a list of strings")
+
+
+PromptInput = Annotated[Union[str, list[str], list[int], list[list[int]]], BeforeValidator(_check_prompt)]
+StopInput = Annotated[Union[str, list[str], None], BeforeValidator(_check_stop)]
+
+
+def prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[str] | list[list[int]]:
+    """Normalize a prompt field to a batch: one entry per prompt."""
+    if isinstance(value, str):
+        return [value]
+    if _is_int(value[0]):
+        return [list(value)]  # type: ignore[list-item]
+    return list(value)  # type: ignore[return-value]
+
+
+def stop_list(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _OpenAIBase(_Strict):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: StopInput = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    user: str | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def _sampling(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            stop=stop_list(self.stop),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=bool(self.ignore_eos),
+            seed=self.seed,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            skip_special_tokens=self.skip_special_tokens is not False,
+        )
+
+
+def _flatten_content(value: Any) -> Any:
+    """OpenAI content is a string or a list of parts; only text parts exist for a text model.
+
+    Flattened here (parts joined by newlines, as vLLM does) so everything downstream sees a str.
+    """
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("must be a string or a list of content parts")
+    texts = []
+    for part in value:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, got {kind!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: Annotated[str | None, BeforeValidator(_flatten_content)] = Field(None, validate_default=True)
+    name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"'{role}' is not a valid role; expected one of {', '.join(ROLES)}")
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _has_content(cls, content: str | None) -> str:
+        if content is None:
+            raise ValueError("every message needs a 'content' (a string or a list of text parts)")
+        return content
+
+    def to_template(self) -> dict[str, str]:
+        """The dict a chat template expects: role and plain-text content (and name if given)."""
+        msg = {"role": self.role, "content": self.content or ""}
+        if self.name:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0)
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:
+            raise ValueError("messages must contain at least one message")
+        return messages
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        # OpenAI's newer name wins when both are given.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        return self._sampling(max_new_tokens, bool(self.logprobs), self.top_logprobs or 0)
+
+
+class CompletionRequest(_OpenAIBase):
+    prompt: PromptInput
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool | None = False
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool | None) -> bool | None:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix is not None:
+            raise ValueError("suffix is not supported")
+        return suffix
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        return prompt_list(self.prompt)
+
+    def to_sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        # Completions' `logprobs: k` means "logprobs of the sampled tokens plus the top k".
+        return self._sampling(max_new_tokens, self.logprobs is not None, self.logprobs or 0)
+
+
+class NativeSamplingParams(_Strict):
+    """SGLang's `sampling_params` names; SGLang's defaults (notably max_new_tokens=128)."""
+
+    max_new_tokens: int | None = Field(128, ge=0)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: StopInput = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = Field(None, validation_alias=AliasChoices("seed", "sampling_seed"))
+
+
+class GenerateRequest(_Strict):
+    text: PromptInput | None = None
+    input_ids: PromptInput | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0)
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "GenerateRequest":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of 'text' or 'input_ids' must be given")
+        if isinstance(self.text, list) and self.text and not isinstance(self.text[0], str):
+            raise ValueError("'text' must be a string or a list of strings; use 'input_ids' for token ids")
+        if isinstance(self.input_ids, str) or (self.input_ids and isinstance(self.input_ids[0], str)):
+            raise ValueError("'input_ids' must be a list of token ids (or a list of such lists)")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        value = self.text if self.text is not None else self.input_ids
+        return isinstance(value, list) and (self.text is not None or isinstance(value[0], list))
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        return prompt_list(self.text if self.text is not None else self.input_ids)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, max_new_tokens: int | None) -> SamplingParams:
+        sp = self.sampling_params
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
+            stop=stop_list(sp.stop),
+            stop_token_ids=list(sp.stop_token_ids or []),
+            ignore_eos=sp.ignore_eos,
+            seed=sp.seed,
+            logprobs=self.return_logprob,
+            top_logprobs=self.top_logprobs_num if self.return_logprob else 0,
+            skip_special_tokens=sp.skip_special_tokens,
+        )

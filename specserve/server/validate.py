@@ -1,0 +1,116 @@
+"""Checks that need the model: served name, tokenization, vocabulary, context length, sampling.
+
+Owns the rule "nothing reaches the engine unless it can be served": each function either
+returns what the route needs or raises an `APIError` (400/404) whose message says what was
+wrong, in the wording OpenAI and vLLM users know. Shapes and types were already checked by
+`server/protocol.py`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping, Sequence, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from specserve.engine.protocol import EngineClient
+from specserve.engine.sampling_params import SamplingParams
+from specserve.server.errors import APIError, bad_request, from_pydantic
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """Read and validate a JSON body whatever its Content-Type (curl -d sends form type)."""
+    raw = await request.body()
+    if not raw.strip():
+        raise bad_request("The request body is empty; expected a JSON object")
+    try:
+        data: Any = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"Malformed JSON in request body: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
+
+
+def check_model(client: EngineClient, requested: str | None) -> str:
+    """The name to report back. Any model is fine when the request names none."""
+    served = client.info.served_model_name
+    if requested is None or requested in (served, client.config.model.model_path):
+        return served
+    raise APIError(404, f"The model `{requested}` does not exist.", "model")
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"Token ids out of vocabulary range [0, {vocab_size}) in '{param}': {bad[:8]}", param)
+
+
+def tokenize_chat(client: EngineClient, messages: list[dict[str, str]]) -> list[int]:
+    try:
+        ids = list(client.tokenizer.encode_chat(messages))
+    except ValueError as exc:
+        raise bad_request(f"Invalid messages: {exc}", "messages") from None
+    if not ids:
+        raise bad_request("The messages produced an empty prompt", "messages")
+    return ids
+
+
+def tokenize_prompt(client: EngineClient, prompt: str | list[int], param: str) -> list[int]:
+    """Text is tokenized with special tokens (BOS); token ids are checked, not altered."""
+    if isinstance(prompt, str):
+        ids = list(client.tokenizer.encode(prompt, add_special_tokens=True))
+        if not ids:
+            raise bad_request("The prompt is empty after tokenization", param)
+        return ids
+    check_token_ids(prompt, client.info.vocab_size, param)
+    return list(prompt)
+
+
+def resolve_max_tokens(client: EngineClient, prompt_len: int, requested: int | None, where: str = "messages") -> int:
+    """Completion budget: `requested`, or all the context the prompt leaves (OpenAI/vLLM rule)."""
+    ctx = client.info.context_length
+    param = "max_tokens" if requested is not None else where
+    if requested is not None and requested < 0:
+        raise bad_request(f"max_tokens must be non-negative, got {requested}", "max_tokens")
+    if prompt_len > ctx or (requested is None and prompt_len >= ctx):
+        raise bad_request(
+            f"This model's maximum context length is {ctx} tokens. However, your {where} "
+            f"resulted in {prompt_len} tokens. Please reduce the length of the {where}.",
+            where,
+        )
+    if requested is None:
+        return ctx - prompt_len
+    if prompt_len + requested > ctx:
+        raise bad_request(
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the {where}, {requested} in the "
+            f"completion). Please reduce the length of the {where} or completion.",
+            param,
+        )
+    return requested
+
+
+_FIELD_RE = re.compile(r"^(?:at most \d+ )?([a-z_]+)")  # "top_p must be ..." -> top_p
+
+
+def validate_params(client: EngineClient, params: SamplingParams, names: Mapping[str, str] | None = None) -> None:
+    """Run `SamplingParams.validate` and turn its ValueError into a 400 naming the field.
+
+    `names` maps SamplingParams' field names to the wire name where the API differs
+    (completions' `logprobs`, the native API's `sampling_params.max_new_tokens`, ...).
+    """
+    try:
+        params.validate(client.info.vocab_size)
+    except ValueError as exc:
+        match = _FIELD_RE.match(str(exc))
+        name = match.group(1) if match else None
+        if name is not None and names:
+            name = names.get(name, name)
+        raise bad_request(str(exc), name) from None
