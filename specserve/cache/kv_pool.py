@@ -17,9 +17,11 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_slots = num_slots
         shape = (num_slots + 1, num_kv_heads, head_dim)
-        # torch.empty: pages are touched only when written, so a large CPU budget is cheap.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Zeros, not empty: attention multiplies masked-out padding keys' values by a zero
+        # weight, and 0 * NaN from recycled memory would poison real rows. (On CPU zeros
+        # come from calloc, so untouched pages still cost nothing.)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, kv_heads, head_dim]) of T new tokens at `slots` ([T])."""

@@ -30,7 +30,7 @@ class ProcessEngineClient:
     def __init__(self, cfg: Config) -> None:
         self.config = cfg
         model_dir = resolve_model_dir(cfg.model.model_path, cfg.model.revision)
-        self.tokenizer = Tokenizer.from_dir(cfg.model.tokenizer_path or model_dir)
+        self.tokenizer = Tokenizer.from_dir(resolve_model_dir(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_dir)
         ctx = mp.get_context("spawn")
         inbox_r, self._inbox = ctx.Pipe(duplex=False)
         self._outbox, outbox_w = ctx.Pipe(duplex=False)

@@ -48,7 +48,7 @@ class Engine:
     def __init__(self, model: str | None = None, *, config: Config | None = None, **kwargs: Any) -> None:
         self.config = config or parse_config(kwargs_to_argv(model, kwargs))
         model_dir = resolve_model_dir(self.config.model.model_path, self.config.model.revision)
-        self.tokenizer = Tokenizer.from_dir(self.config.model.tokenizer_path or model_dir)
+        self.tokenizer = Tokenizer.from_dir(resolve_model_dir(self.config.model.tokenizer_path) if self.config.model.tokenizer_path else model_dir)
         self.scheduler = Scheduler(self.config, model_dir, self.tokenizer)
         self._ids = itertools.count()
 

@@ -30,6 +30,14 @@ def commit_token(req: Req, token_id: int, eos_ids: frozenset[int], context_lengt
 
 
 def _finish(req: Req, reason: dict) -> None:
+    """End the request, releasing text held by the detokenizer and the stop checker.
+
+    A held incomplete character may still complete a stop string; if so that wins."""
+    released, matched = req.stops.push(req.detok.flush())
+    req.pending_text += released
+    if matched is not None:
+        req.finish_reason = {"type": "stop", "matched": matched}
+        return
     req.pending_text += req.stops.flush()  # nothing can complete a stop string any more
     req.finish_reason = reason
 

