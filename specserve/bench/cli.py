@@ -1,0 +1,17 @@
+"""`specserve bench <name>`: dispatch to one benchmark."""
+from __future__ import annotations
+
+import sys
+
+BENCHES = {"compare": "specserve.bench.compare"}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHES:
+        names = ", ".join(BENCHES)
+        print(f"usage: specserve bench {{{names}}} [args]  (speculative, serving, mtbench, limit: "
+              "not implemented yet)", file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
