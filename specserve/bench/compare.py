@@ -80,3 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.output, "a") as f:
         f.write(json.dumps(row) + "\n")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

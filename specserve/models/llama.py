@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.models.layers import Linear, RMSNorm
 from specserve.models.rope import RotaryEmbedding, apply_rope
 from specserve.runner.forward_batch import ForwardBatch
 
@@ -85,39 +86,26 @@ def _max_positions(d: dict) -> int:
     return n
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in fp32 and cast back before the weight, as Hugging Face does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.kv_heads, self.head_dim)  # [T, kvH, D]
-        v = v.view(-1, self.kv_heads, self.head_dim)
+        h, kv = self.heads, self.kv_heads
+        qkv = self.qkv_proj(x).view(-1, h + 2 * kv, self.head_dim)  # [T, H + 2 kvH, D]
+        qk, v = qkv[:, :h + kv], qkv[:, h + kv:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *rope)
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+        qk = apply_rope(qk, *rope)  # queries and keys rotated together
+        q, k = qk[:, :h], qk[:, h:]
         out = fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale)
         return self.o_proj(out)
 
@@ -125,8 +113,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -182,6 +170,10 @@ class LlamaForCausalLM(nn.Module):
         """After weights are loaded: tie the head if asked and build RoPE tables."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if device.type == "cpu":
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.use_gemv_layout()
         self.model.rotary.build(device, torch.float32 if dtype == torch.float32 else dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -42,28 +42,24 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.theta, self.scaling = theta, scaling
-        self.cos: torch.Tensor | None = None
-        self.sin: torch.Tensor | None = None
+        self.cos: torch.Tensor | None = None  # [max_positions, D]
+        self.sin: torch.Tensor | None = None  # [max_positions, D], first half negated
 
     def build(self, device: torch.device, dtype: torch.dtype) -> None:
         """Tables [max_positions, head_dim]; built after weights land on their device."""
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         pos = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin | sin]: one roll instead of
+        # slice/neg/cat, bit-identical (negation is exact).
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [T, 1, D] for positions [T]; looked up once per forward, used by every layer."""
+        """(cos, signed sin) [T, 1, D] for positions [T]; looked up once per forward."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k [T, kvH, D] rotated by (cos, sin) [T, 1, D]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (queries and keys together) rotated by (cos, signed sin) [T, 1, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

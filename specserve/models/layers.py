@@ -1,0 +1,46 @@
+"""Building blocks shared by our model files: RMSNorm and Linear.
+
+`Linear` keeps checkpoint layout ([out, in]) for loading. On CPU, `use_gemv_layout()`
+swaps it for a contiguous [in, out] copy: batch-1 decode is a GEMV that streams every
+weight once, and MKL streams `x @ W` ~15-20% faster than `x @ W.T` at that shape
+(measured on SmolLM2: 45.5 -> 37.3 ms/token, same tokens). GPUs keep `F.linear`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; bit-identical to the unfused form
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Half types: normalise in fp32, cast back, then scale, as Hugging Face does.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weight_t: torch.Tensor | None = None  # [in, out] when in GEMV layout
+
+    def use_gemv_layout(self) -> None:
+        """Replace weight [out, in] by a contiguous weight_t [in, out] (after loading)."""
+        self.weight_t = nn.Parameter(self.weight.detach().t().contiguous(), requires_grad=False)
+        del self.weight
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
