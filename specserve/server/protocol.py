@@ -84,8 +84,28 @@ class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
+# Fields that would change the output if honoured: refused loudly rather than ignored.
+# Each maps to the value that means "not used".
+UNSUPPORTED_FIELDS = {"tools": (None, []), "functions": (None, []), "logit_bias": (None, {}),
+                      "repetition_penalty": (None, 1, 1.0), "best_of": (None, 1), "guided_json": (None,),
+                      "guided_regex": (None,)}
+
+
+def _refuse_unsupported(data: Any) -> Any:
+    if isinstance(data, dict):
+        for name, neutral in UNSUPPORTED_FIELDS.items():
+            if name in data and data[name] not in neutral:
+                raise ValueError(f"`{name}` is not supported by specserve yet")
+        fmt = data.get("response_format")
+        if fmt not in (None, {"type": "text"}):
+            raise ValueError("`response_format` other than {\"type\": \"text\"} is not supported by specserve yet")
+    return data
+
+
 class _OpenAIBase(_Strict):
     """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    _refuse = model_validator(mode="before")(classmethod(lambda cls, data: _refuse_unsupported(data)))
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)

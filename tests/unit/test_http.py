@@ -285,6 +285,10 @@ def test_simple_routes(http: TestClient, fake: FakeEngineClient) -> None:
 # -- bad input: a 4xx with an OpenAI error body, and nothing reaches the engine ----------------
 LONG = "x" * (CTX + 5)
 BAD_INPUTS = [
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, None, "`tools` is not supported"),
+    ("/v1/chat/completions", chat(logit_bias={"5": 10}), 400, None, "`logit_bias` is not supported"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_object"}), 400, None, "`response_format`"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.3}, 400, None, "`repetition_penalty`"),
     ("/v1/chat/completions", '{"messages": [', 400, None, "Malformed JSON"),
     ("/v1/chat/completions", chat(max_tokens="ten"), 400, "max_tokens", "max_tokens"),
     ("/v1/chat/completions", chat(temperature="hot"), 400, "temperature", "temperature"),
