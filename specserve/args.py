@@ -43,6 +43,8 @@ IMPLEMENTED_FLAGS: frozenset[str] = frozenset()
 _GATED_FLAGS: dict[str, Callable[[Config], bool]] = {
     "--enable-torch-compile": lambda c: c.runner.enable_torch_compile,
     "--enable-multi-layer-eagle": lambda c: c.spec.enable_multi_layer_eagle,
+    "--attention-backend triton": lambda c: c.runner.attention_backend == "triton",
+    "--schedule-policy lpm": lambda c: c.scheduler.schedule_policy == "lpm",
 }
 
 _M, _C, _S, _R, _P, _V = (ModelConfig(), CacheConfig(), SchedulerConfig(), RunnerConfig(),

@@ -20,7 +20,7 @@ from specserve.engine.messages import AbortReq, ControlOut, ControlReq, Generate
 from specserve.engine.process import engine_main
 from specserve.engine.protocol import ModelInfo
 from specserve.models.source import resolve_model_dir
-from specserve.server.tokenizer import Tokenizer
+from specserve.server.tokenizer import load_tokenizer
 
 logger = logging.getLogger("specserve")
 START_TIMEOUT_S = 1800.0
@@ -29,8 +29,8 @@ START_TIMEOUT_S = 1800.0
 class ProcessEngineClient:
     def __init__(self, cfg: Config) -> None:
         self.config = cfg
-        model_dir = resolve_model_dir(cfg.model.model_path, cfg.model.revision)
-        self.tokenizer = Tokenizer.from_dir(resolve_model_dir(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_dir)
+        model_dir = resolve_model_dir(cfg.model.model_path, cfg.model.revision, cfg.model.load_format)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path, model_dir)
         ctx = mp.get_context("spawn")
         inbox_r, self._inbox = ctx.Pipe(duplex=False)
         self._outbox, outbox_w = ctx.Pipe(duplex=False)

@@ -27,10 +27,9 @@ def engine_main(cfg: Config, model_dir: str, inbox: Connection, outbox: Connecti
     setup_logging(cfg.server.log_level)
     try:
         from specserve.engine.scheduler import Scheduler
-        from specserve.models.source import resolve_model_dir
-        from specserve.server.tokenizer import Tokenizer
+        from specserve.server.tokenizer import load_tokenizer
 
-        tokenizer = Tokenizer.from_dir(resolve_model_dir(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else Path(model_dir))
+        tokenizer = load_tokenizer(cfg.model.tokenizer_path, Path(model_dir))
         sched = Scheduler(cfg, Path(model_dir), tokenizer)
     except Exception as e:  # report, don't hang the parent
         outbox.send(("error", f"{type(e).__name__}: {e}"))

@@ -17,8 +17,13 @@ from specserve.models.gguf import convert_gguf, is_converted
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
 
-def resolve_model_dir(model_path: str, revision: str | None = None) -> Path:
-    """The local HF-layout directory for `model_path`; raises ValueError with one clear line."""
+def resolve_model_dir(model_path: str, revision: str | None = None, load_format: str = "auto") -> Path:
+    """The local HF-layout directory for `model_path`; raises ValueError with one clear line.
+
+    `load_format` (--load-format) asserts where the weights come from: "gguf" for a .gguf
+    file or a catalogue model (all GGUF-sourced), "safetensors" for an HF directory or hub id.
+    """
+    check_load_format(model_path, load_format)
     path = Path(model_path).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -33,6 +38,14 @@ def resolve_model_dir(model_path: str, revision: str | None = None) -> Path:
     if path.is_absolute() or model_path.startswith((".", "~")) or model_path.count("/") > 1:
         raise ValueError(f"model path {model_path!r} does not exist")
     return _hub_snapshot(model_path, revision)
+
+
+def check_load_format(model_path: str, load_format: str) -> None:
+    is_gguf = model_path.endswith(".gguf") or model_path.lower() in catalogue.CATALOGUE
+    if load_format == "gguf" and not is_gguf:
+        raise ValueError(f"--load-format gguf needs a .gguf file or a catalogue model, got {model_path!r}")
+    if load_format == "safetensors" and is_gguf:
+        raise ValueError(f"--load-format safetensors does not apply to the GGUF model {model_path!r}")
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:

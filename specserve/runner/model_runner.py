@@ -53,6 +53,9 @@ class ModelRunner:
         self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device)
         self.attn_backend = make_backend(runner_cfg.attention_backend, self.device)
+        if self.device.type == "cuda" and not runner_cfg.disable_cuda_graph:
+            logger.warning("CUDA graphs are not implemented yet: decoding runs eagerly "
+                           "(--cuda-graph-max-bs has no effect)")
 
     def _kv_budget(self, cache_cfg: CacheConfig) -> int:
         cfg = self.model.config

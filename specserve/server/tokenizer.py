@@ -251,3 +251,12 @@ def _chat_template(path: Path, cfg: dict[str, Any]) -> str | None:
     if template is None:
         template = _read_json(path / "chat_template.json").get("chat_template")
     return template
+
+
+def load_tokenizer(tokenizer_path: str | None, model_dir: Path) -> Tokenizer:
+    """--tokenizer-path (any model source: dir, .gguf, catalogue name) or the model's own."""
+    if tokenizer_path is None:
+        return Tokenizer.from_dir(Path(model_dir))
+    from specserve.models.source import resolve_model_dir
+
+    return Tokenizer.from_dir(resolve_model_dir(tokenizer_path))

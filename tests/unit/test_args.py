@@ -127,12 +127,21 @@ def test_algorithm_case_insensitive_and_nextn_is_eagle(implemented: None) -> Non
 def test_bool_flags_and_plain_values() -> None:
     c = cfg("--trust-remote-code", "--disable-radix-cache", "--disable-cuda-graph",
             "--enable-metrics", "--port", "8080", "--log-level", "WARNING", "--tp-size", "1",
-            "--schedule-policy", "lpm", "--chunked-prefill-size", "-1")
+            "--schedule-policy", "fcfs", "--chunked-prefill-size", "-1")
     assert c.model.trust_remote_code and c.cache.disable_radix_cache
     assert c.runner.disable_cuda_graph and c.server.enable_metrics
     assert (c.server.port, c.server.log_level) == (8080, "warning")
-    assert c.scheduler.schedule_policy == "lpm"
+    assert c.scheduler.schedule_policy == "fcfs"
     assert c.scheduler.chunked_prefill_size == -1
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--schedule-policy", "lpm"], "--schedule-policy lpm is not implemented yet"),
+    (["--attention-backend", "triton"], "--attention-backend triton is not implemented yet"),
+])
+def test_accepted_but_unbuilt_choices_fail_loudly(argv, needle) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        cfg(*argv)
 
 
 @pytest.mark.parametrize("argv", [["--dtype", "int4"], ["--device", "tpu"], ["--port", "x"],

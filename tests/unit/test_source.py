@@ -142,3 +142,14 @@ def test_unknown_name_errors_are_one_line(cache: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "huggingface_hub", FakeHub)
     with pytest.raises(ValueError, match="hub download failed: OSError: Repository Not Found$"):
         resolve_model_dir("org/unknown-model", revision="v2")
+
+
+def test_load_format_is_checked_not_ignored():
+    from specserve.models.source import check_load_format
+
+    check_load_format("smollm2-135m", "gguf")
+    check_load_format("/x/model.gguf", "auto")
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        check_load_format("/some/hf_dir", "gguf")
+    with pytest.raises(ValueError, match="does not apply"):
+        check_load_format("/x/model.gguf", "safetensors")
