@@ -35,9 +35,12 @@ def engine_main(cfg: Config, model_dir: str, inbox: Connection, outbox: Connecti
         outbox.send(("error", f"{type(e).__name__}: {e}"))
         return
     served = cfg.model.served_model_name or cfg.model.model_path
-    outbox.send(("ready", ModelInfo(served, sched.context_length, sched.runner.vocab_size,
-                                    sched.max_running, sched.kv.num_slots)))
-    _loop(sched, inbox, outbox)
+    try:
+        outbox.send(("ready", ModelInfo(served, sched.context_length, sched.runner.vocab_size,
+                                        sched.max_running, sched.kv.num_slots)))
+        _loop(sched, inbox, outbox)
+    except (BrokenPipeError, EOFError, OSError):
+        return  # the front end went away: nothing left to serve
 
 
 def _loop(sched, inbox: Connection, outbox: Connection) -> None:
