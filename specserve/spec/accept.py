@@ -1,0 +1,187 @@
+"""Accept: from the target's logits over a draft tree, pick each request's committed tokens.
+
+Owns the acceptance rule and nothing else. Given `Drafts` (node 0 = root) and the target's
+logits at every node (row i = the distribution of the token *after* node i), it returns per
+request the accepted path (root first), the committed tokens (one per accepted draft, then
+the bonus token sampled at the last accepted node) and, on request, their logprobs.
+
+  * greedy rows: follow the child equal to the target's argmax; the output is token-identical
+    to plain greedy decoding.
+  * sampling rows: SGLang's "target-only" tree sampling (internals note 1.7). Drafts are a
+    deterministic top-k, so the proposal is one-hot and the exact rule is "sample from q,
+    accept the child carrying the sample": one coin per depth, inverse CDF over the children
+    in preference order, residual sampling when no child matches. At threshold_single =
+    threshold_acc = 1 the committed tokens are distributed exactly as plain sampling.
+
+It does not know: proposers, KV slots, finish checks (EOS / stop / max_tokens are applied by
+the caller to the returned run), penalties or logit bias (the caller applies them to `logits`
+first), or where coins come from (the caller derives them from per-request seeds). It never
+draws randomness itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from specserve.runner.sampler import SamplingBatch, filter_logits
+from specserve.spec.drafts import Drafts
+
+
+@dataclass
+class AcceptResult:
+    paths: list[list[int]]  # per request: accepted nodes, root first; each a child of the previous
+    tokens: list[list[int]]  # per request: tokens of paths[1:], then the bonus; len == len(paths)
+    logprobs: list[list[float]] | None = None  # log p(token) under the raw (unprocessed) logits
+
+    @property
+    def accept_lens(self) -> list[int]:
+        """Accepted drafts + 1 per request (SGLang's `accept len`)."""
+        return [len(t) for t in self.tokens]
+
+
+def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch.Tensor,
+           final_coins: torch.Tensor, threshold_single: float = 1.0, threshold_acc: float = 1.0,
+           force_greedy: bool = False, want_logprobs: bool = False) -> AcceptResult:
+    """logits [B, N, V] float32; coins [B, N] (the coin drawn at node i decides among i's
+    children) and final_coins [B] (the bonus), uniforms in (0, 1); sb has [B] rows."""
+    bsz, n, _ = logits.shape
+    assert drafts.tokens.shape == (bsz, n), f"drafts {tuple(drafts.tokens.shape)} vs {logits.shape}"
+    assert coins.shape == (bsz, n) and final_coins.shape == (bsz,)
+    first, sibling = (t.tolist() for t in drafts.child_lists())
+    toks = drafts.tokens.tolist()
+    greedy = [True] * bsz if force_greedy else sb.greedy.tolist()
+    paths: list[list[int]] = [[] for _ in range(bsz)]
+    tokens: list[list[int]] = [[] for _ in range(bsz)]
+
+    g_rows = [b for b in range(bsz) if greedy[b]]
+    if g_rows:
+        target = logits[g_rows].argmax(-1).tolist()  # [G, N]
+        for b, tgt in zip(g_rows, target):
+            paths[b] = _walk_greedy(first[b], sibling[b], toks[b], tgt)
+            tokens[b] = [toks[b][i] for i in paths[b][1:]] + [tgt[paths[b][-1]]]
+
+    s_rows = [b for b in range(bsz) if not greedy[b]]
+    if s_rows:
+        s_paths, s_tokens = _accept_sampled(drafts, (first, sibling, toks), logits, sb, s_rows,
+                                            coins, final_coins, threshold_single,
+                                            max(threshold_acc, 1e-9))
+        for b, path, tok in zip(s_rows, s_paths, s_tokens):
+            paths[b], tokens[b] = path, tok
+
+    logprobs = _logprobs(logits, paths, tokens) if want_logprobs else None
+    return AcceptResult(paths, tokens, logprobs)
+
+
+def _walk_greedy(first: list[int], sibling: list[int], toks: list[int],
+                 target: list[int]) -> list[int]:
+    """Longest path whose every node carries the target's argmax at its parent."""
+    path, last = [0], 0
+    while True:
+        cur = first[last]
+        while cur != -1 and toks[cur] != target[last]:
+            cur = sibling[cur]
+        if cur == -1:
+            return path
+        path.append(cur)
+        last = cur
+
+
+def _walk_sampled(first: list[int], sibling: list[int], toks: list[int], q_tok: list[float],
+                  coins: list[float], th_single: float,
+                  th_acc: float) -> tuple[list[int], list[int]]:
+    """(accepted path, tokens of the children tried and rejected at its last node).
+
+    q_tok[i] = q at node i's parent of node i's token. A token already tried among the
+    siblings adds nothing the second time (its mass was already tested), so a duplicated
+    draft can neither be double-counted nor accepted on its own."""
+    path, last = [0], 0
+    while True:
+        cur, prob_acc, tried, coin = first[last], 0.0, [], coins[last]
+        while cur != -1:
+            q = 0.0 if toks[cur] in tried else q_tok[cur]
+            prob_acc += q
+            if coin <= prob_acc / th_acc or q >= th_single:
+                break
+            tried.append(toks[cur])
+            cur = sibling[cur]
+        if cur == -1:
+            return path, tried
+        path.append(cur)
+        last = cur
+
+
+def _accept_sampled(drafts: Drafts, tree: tuple[list, list, list], logits: torch.Tensor,
+                    sb: SamplingBatch, rows: list[int], coins: torch.Tensor,
+                    final_coins: torch.Tensor, th_single: float,
+                    th_acc: float) -> tuple[list[list[int]], list[list[int]]]:
+    """Target-only tree sampling for the sampled rows (indices into the batch); tree holds
+    the batch's (first_child, next_sibling, tokens) as lists."""
+    s, n, vocab = len(rows), logits.shape[1], logits.shape[2]
+    idx = torch.tensor(rows, device=logits.device)
+    q = _target_probs(logits[idx], sb, idx)  # [S, N, V]
+    # q_tok[s, i] = q[s, parent(i), token(i)]: the target's probability of each drafted token.
+    parent = drafts.parents[rows].clamp_min(0).to(logits.device)
+    tok = torch.where(drafts.valid[rows], drafts.tokens[rows], 0).to(logits.device)  # padding: any
+    flat = parent * vocab + tok  # [S, N] indices into q viewed as [S, N*V]
+    q_tok = q.reshape(s, n * vocab).gather(1, flat).tolist()
+    first, sibling, toks = ([t[b] for b in rows] for t in tree)
+    coin_l = coins.to(logits.device)[idx].tolist()
+    # Target-only acceptance, draft one-hot: at node `last` one coin u; child k (in order) is
+    #   accepted iff u <= (sum_{j<=k} q[tok_j]) / theta_acc  or  q[tok_k] >= theta_single;
+    #   none accepted -> bonus ~ relu(q - q*1[tried]) / Z. At theta = 1: every token ~ q exactly.
+    walks = [_walk_sampled(first[r], sibling[r], toks[r], q_tok[r], coin_l[r], th_single, th_acc)
+             for r in range(s)]
+    last = torch.tensor([path[-1] for path, _ in walks], device=logits.device)
+    q_last = q[torch.arange(s, device=logits.device), last]  # [S, V]
+    u_final = final_coins.to(logits.device)[idx]
+    bonus = _sample_residual(q_last, [tried for _, tried in walks], u_final)
+    paths = [path for path, _ in walks]
+    tokens = [[toks[r][i] for i in paths[r][1:]] + [bonus[r]] for r in range(s)]
+    return paths, tokens
+
+
+def _target_probs(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    """[S, N, V] logits -> q = softmax(filter_logits) with each request's params on its N rows."""
+    s, n, vocab = logits.shape
+    per_node = {}
+    for f in dataclasses.fields(sb):
+        value = getattr(sb, f.name)
+        if isinstance(value, torch.Tensor) and value.dim() == 1:
+            per_node[f.name] = value.to(logits.device)[rows].repeat_interleave(n)  # [S*N]
+    per_node["output_ids"] = [sb.output_ids[r] for r in rows.tolist() for _ in range(n)]
+    node_sb = dataclasses.replace(sb, **per_node)
+    return filter_logits(logits.reshape(s * n, vocab), node_sb).softmax(-1).reshape(s, n, vocab)
+
+
+def _sample_residual(q: torch.Tensor, tried: list[list[int]], u: torch.Tensor) -> list[int]:
+    """Inverse-CDF sample per row from relu(q - removed), removed = q on the tried tokens.
+
+    q [S, V]; u [S] in (0, 1). With nothing tried this samples q itself (the leaf case)."""
+    s, vocab = q.shape
+    removed = torch.zeros(s, vocab, dtype=torch.bool, device=q.device)
+    r_idx = [r for r, t in enumerate(tried) for _ in t]
+    if r_idx:
+        removed[r_idx, [tok for t in tried for tok in t]] = True
+    w = q.double().masked_fill(removed, 0.0)  # == relu(q - removed): removed holds q exactly
+    # Rounding can leave no mass (every kept token drafted and rejected): fall back to q.
+    w = torch.where(w.sum(-1, keepdim=True) > 0, w, q.double())
+    cdf = w.cumsum(-1)
+    x = u.to(q.device).double()[:, None] * cdf[:, -1:]  # [S, 1]
+    # First index with cdf > x: zero-mass tokens (filtered or removed) are never chosen.
+    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp_max(vocab - 1).tolist()
+
+
+def _logprobs(logits: torch.Tensor, paths: list[list[int]],
+              tokens: list[list[int]]) -> list[list[float]]:
+    """log_softmax of the raw logits at the node that produced each committed token."""
+    b_idx = [b for b, t in enumerate(tokens) for _ in t]
+    nodes = [node for p in paths for node in p]  # tokens[b][j] is produced at node paths[b][j]
+    toks = [tok for t in tokens for tok in t]
+    logp = logits.log_softmax(-1)[b_idx, nodes, toks].tolist()
+    out, start = [], 0
+    for t in tokens:
+        out.append(logp[start:start + len(t)])
+        start += len(t)
+    return out
