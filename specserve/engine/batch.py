@@ -23,6 +23,11 @@ class ScheduleBatch:
     prefix_lens: list[int]  # KV length of each request before this forward
     extend_lens: list[int]
     sample_mask: list[bool]  # which requests get a next token from this forward
+    # Speculative verify: explicit positions (seq_len + depth), tree masks over each
+    # request's new tokens, and logits for every new token instead of the last ones.
+    positions: list[int] | None = None
+    custom_masks: list[torch.Tensor] | None = None
+    all_logits: bool = False
 
     @property
     def sampled_reqs(self) -> list[Req]:

@@ -29,7 +29,9 @@ class SchedulerStats:
                     new_seqs, new_tokens, cached, usage, running, queued)
 
     def on_decode(self, new_tokens: int, interval: int, running: int, kv_tokens: int,
-                  usage: float, queued: int, cuda_graph: bool) -> None:
+                  usage: float, queued: int, cuda_graph: bool,
+                  spec: tuple[float | None, int] | None = None) -> None:
+        """`spec`: (accept length over the window, draft tokens per verify) when speculating."""
         self.decode_steps += 1
         self._window_tokens += new_tokens
         if self.decode_steps % interval:
@@ -37,6 +39,9 @@ class SchedulerStats:
         now = time.monotonic()
         self.gen_throughput = self._window_tokens / max(now - self._window_start, 1e-9)
         self._window_tokens, self._window_start = 0, now
-        logger.info("Decode batch, #running-req: %d, #token: %d, token usage: %.2f, "
+        accept = ""
+        if spec is not None and spec[0] is not None:  # SGLang: accept rate = accept len / N
+            accept = f"accept len: {spec[0]:.2f}, accept rate: {spec[0] / spec[1]:.2f}, "
+        logger.info("Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %s"
                     "cuda graph: %s, gen throughput (token/s): %.2f, #queue-req: %d",
-                    running, kv_tokens, usage, cuda_graph, self.gen_throughput, queued)
+                    running, kv_tokens, usage, accept, cuda_graph, self.gen_throughput, queued)

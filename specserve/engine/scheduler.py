@@ -28,6 +28,7 @@ from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import SampleOutput, sample
 from specserve.server.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from specserve.spec.factory import make_spec_worker
 
 DECODE_RESERVE_CLIP = 256  # future tokens per request counted when admitting new work
 DECODE_RESERVE_RATIO = 0.3
@@ -44,9 +45,12 @@ class Scheduler:
         chunk = sc.chunked_prefill_size or (4096 if self.runner.device.type == "cuda" else 1024)
         self.chunk_budget = chunk if chunk > 0 else sc.max_prefill_tokens
         self.chunking = chunk > 0
-        self.kv = KVManager(self.runner.num_slots, self.max_running + 8, self.context_length + 8,
+        tree_room = (cfg.spec.num_draft_tokens or 16) + 8  # verify writes N slots past kv_len
+        self.kv = KVManager(self.runner.num_slots, self.max_running + 8, self.context_length + tree_room,
                             self.runner.device, not cfg.cache.disable_radix_cache)
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.spec = make_spec_worker(cfg.spec, self.runner, self.kv, self.eos_ids, self.context_length,
+                                     self.runner.model.config.architecture)
         self.rng = random.Random(sc.random_seed)
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []
@@ -88,7 +92,7 @@ class Scheduler:
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
-                    self.kv.release(req)
+                    self._release(req)
                     finish_abort(req, "aborted")
                     self.stats.requests_aborted += 1
                     return [take_output(req)]
@@ -100,7 +104,10 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------
     def step(self) -> list[TokenOut]:
-        batch = self._prefill_batch() or self._decode_batch()
+        batch = self._prefill_batch()
+        if batch is None and self.spec is not None:
+            return self._spec_step()
+        batch = batch or self._decode_batch()
         if batch is None:
             return []
         fb = self.runner.forward_batch(batch, self.kv.table.table)
@@ -130,14 +137,38 @@ class Scheduler:
             done = {id(r) for r in sampled}
             self.prefilling = [r for r in self.prefilling if id(r) not in done]
             self.running += sampled
+            if self.spec is not None:
+                for req in sampled:
+                    self.spec.proposer.add_request(req)
+        return self._finish_and_take(sampled)
+
+    def _finish_and_take(self, reqs: list[Req]) -> list[TokenOut]:
         outs = []
-        for req in sampled:
+        for req in reqs:
             if req.finished:
                 self.running.remove(req)
-                self.kv.release(req)
+                self._release(req)
                 self.stats.requests_finished += 1
             outs.append(take_output(req))
         return outs
+
+    def _release(self, req: Req) -> None:
+        if self.spec is not None:
+            self.spec.proposer.remove_request(req)
+        self.kv.release(req)
+
+    def _spec_step(self) -> list[TokenOut]:
+        """Speculative decode of every running request (propose, verify, accept, commit)."""
+        while self.running and self.kv.available() < sum(self.spec.budgets(self.running)):
+            self._retract(self.running[-1])
+        if not self.running:
+            return []
+        reqs = list(self.running)
+        before = sum(len(r.output_ids) for r in reqs)
+        self.spec.step(reqs)
+        self.stats.generation_tokens_total += sum(len(r.output_ids) for r in reqs) - before
+        self._log_decode(reqs, sum(len(r.output_ids) for r in reqs) - before)
+        return self._finish_and_take(reqs)
 
     # -- batch selection --------------------------------------------------------------
     def _decode_reserve(self) -> int:
@@ -205,15 +236,22 @@ class Scheduler:
         reqs = list(self.running)
         prefix = [r.kv_len for r in reqs]
         slots = torch.cat([self.kv.extend(r, 1) for r in reqs])
-        self.stats.on_decode(len(reqs), self.cfg.scheduler.decode_log_interval, len(reqs),
-                             self.kv.used(), self.token_usage, len(self.waiting), False)
+        self._log_decode(reqs, len(reqs))
         return ScheduleBatch(ForwardMode.DECODE, reqs, [r.all_ids[-1] for r in reqs], slots,
                              prefix, [1] * len(reqs), [True] * len(reqs))
+
+    def _log_decode(self, reqs: list[Req], new_tokens: int) -> None:
+        spec = None
+        if self.spec is not None and self.stats.decode_steps % self.cfg.scheduler.decode_log_interval == \
+                self.cfg.scheduler.decode_log_interval - 1:
+            spec = (self.spec.stats.take_window(), self.spec.num_draft_tokens)
+        self.stats.on_decode(new_tokens, self.cfg.scheduler.decode_log_interval, len(reqs),
+                             self.kv.used(), self.token_usage, len(self.waiting), False, spec)
 
     def _retract(self, req: Req) -> None:
         """Out of KV memory: free req's slots (cached for later) and requeue it first."""
         self.running.remove(req)
-        self.kv.release(req)
+        self._release(req)
         self.waiting.appendleft(req)
         self.stats.retractions_total += 1
 
@@ -231,7 +269,10 @@ class Scheduler:
         return {**asdict(self.cfg), "max_total_num_tokens": self.kv.num_slots,
                 "context_length": self.context_length, "max_running_requests": self.max_running,
                 "device": str(self.runner.device), "dtype": str(self.runner.dtype),
-                "internal_states": [{"avg_spec_accept_length": None}]}
+                "internal_states": [{"avg_spec_accept_length": self._avg_accept_length()}]}
+
+    def _avg_accept_length(self) -> float | None:
+        return self.spec.stats.avg_accept_length if self.spec is not None else None
 
     def metrics(self) -> dict:
         s = self.stats
@@ -241,4 +282,10 @@ class Scheduler:
                 "generation_tokens_total": s.generation_tokens_total,
                 "cached_tokens_total": s.cached_tokens_total, "num_requests_total": s.requests_total,
                 "num_requests_aborted_total": s.requests_aborted,
-                "num_retractions_total": s.retractions_total}
+                "num_retractions_total": s.retractions_total, **self._spec_metrics()}
+
+    def _spec_metrics(self) -> dict:
+        if self.spec is None or self.spec.stats.avg_accept_length is None:
+            return {}
+        length = self.spec.stats.avg_accept_length
+        return {"spec_accept_length": length, "spec_accept_rate": length / self.spec.num_draft_tokens}

@@ -16,6 +16,7 @@ from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
 from specserve.config import CacheConfig, ModelConfig, RunnerConfig
 from specserve.engine.batch import ScheduleBatch
+from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, pick_dtype, read_hf_config
 from specserve.runner.forward_batch import ForwardBatch
 
@@ -88,11 +89,19 @@ class ModelRunner:
                 "--cuda-graph-max-bs or --max-running-requests (see the OOM section of the docs)")
         return usable // per_slot
 
-    def forward_batch(self, batch: ScheduleBatch, req_to_token: torch.Tensor) -> ForwardBatch:
+    def forward_batch(self, batch: ScheduleBatch, req_to_token: torch.Tensor,
+                      kv_pool: KVPool | None = None) -> ForwardBatch:
+        """Device tensors for `batch`; `kv_pool` defaults to this runner's (a draft model
+        shares the target's table and slots but has a pool of its own)."""
         dev = self.device
-        positions = [p + i for p, n in zip(batch.prefix_lens, batch.extend_lens) for i in range(n)]
-        ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
-        logit_rows = ends[torch.tensor(batch.sample_mask, dtype=torch.bool)]
+        positions = batch.positions
+        if positions is None:
+            positions = [p + i for p, n in zip(batch.prefix_lens, batch.extend_lens) for i in range(n)]
+        if batch.all_logits:
+            logit_rows = torch.arange(batch.num_tokens)
+        else:
+            ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
+            logit_rows = ends[torch.tensor(batch.sample_mask, dtype=torch.bool)]
         return ForwardBatch(
             mode=batch.mode,
             input_ids=torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
@@ -100,13 +109,15 @@ class ModelRunner:
             out_slots=batch.out_slots.to(dev, non_blocking=True),
             req_rows=torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=dev),
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
-            req_to_token=req_to_token, kv_pool=self.kv_pool, attn_backend=self.attn_backend,
-            logit_rows=logit_rows.to(dev),
+            req_to_token=req_to_token, kv_pool=kv_pool or self.kv_pool, attn_backend=self.attn_backend,
+            custom_masks=batch.custom_masks, logit_rows=logit_rows.to(dev),
         )
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Run the model; return float32 logits [len(fb.logit_rows), vocab]."""
+    def forward(self, fb: ForwardBatch, model: LlamaForCausalLM | None = None) -> torch.Tensor:
+        """Run the model (or a draft model sharing this runner's table); return float32
+        logits [len(fb.logit_rows), vocab]."""
+        model = model or self.model
         fb.attn_backend.init_forward_metadata(fb)
-        hidden, _ = self.model(fb)
-        return self.model.compute_logits(hidden[fb.logit_rows])
+        hidden, _ = model(fb)
+        return model.compute_logits(hidden[fb.logit_rows])

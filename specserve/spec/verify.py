@@ -1,0 +1,58 @@
+"""Verify and commit: one target forward over root + drafts, then keep the accepted KV.
+
+Verify runs every request's tree as new tokens at positions seq_len + depth with the
+tree mask (the attention backend's custom-mask path); there is no per-algorithm branch.
+Commit keeps the slots of the root and the accepted nodes, in path order, at positions
+kv_len, kv_len + 1, ... of the request's table row, and frees every other slot of the
+step in the same pass: an index write, never a KV copy.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.batch import ScheduleBatch
+from specserve.engine.kv_manager import KVManager
+from specserve.engine.request import Req
+from specserve.runner.forward_batch import ForwardMode
+from specserve.spec.drafts import Drafts
+
+
+def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor]) -> ScheduleBatch:
+    """The VERIFY batch: request b contributes its valid nodes (a prefix of its row)."""
+    counts = drafts.valid.sum(1).tolist()
+    depth = drafts.depths()
+    masks = drafts.tree_mask()
+    ids, positions, custom = [], [], []
+    for b, (req, n) in enumerate(zip(reqs, counts)):
+        assert bool(drafts.valid[b, :n].all()), "valid nodes must form a prefix of the row"
+        ids += drafts.tokens[b, :n].tolist()
+        positions += (req.kv_len + depth[b, :n]).tolist()
+        custom.append(masks[b, :n, :n])
+    return ScheduleBatch(ForwardMode.VERIFY, reqs, ids, torch.cat([s[:n] for s, n in zip(slots, counts)]),
+                         [r.kv_len for r in reqs], counts, [True] * len(reqs),
+                         positions=positions, custom_masks=custom, all_logits=True)
+
+
+def pad_logits(logits: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
+    """[sum(counts), V] packed verify logits -> [B, n, V] (padding rows repeat row 0)."""
+    out = logits.new_empty(len(counts), n, logits.shape[-1])
+    start = 0
+    for b, c in enumerate(counts):
+        out[b, :c] = logits[start:start + c]
+        out[b, c:] = logits[start]
+        start += c
+    return out
+
+
+def commit_kv(kv: KVManager, req: Req, slots: torch.Tensor, path: list[int], kept: int) -> None:
+    """Keep the KV of path[:kept] at positions kv_len.. of req's row; free the rest of `slots`.
+
+    `kept` is the number of tokens the request committed: root + (kept - 1) accepted nodes
+    have their KV at the right positions; the last committed token's KV comes next step.
+    """
+    keep = torch.tensor(path[:kept], dtype=torch.int64)
+    kv.table.write(req.row, req.kv_len, slots[keep])
+    drop = torch.ones(slots.numel(), dtype=torch.bool)
+    drop[keep] = False
+    kv.allocator.free(slots[drop])
+    req.kv_len += kept

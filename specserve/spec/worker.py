@@ -1,0 +1,126 @@
+"""SpecWorker: one speculative decode step = propose -> verify -> accept -> commit.
+
+The scheduler calls `step(reqs)` instead of a plain decode step and otherwise knows
+nothing about speculation. Requests with frequency/presence penalties get a root-only
+tree (budget 1): exact penalties along a draft path are not implemented, so they decode
+plainly inside the same verify forward rather than being approximated.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.config import SpecConfig
+from specserve.engine.batch import sampling_batch
+from specserve.engine.kv_manager import KVManager
+from specserve.engine.messages import TokenLogprob
+from specserve.engine.output import commit_token
+from specserve.engine.request import Req
+from specserve.runner.model_runner import ModelRunner
+from specserve.runner.sampler import apply_penalties, uniform_noise
+from specserve.spec.accept import accept
+from specserve.spec.proposer import Proposer
+from specserve.spec.verify import commit_kv, pad_logits, verify_batch
+
+SPEC_NOISE_SALT = 1 << 40  # keeps speculative coins apart from plain sampling noise
+
+
+class SpecStats:
+    """Accepted-token counters: per log window (log line) and since start (server info)."""
+
+    def __init__(self) -> None:
+        self.window_verifies = self.window_tokens = 0
+        self.total_verifies = self.total_tokens = 0
+
+    def add(self, verifies: int, tokens: int) -> None:
+        self.window_verifies += verifies
+        self.window_tokens += tokens
+        self.total_verifies += verifies
+        self.total_tokens += tokens
+
+    def take_window(self) -> float | None:
+        """Mean tokens committed per request per verify since the last call (SGLang's accept len)."""
+        if not self.window_verifies:
+            return None
+        value = self.window_tokens / self.window_verifies
+        self.window_verifies = self.window_tokens = 0
+        return value
+
+    @property
+    def avg_accept_length(self) -> float | None:
+        return self.total_tokens / self.total_verifies if self.total_verifies else None
+
+
+class SpecWorker:
+    def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, proposer: Proposer,
+                 eos_ids: frozenset[int], context_length: int) -> None:
+        self.spec, self.runner, self.kv, self.proposer = spec, runner, kv, proposer
+        self.eos_ids, self.context_length = eos_ids, context_length
+        self.stats = SpecStats()
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.proposer.max_nodes
+
+    def budgets(self, reqs: list[Req]) -> list[int]:
+        n = self.proposer.max_nodes
+        return [1 if r.params.frequency_penalty or r.params.presence_penalty else n for r in reqs]
+
+    def step(self, reqs: list[Req]) -> None:
+        """Advance every request by one verify; the caller checked sum(budgets) slots are free."""
+        budgets = self.budgets(reqs)
+        slots = [self.kv.alloc_slots(n) for n in budgets]
+        for req, s in zip(reqs, slots):
+            self.kv.table.write(req.row, req.kv_len, s)
+        drafts = self.proposer.propose(reqs, budgets)
+        batch = verify_batch(reqs, drafts, slots)
+        fb = self.runner.forward_batch(batch, self.kv.table.table)
+        logits = pad_logits(self.runner.forward(fb), batch.extend_lens, drafts.num_nodes)
+        committed = self._accept_and_commit(reqs, drafts, logits, slots)
+        self.proposer.on_verified(reqs, committed)
+
+    def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor,
+                           slots: list[torch.Tensor]) -> list[list[int]]:
+        sb = sampling_batch(reqs, self.runner.vocab_size, logits.device)
+        if sb.has_penalties:  # only root rows carry penalties (budget 1 for those requests)
+            logits[:, 0] = apply_penalties(logits[:, 0], sb)
+        noise = uniform_noise(sb.seeds, sb.counters + SPEC_NOISE_SALT, drafts.num_nodes + 1)
+        result = accept(drafts, logits, sb, noise[:, :-1], noise[:, -1],
+                        self.spec.accept_threshold_single, self.spec.accept_threshold_acc,
+                        force_greedy=self.spec.ngram_force_greedy_verify and self.spec.algorithm == "NGRAM")
+        committed = []
+        for b, req in enumerate(reqs):
+            path, tokens = result.paths[b], result.tokens[b]
+            done = self._commit_tokens(req, tokens, path, logits[b])
+            commit_kv(self.kv, req, slots[b], path, len(done))
+            committed.append(done)
+            self._record(req, len(done), len(tokens))
+        return committed
+
+    def _commit_tokens(self, req: Req, tokens: list[int], path: list[int], logits: torch.Tensor) -> list[int]:
+        done = []
+        for i, tok in enumerate(tokens):
+            entry = _logprob_entry(req, tok, logits[path[i]]) if req.params.logprobs else None
+            commit_token(req, tok, self.eos_ids, self.context_length, entry)
+            done.append(tok)
+            if req.finished:  # EOS / stop string / max_tokens inside the accepted run
+                break
+        return done
+
+    def _record(self, req: Req, committed: int, offered: int) -> None:
+        meta = req.meta
+        meta["spec_verify_ct"] = meta.get("spec_verify_ct", 0) + 1
+        meta["spec_accept_token_num"] = meta.get("spec_accept_token_num", 0) + committed - 1
+        meta["spec_draft_token_num"] = meta.get("spec_draft_token_num", 0) + self.proposer.max_nodes - 1
+        meta["spec_accept_length"] = len(req.output_ids) / meta["spec_verify_ct"]
+        meta["spec_accept_rate"] = meta["spec_accept_token_num"] / max(meta["spec_draft_token_num"], 1)
+        self.stats.add(1, committed)
+
+
+def _logprob_entry(req: Req, token: int, row: torch.Tensor) -> TokenLogprob:
+    logp = row.log_softmax(-1)
+    k = req.params.top_logprobs
+    top = []
+    if k:
+        vals, ids = logp.topk(k)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprob(token, float(logp[token]), top)
