@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.runner.sampler import SamplingBatch, filter_logits
+from specserve.runner.sampler import SamplingBatch, filter_logits, uniform_noise
 from specserve.spec.drafts import Drafts
 
 
@@ -142,17 +142,40 @@ def _accept_sampled(drafts: Drafts, tree: tuple[list, list, list], logits: torch
     return paths, tokens
 
 
-def _target_probs(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
-    """[S, N, V] logits -> q = softmax(filter_logits) with each request's params on its N rows."""
-    s, n, vocab = logits.shape
+def per_node_batch(sb: SamplingBatch, rows: torch.Tensor, n: int) -> SamplingBatch:
+    """The [B] params of requests `rows`, each repeated for its n nodes: [len(rows) * n]."""
     per_node = {}
     for f in dataclasses.fields(sb):
         value = getattr(sb, f.name)
         if isinstance(value, torch.Tensor) and value.dim() == 1:
-            per_node[f.name] = value.to(logits.device)[rows].repeat_interleave(n)  # [S*N]
+            per_node[f.name] = value[rows.to(value.device)].repeat_interleave(n)
     per_node["output_ids"] = [sb.output_ids[r] for r in rows.tolist() for _ in range(n)]
-    node_sb = dataclasses.replace(sb, **per_node)
+    return dataclasses.replace(sb, **per_node)
+
+
+def _target_probs(logits: torch.Tensor, sb: SamplingBatch, rows: torch.Tensor) -> torch.Tensor:
+    """[S, N, V] logits -> q = softmax(filter_logits) with each request's params on its N rows."""
+    s, n, vocab = logits.shape
+    node_sb = per_node_batch(sb, rows, n)
     return filter_logits(logits.reshape(s * n, vocab), node_sb).softmax(-1).reshape(s, n, vocab)
+
+
+def gumbel_targets(logits: torch.Tensor, sb: SamplingBatch, depths: torch.Tensor) -> torch.Tensor:
+    """[B, N, V] logits whose argmax at each node is the token plain sampling would draw there.
+
+    Sampled rows get filter_logits + Gumbel noise keyed by (seed, output index + depth), the
+    exact noise `runner.sampler.sample` uses for that output position; greedy rows keep their
+    logits. A greedy walk over these targets is exact sampling (each committed token is
+    a draw from q given its prefix), and with a seed it reproduces plain decoding token
+    for token, whatever the draft tree was.
+    """
+    b, n, vocab = logits.shape
+    node_sb = per_node_batch(sb, torch.arange(b), n)
+    flat = logits.reshape(b * n, vocab)
+    counters = node_sb.counters + depths.to(node_sb.counters.device).reshape(-1)
+    gumbel = -torch.log(-torch.log(uniform_noise(node_sb.seeds, counters, vocab)))
+    perturbed = torch.where(node_sb.greedy[:, None], flat, filter_logits(flat, node_sb) + gumbel)
+    return perturbed.reshape(b, n, vocab)
 
 
 def _sample_residual(q: torch.Tensor, tried: list[list[int]], u: torch.Tensor) -> list[int]:

@@ -17,11 +17,11 @@ from specserve.engine.output import commit_token
 from specserve.engine.request import Req
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import apply_penalties, uniform_noise
-from specserve.spec.accept import accept
+from specserve.spec.accept import AcceptResult, accept, gumbel_targets
 from specserve.spec.proposer import Proposer
 from specserve.spec.verify import commit_kv, pad_logits, verify_batch
 
-SPEC_NOISE_SALT = 1 << 40  # keeps speculative coins apart from plain sampling noise
+SPEC_NOISE_SALT = 1 << 40  # keeps the coin walk's uniforms apart from plain sampling noise
 
 
 class SpecStats:
@@ -83,10 +83,7 @@ class SpecWorker:
         sb = sampling_batch(reqs, self.runner.vocab_size, logits.device)
         if sb.has_penalties:  # only root rows carry penalties (budget 1 for those requests)
             logits[:, 0] = apply_penalties(logits[:, 0], sb)
-        noise = uniform_noise(sb.seeds, sb.counters + SPEC_NOISE_SALT, drafts.num_nodes + 1)
-        result = accept(drafts, logits, sb, noise[:, :-1], noise[:, -1],
-                        self.spec.accept_threshold_single, self.spec.accept_threshold_acc,
-                        force_greedy=self.spec.ngram_force_greedy_verify and self.spec.algorithm == "NGRAM")
+        result = self._accept(drafts, logits, sb)
         committed = []
         for b, req in enumerate(reqs):
             path, tokens = result.paths[b], result.tokens[b]
@@ -95,6 +92,22 @@ class SpecWorker:
             committed.append(done)
             self._record(req, len(done), len(tokens))
         return committed
+
+    def _accept(self, drafts, logits: torch.Tensor, sb) -> AcceptResult:
+        """Exact Gumbel verification by default; SGLang's coin walk when thresholds relax it.
+
+        At thresholds 1.0 both are lossless, but the Gumbel form also reproduces seeded
+        plain sampling token for token (the coin walk's draws depend on the draft tree).
+        """
+        force_greedy = self.spec.ngram_force_greedy_verify and self.spec.algorithm == "NGRAM"
+        relaxed = self.spec.accept_threshold_single < 1.0 or self.spec.accept_threshold_acc < 1.0
+        if not relaxed and not force_greedy and not sb.all_greedy:
+            targets = gumbel_targets(logits, sb, drafts.depths())
+            unused = torch.zeros(drafts.batch_size, drafts.num_nodes + 1)  # greedy walks draw nothing
+            return accept(drafts, targets, sb, unused[:, :-1], unused[:, -1], force_greedy=True)
+        noise = uniform_noise(sb.seeds, sb.counters + SPEC_NOISE_SALT, drafts.num_nodes + 1)
+        return accept(drafts, logits, sb, noise[:, :-1], noise[:, -1], self.spec.accept_threshold_single,
+                      self.spec.accept_threshold_acc, force_greedy=force_greedy)
 
     def _commit_tokens(self, req: Req, tokens: list[int], path: list[int], logits: torch.Tensor) -> list[int]:
         done = []
