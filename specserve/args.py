@@ -38,7 +38,7 @@ __all__ = ["ConfigError", "CheckContext", "build_parser", "parse_config", "check
            "IMPLEMENTED_FLAGS"]
 
 # Implementation gates: the engine adds a name here in the same change that makes it work.
-IMPLEMENTED_SPEC_ALGORITHMS: frozenset[str] = frozenset()
+IMPLEMENTED_SPEC_ALGORITHMS: frozenset[str] = frozenset({"NGRAM", "STANDALONE"})
 IMPLEMENTED_FLAGS: frozenset[str] = frozenset()
 _GATED_FLAGS: dict[str, Callable[[Config], bool]] = {
     "--enable-torch-compile": lambda c: c.runner.enable_torch_compile,

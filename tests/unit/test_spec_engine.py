@@ -1,0 +1,127 @@
+"""Speculative decoding through the real engine: NGRAM and STANDALONE are lossless.
+
+Greedy output must be token-identical to the same engine without speculation, at batch
+sizes 1 and 8, for several tree settings. A draft that *is* the target must be accepted
+almost always (this proves the wiring: wrong positions or slots collapse acceptance
+without breaking greedy equality); a random draft must still be exactly right.
+"""
+from __future__ import annotations
+
+import pytest
+
+from specserve import Engine
+from tests.unit.model_utils import save_tiny_hf
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "List 3 countries and their capitals.",
+    "Repeat this sentence exactly three times: the quick brown fox jumps over the lazy dog.",
+    "Rewrite this code with better names: def f(a, b): return [x for x in a if x in b]",
+    "Count from one to twenty, separated by commas.",
+    "What is the capital of France?",
+    "Write the alphabet in capital letters, separated by spaces.",
+    "Give me three tips for learning to cook.",
+    "Copy this list: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry.",
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 48}
+
+
+def _ids(engine: Engine, prompts: list[str]) -> list[list[int]]:
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+
+
+def _clean(engine: Engine) -> None:
+    assert not engine.scheduler.has_work
+    engine.scheduler.kv.flush_cache()
+    engine.scheduler.kv.assert_no_leak()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_engine) -> list[list[int]]:
+    """Plain greedy outputs of the eight prompts (batch 8), computed once."""
+    outs = smollm2_engine.generate(input_ids=_ids(smollm2_engine, PROMPTS), sampling_params=GREEDY)
+    _clean(smollm2_engine)
+    return [o["output_ids"] for o in outs]
+
+
+def _check(engine: Engine, reference: list[list[int]], batch_sizes=(1, 8)) -> list[dict]:
+    ids = _ids(engine, PROMPTS)
+    results = []
+    if 1 in batch_sizes:
+        for i in (0, 1):
+            r = engine.generate(input_ids=ids[i], sampling_params=GREEDY)
+            assert r["output_ids"] == reference[i], PROMPTS[i]
+            results.append(r)
+            _clean(engine)
+    if 8 in batch_sizes:
+        outs = engine.generate(input_ids=ids, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == reference
+        results += outs
+        _clean(engine)
+    return results
+
+
+@pytest.mark.parametrize("flags", [
+    {},  # reference defaults: 12 draft tokens, BFS breadth up to 10
+    {"speculative_num_draft_tokens": 4, "speculative_ngram_max_bfs_breadth": 1},
+    {"speculative_ngram_match_type": "PROB", "speculative_num_draft_tokens": 8},
+])
+def test_ngram_greedy_is_token_identical(smollm2_dir, reference, flags):
+    engine = Engine(str(smollm2_dir), log_level="warning", speculative_algorithm="NGRAM", **flags)
+    results = _check(engine, reference)
+    meta = results[1]["meta_info"]  # the repetitive prompt: n-gram drafting must pay there
+    assert meta["spec_verify_ct"] < len(results[1]["output_ids"])
+    assert meta["spec_accept_length"] > 1.2
+
+
+def test_standalone_with_the_target_as_draft_accepts_everything(smollm2_dir, reference):
+    engine = Engine(str(smollm2_dir), log_level="warning", speculative_algorithm="STANDALONE",
+                    speculative_draft_model_path=str(smollm2_dir))
+    results = _check(engine, reference)
+    lengths = [r["meta_info"]["spec_accept_length"] for r in results]
+    assert min(lengths) > 3.0, lengths  # N = 4 with the auto defaults (3, 1, 4)
+    assert engine.scheduler.spec.stats.avg_accept_length > 3.0
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+def test_standalone_with_a_random_draft_is_still_exact(smollm2_dir, reference, tmp_path, steps):
+    draft = save_tiny_hf("llama", tmp_path / "draft", vocab_size=49152, max_position_embeddings=8192)
+    engine = Engine(str(smollm2_dir), log_level="warning", speculative_algorithm="STANDALONE",
+                    speculative_draft_model_path=str(draft), speculative_num_steps=steps,
+                    speculative_eagle_topk=1, speculative_num_draft_tokens=steps + 1)
+    results = _check(engine, reference, batch_sizes=(8,))
+    assert all(r["meta_info"]["spec_accept_length"] < 1.5 for r in results)
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(smollm2_dir):
+    plain = Engine(str(smollm2_dir), log_level="warning")
+    spec = Engine(str(smollm2_dir), log_level="warning", speculative_algorithm="STANDALONE",
+                  speculative_draft_model_path=str(smollm2_dir), speculative_num_steps=5,
+                  speculative_eagle_topk=1, speculative_num_draft_tokens=6)
+    ids = _ids(plain, PROMPTS[:1])[0]
+    for params in ({"stop": [" Mosc"]}, {"max_new_tokens": 7}, {"stop_token_ids": [42]}, {"stop": ["Beijing"]}):
+        p = {"temperature": 0, "max_new_tokens": 64, **params}
+        a, b = plain.generate(input_ids=ids, sampling_params=p), spec.generate(input_ids=ids, sampling_params=p)
+        assert (b["text"], b["output_ids"]) == (a["text"], a["output_ids"]), params
+        assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"]
+        _clean(spec)
+    full = spec.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 64})
+    assert full["output_ids"][-1] == 2 and len(full["output_ids"]) == 39  # EOS lands mid-run
+    _clean(spec)
+
+
+def test_seeded_sampling_with_speculation_reproduces_plain_sampling(smollm2_engine, smollm2_dir):
+    """Gumbel verification: same seed, same tokens as plain sampling, whatever was drafted."""
+    engine = Engine(str(smollm2_dir), log_level="warning", speculative_algorithm="NGRAM")
+    ids = _ids(engine, PROMPTS[7:8])[0]
+    p = {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 32, "seed": 7}
+    plain = smollm2_engine.generate(input_ids=ids, sampling_params=p)
+    _clean(smollm2_engine)
+    a = engine.generate(input_ids=ids, sampling_params=p)
+    b = engine.generate(input_ids=ids, sampling_params=p)  # the trie has learned: other drafts
+    assert a["output_ids"] == b["output_ids"] == plain["output_ids"]
+    assert a["meta_info"]["spec_accept_length"] > 1.0
+    pen = engine.generate(input_ids=ids, sampling_params={**p, "frequency_penalty": 0.5})
+    assert pen["meta_info"]["spec_accept_length"] == pytest.approx(1.0, abs=0.05)  # root-only trees
+    _clean(engine)
