@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import sys
 
-BENCHES = {"compare": "specserve.bench.compare"}
+BENCHES = {"compare": "specserve.bench.compare", "spec": "specserve.bench.spec_compare",
+           "ngram-cost": "specserve.bench.ngram_cost"}
 
 
 def main(argv: list[str]) -> int:

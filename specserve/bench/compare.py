@@ -7,12 +7,12 @@ appends a JSON line to --output. Also reports how many outputs were token-identi
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
 from specserve.bench.prompts import mt_bench_first_turns
+from specserve.bench.report import report
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,11 +74,9 @@ def main(argv: list[str] | None = None) -> int:
            "ours_tok_s": ours_n / ours_s, "hf_tok_s": hf_n / hf_s, "ratio": (ours_n / ours_s) / (hf_n / hf_s),
            "ours_tokens": ours_n, "hf_tokens": hf_n, "identical_outputs": same,
            "torch_threads": torch.get_num_threads()}
-    print(f"compare: specserve {row['ours_tok_s']:.1f} tok/s, transformers {row['hf_tok_s']:.1f} tok/s, "
-          f"ratio {row['ratio']:.2f}x ({same}/{len(prompts)} outputs identical, {runner.device}, "
-          f"{str(runner.dtype).removeprefix('torch.')}, bs=1, greedy)")
-    with open(args.output, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    report(f"compare: specserve {row['ours_tok_s']:.1f} tok/s, transformers {row['hf_tok_s']:.1f} tok/s, "
+           f"ratio {row['ratio']:.2f}x ({same}/{len(prompts)} outputs identical, {runner.device}, "
+           f"{str(runner.dtype).removeprefix('torch.')}, bs=1, greedy)", row, args.output)
     return 0
 
 
