@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-total-tokens", type=int, default=65536,
+                   help="KV slots per engine: two engines share the device in one run")
     p.add_argument("--output", default="bench_spec.jsonl")
     return p
 
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from specserve import Engine
 
-    common = dict(device=args.device, dtype=args.dtype, log_level="warning")
+    common = dict(device=args.device, dtype=args.dtype, log_level="warning",
+                  max_total_tokens=args.max_total_tokens)
     plain = Engine(args.model, **common)
     spec = Engine(args.model, **common, **_spec_kwargs(args))
     sets = {"mtbench": mt_bench_first_turns, "repetitive": repetitive_prompts}

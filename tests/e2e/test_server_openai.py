@@ -15,28 +15,18 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import openai
 import pytest
 
+from tests.e2e.server_utils import launched_server
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 300
 PROMPT = "List 3 countries and their capitals."
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,37 +34,9 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if os.environ.get("SPECSERVE_E2E_URL"):
         yield os.environ["SPECSERVE_E2E_URL"].rstrip("/")
         return
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "specserve.launch_server", "--port", str(port), "--log-level", "warning"]
-    cmd += shlex.split(os.environ.get("SPECSERVE_E2E_ARGS", ""))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, log_path)
+    with launched_server(shlex.split(os.environ.get("SPECSERVE_E2E_ARGS", "")), log_path) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text(errors='replace')[-4000:]}")
 
 
 @pytest.fixture(scope="module")
