@@ -28,6 +28,7 @@ class ScheduleBatch:
     positions: list[int] | None = None
     custom_masks: list[torch.Tensor] | None = None
     all_logits: bool = False
+    rows: list[int] | None = None  # table rows to read KV from, when not the requests' own
 
     @property
     def sampled_reqs(self) -> list[Req]:

@@ -107,7 +107,7 @@ class ModelRunner:
             input_ids=torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             out_slots=batch.out_slots.to(dev, non_blocking=True),
-            req_rows=torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=dev),
+            req_rows=torch.tensor(batch.rows or [r.row for r in batch.reqs], dtype=torch.int64, device=dev),
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
             req_to_token=req_to_token, kv_pool=kv_pool or self.kv_pool, attn_backend=self.attn_backend,
             custom_masks=batch.custom_masks, logit_rows=logit_rows.to(dev),

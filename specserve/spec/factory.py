@@ -9,6 +9,13 @@ from specserve.runner.model_runner import ModelRunner
 from specserve.spec.worker import SpecWorker
 
 
+def extra_table_rows(spec: SpecConfig, max_running: int) -> int:
+    """Scratch table rows tree drafting needs: one per branch, double-buffered across steps."""
+    if spec.algorithm == "STANDALONE" and (spec.eagle_topk or 1) > 1:
+        return 2 * max_running * spec.eagle_topk
+    return 0
+
+
 def make_spec_worker(spec: SpecConfig, runner: ModelRunner, kv: KVManager, eos_ids: frozenset[int],
                      context_length: int, architecture: str) -> SpecWorker | None:
     if not spec.enabled:

@@ -1,4 +1,4 @@
-"""STANDALONE: a small LLM with the target's vocabulary drafts a chain of tokens.
+"""STANDALONE: a small LLM with the target's vocabulary drafts a chain (topk 1) or a tree.
 
 The draft has its own KV pool addressed by the target's slots and table, so it needs no
 allocation of its own. Per request it tracks `draft_kv_len`: positions below it hold
@@ -8,7 +8,8 @@ valid draft KV. Each step:
   2. num_steps - 1 DECODE forwards feed d1, d2, ... at positions kv_len + 1, ..., writing
      their KV into the verify slots of chain nodes 1, 2, ... (already in the table).
 After verify the first min(committed, fed) chain nodes keep valid draft KV, because
-accepted chain nodes stay at their positions. Drafting is greedy (argmax): verification
+accepted chain nodes stay at their positions. With topk > 1, `tree_draft.TreeDrafter`
+expands the root's children on scratch rows and slots; only the root's draft KV is kept. Drafting is greedy (argmax): verification
 treats drafts as one-hot, which is what makes sampling lossless.
 """
 from __future__ import annotations
@@ -25,13 +26,11 @@ from specserve.models.source import resolve_model_dir
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.model_runner import ModelRunner
 from specserve.spec.drafts import Drafts
+from specserve.spec.tree_draft import TreeDrafter
 
 
 class StandaloneProposer:
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager) -> None:
-        if spec.eagle_topk != 1:
-            raise ValueError("STANDALONE with --speculative-eagle-topk > 1 (tree drafting) is not "
-                             "implemented yet; use --speculative-eagle-topk 1")
         if spec.draft_model_quantization not in (None, "unquant"):
             raise ValueError(f"--speculative-draft-model-quantization {spec.draft_model_quantization} "
                              "is not supported yet (supported: unquant)")
@@ -45,7 +44,8 @@ class StandaloneProposer:
         self.pool = KVPool(runner.num_slots, c.num_layers, c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
         self.runner, self.kv = runner, kv
         self.num_steps = spec.num_steps
-        self.max_nodes = spec.num_steps + 1
+        self.max_nodes = spec.num_draft_tokens
+        self.tree = TreeDrafter(kv, self._logits, spec.eagle_topk, spec.num_steps) if spec.eagle_topk > 1 else None
         self.draft_kv_len: dict[str, int] = {}
         self._fed: dict[str, tuple[int, int]] = {}  # rid -> (kv_len at propose, chain nodes fed)
 
@@ -57,10 +57,12 @@ class StandaloneProposer:
         self._fed.pop(req.rid, None)
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
+        if self.tree is not None:
+            return self._propose_tree(reqs, budgets)
         chains: list[list[int]] = [[] for _ in reqs]
         active = [b for b, n in enumerate(budgets) if n > 1]
         if active:
-            last = self._catch_up([reqs[b] for b in active])
+            last = self._logits(self._catch_up([reqs[b] for b in active])).argmax(-1).tolist()
             for b, tok in zip(active, last):
                 chains[b].append(tok)
             for step in range(1, self.num_steps):
@@ -73,14 +75,28 @@ class StandaloneProposer:
             self._fed[req.rid] = (req.kv_len, len(chains[b]))
         return Drafts.chains([r.all_ids[-1] for r in reqs], chains)
 
+    def _propose_tree(self, reqs: list[Req], budgets: list[int]) -> Drafts:
+        """Tree drafts; only the root's draft KV (in its verify slot) survives the step."""
+        trees = [([r.all_ids[-1]], [-1]) for r in reqs]
+        active = [b for b, n in enumerate(budgets) if n > 1]
+        if active:
+            act = [reqs[b] for b in active]
+            root_logits = self._logits(self._catch_up(act))
+            for b, tree in zip(active, self.tree.draft(act, root_logits, [budgets[b] for b in active])):
+                trees[b] = tree
+        for b, req in enumerate(reqs):
+            self._fed[req.rid] = (req.kv_len, 1 if b in active else 0)
+        tokens, parents = zip(*trees)
+        return Drafts.from_lists(list(tokens), list(parents))
+
     def on_verified(self, reqs: list[Req], committed: list[list[int]]) -> None:
         for req, tokens in zip(reqs, committed):
             kv_len, fed = self._fed.pop(req.rid)
             if fed:
                 self.draft_kv_len[req.rid] = kv_len + min(len(tokens), fed)
 
-    def _catch_up(self, reqs: list[Req]) -> list[int]:
-        """EXTEND over each request's unseen committed tokens plus its root; argmax at the root."""
+    def _catch_up(self, reqs: list[Req]) -> ScheduleBatch:
+        """EXTEND over each request's unseen committed tokens plus its root (logits at the root)."""
         ids, prefix, ext, slots = [], [], [], []
         for req in reqs:
             start = self.draft_kv_len[req.rid]
@@ -88,16 +104,15 @@ class StandaloneProposer:
             prefix.append(start)
             ext.append(req.kv_len + 1 - start)
             slots.append(self.kv.table.read(req.row, start, req.kv_len + 1))
-        batch = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, ids, torch.cat(slots), prefix, ext, [True] * len(reqs))
-        return self._run(batch)
+        return ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, ids, torch.cat(slots), prefix, ext, [True] * len(reqs))
 
     def _decode(self, reqs: list[Req], tokens: list[int], step: int) -> list[int]:
         """Feed chain node `step` (draft token d_step) at position kv_len + step."""
         pos = [r.kv_len + step for r in reqs]
         slots = torch.cat([self.kv.table.read(r.row, p, p + 1) for r, p in zip(reqs, pos)])
         batch = ScheduleBatch(ForwardMode.DECODE, reqs, tokens, slots, pos, [1] * len(reqs), [True] * len(reqs))
-        return self._run(batch)
+        return self._logits(batch).argmax(-1).tolist()
 
-    def _run(self, batch: ScheduleBatch) -> list[int]:
+    def _logits(self, batch: ScheduleBatch) -> torch.Tensor:
         fb = self.runner.forward_batch(batch, self.kv.table.table, kv_pool=self.pool)
-        return self.runner.forward(fb, model=self.model).argmax(-1).tolist()
+        return self.runner.forward(fb, model=self.model)

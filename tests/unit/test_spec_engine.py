@@ -75,21 +75,27 @@ def test_ngram_greedy_is_token_identical(smollm2_dir, reference, flags):
     assert meta["spec_accept_length"] > 1.2
 
 
-def test_standalone_with_the_target_as_draft_accepts_everything(smollm2_dir, reference):
+@pytest.mark.parametrize("tree", [{}, {"speculative_num_steps": 3, "speculative_eagle_topk": 2,
+                                      "speculative_num_draft_tokens": 6}])
+def test_standalone_with_the_target_as_draft_accepts_everything(smollm2_dir, reference, tree):
+    """Auto defaults (3, 1, 4) chain, and a topk-2 tree: depth 3 bounds accept length at 4.
+
+    With a self-draft a branch that attended to the wrong ancestors would mispredict, so
+    acceptance near the bound also checks the tree drafter's per-branch rows."""
     engine = Engine(str(smollm2_dir), log_level="warning", speculative_algorithm="STANDALONE",
-                    speculative_draft_model_path=str(smollm2_dir))
+                    speculative_draft_model_path=str(smollm2_dir), **tree)
     results = _check(engine, reference)
     lengths = [r["meta_info"]["spec_accept_length"] for r in results]
-    assert min(lengths) > 3.0, lengths  # N = 4 with the auto defaults (3, 1, 4)
+    assert min(lengths) > 3.0, lengths
     assert engine.scheduler.spec.stats.avg_accept_length > 3.0
 
 
-@pytest.mark.parametrize("steps", [1, 5])
-def test_standalone_with_a_random_draft_is_still_exact(smollm2_dir, reference, tmp_path, steps):
+@pytest.mark.parametrize("steps,topk,n", [(1, 1, 2), (5, 1, 6), (3, 4, 8)])
+def test_standalone_with_a_random_draft_is_still_exact(smollm2_dir, reference, tmp_path, steps, topk, n):
     draft = save_tiny_hf("llama", tmp_path / "draft", vocab_size=49152, max_position_embeddings=8192)
     engine = Engine(str(smollm2_dir), log_level="warning", speculative_algorithm="STANDALONE",
                     speculative_draft_model_path=str(draft), speculative_num_steps=steps,
-                    speculative_eagle_topk=1, speculative_num_draft_tokens=steps + 1)
+                    speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
     results = _check(engine, reference, batch_sizes=(8,))
     assert all(r["meta_info"]["spec_accept_length"] < 1.5 for r in results)
 
