@@ -65,7 +65,7 @@ def _check(engine: Engine, reference: list[list[int]], batch_sizes=(1, 8)) -> li
 @pytest.mark.parametrize("flags", [
     {},  # reference defaults: 12 draft tokens, BFS breadth up to 10
     {"speculative_num_draft_tokens": 4, "speculative_ngram_max_bfs_breadth": 1},
-    {"speculative_ngram_match_type": "PROB", "speculative_num_draft_tokens": 8},
+    {"speculative_ngram_match_type": "PROB", "speculative_num_draft_tokens": 8, "chunked_prefill_size": 16},
 ])
 def test_ngram_greedy_is_token_identical(smollm2_dir, reference, flags):
     engine = Engine(str(smollm2_dir), log_level="warning", speculative_algorithm="NGRAM", **flags)
