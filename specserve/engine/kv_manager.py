@@ -17,8 +17,11 @@ from specserve.engine.request import Req
 
 class KVManager:
     def __init__(self, num_slots: int, max_reqs: int, max_context: int, device: torch.device,
-                 enable_prefix_cache: bool) -> None:
+                 enable_prefix_cache: bool, prefix_backoff: int = 0) -> None:
         self.allocator = SlotAllocator(num_slots)
+        # Cached-prefix tokens to recompute anyway: EAGLE's draft KV at the last cached
+        # position was paired with whatever token followed it then (see spec/eagle.py).
+        self.prefix_backoff = prefix_backoff
         self.table = ReqToTokenTable(max_reqs, max_context, device)
         cls = RadixCache if enable_prefix_cache else NoPrefixCache
         self.prefix_cache = cls(self.allocator)
@@ -46,6 +49,7 @@ class KVManager:
             return False
         # Keep at least one token to compute: its logits give the next token.
         slots, node = self.prefix_cache.match_prefix(req.all_ids[:-1])
+        slots = slots[:max(0, slots.numel() - self.prefix_backoff)]  # node stays locked: a superset
         self.prefix_cache.lock(node)
         req.row, req.cache_node = row, node
         req.kv_len = req.cached_len = slots.numel()

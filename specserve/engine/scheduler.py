@@ -28,7 +28,7 @@ from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import SampleOutput, sample
 from specserve.server.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from specserve.spec.factory import extra_table_rows, make_spec_worker
+from specserve.spec.factory import extra_table_rows, make_spec_worker, prefix_backoff
 
 DECODE_RESERVE_CLIP = 256  # future tokens per request counted when admitting new work
 DECODE_RESERVE_RATIO = 0.3
@@ -48,7 +48,8 @@ class Scheduler:
         tree_room = (cfg.spec.num_draft_tokens or 16) + 8  # verify writes N slots past kv_len
         rows = self.max_running + 8 + extra_table_rows(cfg.spec, self.max_running)
         self.kv = KVManager(self.runner.num_slots, rows, self.context_length + tree_room,
-                            self.runner.device, not cfg.cache.disable_radix_cache)
+                            self.runner.device, not cfg.cache.disable_radix_cache,
+                            prefix_backoff=prefix_backoff(cfg.spec))
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.spec = make_spec_worker(cfg.spec, self.runner, self.kv, self.eos_ids, self.context_length,
                                      self.runner.model.config.architecture)
@@ -112,11 +113,13 @@ class Scheduler:
         if batch is None:
             return []
         fb = self.runner.forward_batch(batch, self.kv.table.table)
-        logits = self.runner.forward(fb)
+        logits, features = self.runner.forward_with_features(fb)
         sampled = batch.sampled_reqs
         if sampled:
             so = sample(logits, sampling_batch(sampled, self.runner.vocab_size, logits.device))
             self._commit(sampled, so)
+        if self.spec is not None and batch.mode == ForwardMode.EXTEND:
+            self.spec.on_extend(batch, features)  # before _collect may release finished requests
         return self._collect(batch)
 
     def _commit(self, reqs: list[Req], so: SampleOutput) -> None:
@@ -160,7 +163,7 @@ class Scheduler:
 
     def _spec_step(self) -> list[TokenOut]:
         """Speculative decode of every running request (propose, verify, accept, commit)."""
-        while self.running and self.kv.available() < sum(self.spec.budgets(self.running)):
+        while self.running and self.kv.available() < self.spec.slots_needed(self.running):
             self._retract(self.running[-1])
         if not self.running:
             return []

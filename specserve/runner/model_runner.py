@@ -41,6 +41,7 @@ class ModelRunner:
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, cache_cfg: CacheConfig,
                  runner_cfg: RunnerConfig) -> None:
         self.device = pick_device(model_cfg.device)
+        self.model_dir = Path(model_dir)
         hf = read_hf_config(model_dir)
         self.dtype = pick_dtype(model_cfg.dtype, self.device, hf)
         self.model = load_model(model_dir, self.dtype, self.device)
@@ -53,7 +54,9 @@ class ModelRunner:
         self.num_slots = self._kv_budget(cache_cfg)
         self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device)
+        self.attn_backend_name = runner_cfg.attention_backend
         self.attn_backend = make_backend(runner_cfg.attention_backend, self.device)
+        self.feature_mode: str | None = None  # what forward_with_features returns (EAGLE drafts)
         if self.device.type == "cuda" and not runner_cfg.disable_cuda_graph:
             logger.warning("CUDA graphs are not implemented yet: decoding runs eagerly "
                            "(--cuda-graph-max-bs has no effect)")
@@ -112,6 +115,26 @@ class ModelRunner:
             req_to_token=req_to_token, kv_pool=kv_pool or self.kv_pool, attn_backend=self.attn_backend,
             custom_masks=batch.custom_masks, logit_rows=logit_rows.to(dev),
         )
+
+    def capture_features(self, mode: str, aux_layers: tuple[int, ...] = ()) -> None:
+        """Make forward_with_features return the target's per-token features: "final" (the
+        final normed hidden, EAGLE-2 / MTP) or "aux" (residual-stream states captured
+        before each of `aux_layers`, concatenated in that order: EAGLE-3)."""
+        if mode not in ("final", "aux"):
+            raise ValueError(f"unknown feature mode {mode!r}")
+        self.feature_mode = mode
+        self.model.aux_layers = tuple(aux_layers) if mode == "aux" else ()
+
+    @torch.inference_mode()
+    def forward_with_features(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's logits as `forward`, plus features [T, F] of every new token (None
+        unless `capture_features` was called)."""
+        fb.attn_backend.init_forward_metadata(fb)
+        hidden, aux = self.model(fb)
+        logits = self.model.compute_logits(hidden[fb.logit_rows])
+        if self.feature_mode is None:
+            return logits, None
+        return logits, hidden if self.feature_mode == "final" else torch.cat(aux, dim=-1)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, model: LlamaForCausalLM | None = None) -> torch.Tensor:

@@ -4,21 +4,41 @@ The worker knows nothing else about proposers, and nothing outside `spec/` knows
 proposers at all. Life cycle per request: `add_request` when it starts decoding,
 `propose` / `on_verified` once per speculative step, `remove_request` when it finishes,
 is aborted or is retracted (a retracted request is added again when it resumes).
+`on_extend` sees every target prefill chunk (EAGLE builds its draft KV from it).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
+from specserve.engine.batch import ScheduleBatch
 from specserve.engine.request import Req
 from specserve.spec.drafts import Drafts
 
 
+@dataclass
+class Verified:
+    """What one verify step decided, per request (in the step's request order)."""
+
+    committed: list[list[int]]  # accepted drafts + bonus, possibly cut short by a finish
+    paths: list[list[int]]  # tree nodes of the accepted path, root first; committed[b][i] follows paths[b][i]
+    features: torch.Tensor | None  # [B, N, F] target features per tree node, when the proposer asked
+
+
 class Proposer(Protocol):
     max_nodes: int  # N: tree nodes per request including the root (memory reservation)
+    scratch_per_req: int  # extra slots propose() may take per request (freed before verify)
 
     def add_request(self, req: Req) -> None: ...
 
     def remove_request(self, req: Req) -> None: ...
+
+    def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
+        """After a target EXTEND forward and its sampling: `features` [T, F] are the
+        target's per-token features when the runner captures them (else None)."""
+        ...
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         """Trees of at most budgets[b] nodes whose root is reqs[b].all_ids[-1].
@@ -29,14 +49,16 @@ class Proposer(Protocol):
         """
         ...
 
-    def on_verified(self, reqs: list[Req], committed: list[list[int]]) -> None:
-        """The tokens each request committed this step (accepted drafts + bonus, possibly
-        cut short by a finish); the request's kv_len already accounts for them."""
+    def on_verified(self, reqs: list[Req], verified: Verified) -> None:
+        """After accept and commit: each request's kv_len already accounts for the
+        committed tokens."""
         ...
 
 
 class NgramAdapter:
     """NgramProposer (keyed by request id) behind the Proposer protocol."""
+
+    scratch_per_req = 0
 
     def __init__(self, ngram) -> None:
         self.ngram = ngram
@@ -48,9 +70,12 @@ class NgramAdapter:
     def remove_request(self, req: Req) -> None:
         self.ngram.remove_request(req.rid)
 
+    def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
+        pass  # the trie indexes the prompt in add_request
+
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         return self.ngram.propose([r.rid for r in reqs], [r.all_ids[-1] for r in reqs], budgets)
 
-    def on_verified(self, reqs: list[Req], committed: list[list[int]]) -> None:
-        for req, tokens in zip(reqs, committed):
+    def on_verified(self, reqs: list[Req], verified: Verified) -> None:
+        for req, tokens in zip(reqs, verified.committed):
             self.ngram.on_tokens(req.rid, tokens)

@@ -26,7 +26,8 @@ from specserve.models.source import resolve_model_dir
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.model_runner import ModelRunner
 from specserve.spec.drafts import Drafts
-from specserve.spec.tree_draft import TreeDrafter
+from specserve.spec.proposer import Verified
+from specserve.spec.tree_draft import TreeDrafter, top_children
 
 
 class StandaloneProposer:
@@ -45,7 +46,8 @@ class StandaloneProposer:
         self.runner, self.kv = runner, kv
         self.num_steps = spec.num_steps
         self.max_nodes = spec.num_draft_tokens
-        self.tree = TreeDrafter(kv, self._logits, spec.eagle_topk, spec.num_steps) if spec.eagle_topk > 1 else None
+        self.tree = TreeDrafter(kv, self._step, spec.eagle_topk, spec.num_steps) if spec.eagle_topk > 1 else None
+        self.scratch_per_req = spec.eagle_topk * (spec.num_steps - 1) if self.tree else 0
         self.draft_kv_len: dict[str, int] = {}
         self._fed: dict[str, tuple[int, int]] = {}  # rid -> (kv_len at propose, chain nodes fed)
 
@@ -81,16 +83,19 @@ class StandaloneProposer:
         active = [b for b, n in enumerate(budgets) if n > 1]
         if active:
             act = [reqs[b] for b in active]
-            root_logits = self._logits(self._catch_up(act))
-            for b, tree in zip(active, self.tree.draft(act, root_logits, [budgets[b] for b in active])):
+            first = top_children(self._logits(self._catch_up(act)), self.tree.topk, None)
+            for b, tree in zip(active, self.tree.draft(act, first, [budgets[b] for b in active])):
                 trees[b] = tree
         for b, req in enumerate(reqs):
             self._fed[req.rid] = (req.kv_len, 1 if b in active else 0)
         tokens, parents = zip(*trees)
         return Drafts.from_lists(list(tokens), list(parents))
 
-    def on_verified(self, reqs: list[Req], committed: list[list[int]]) -> None:
-        for req, tokens in zip(reqs, committed):
+    def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
+        pass  # the draft catches up lazily in propose()
+
+    def on_verified(self, reqs: list[Req], verified: Verified) -> None:
+        for req, tokens in zip(reqs, verified.committed):
             kv_len, fed = self._fed.pop(req.rid)
             if fed:
                 self.draft_kv_len[req.rid] = kv_len + min(len(tokens), fed)
@@ -112,6 +117,9 @@ class StandaloneProposer:
         slots = torch.cat([self.kv.table.read(r.row, p, p + 1) for r, p in zip(reqs, pos)])
         batch = ScheduleBatch(ForwardMode.DECODE, reqs, tokens, slots, pos, [1] * len(reqs), [True] * len(reqs))
         return self._logits(batch).argmax(-1).tolist()
+
+    def _step(self, batch: ScheduleBatch, states: None) -> tuple[torch.Tensor, None]:
+        return self._logits(batch), None
 
     def _logits(self, batch: ScheduleBatch) -> torch.Tensor:
         fb = self.runner.forward_batch(batch, self.kv.table.table, kv_pool=self.pool)

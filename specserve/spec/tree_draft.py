@@ -1,19 +1,26 @@
-"""EAGLE-2-style tree drafting for a draft LLM (STANDALONE with topk > 1).
+"""EAGLE-2 tree drafting, shared by STANDALONE (topk > 1) and EAGLE / EAGLE-3 / MTP.
 
-Step 1 (the caller's catch-up forward) gives the root's top-k children. Each later step
-runs the draft on the current frontier (k branches per request) and scores every child by
-its path log-probability; the global top-k of the k*k children becomes the next frontier.
-At the end the best budget-1 candidates from all depths are kept (parents always outscore
-their children, so the set is ancestor-closed; an orphan from a tie is dropped).
+The caller gives the root's top-k children (from its own first forward) and a `step`
+function that runs the draft on a decode batch. Each later step runs the draft on the
+current frontier (k branches per request) and scores every child by its path
+log-probability (SGLang multiplies probabilities: same ranking); the global top-k of the
+k*k children becomes the next frontier. At the end the best budget-1 candidates from all
+depths are kept (parents always outscore their children, so the set is ancestor-closed;
+an orphan from a tie is dropped). No forward runs for the last depth.
 
-Each branch gets a scratch table row holding prefix + root + its real ancestors + itself,
-so a branch's draft attention sees exactly its own ancestors (SGLang issue 7523 is the
-bug this avoids), and every draft step is a plain decode batch. Scratch slots and rows
+Each branch gets a scratch table row holding prefix + its real ancestors + itself, so a
+branch's draft attention sees exactly its own ancestors (SGLang issue 7523 is the bug this
+avoids), and every draft step is a plain decode batch. A frontier node of depth d sits at
+position kv_len + d - shift: shift 0 for a draft LLM (the root's draft KV is at kv_len),
+shift 1 for EAGLE (draft position p holds the pair (feature p, token p+1), so the root
+pairs with position kv_len - 1 and depth-1 nodes sit at kv_len; SGLang PR 25015).
+Branch states (EAGLE: the draft's hidden) follow their parents. Scratch slots and rows
 are freed before verify; verify recomputes the chosen nodes with the target.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -21,6 +28,9 @@ from specserve.engine.batch import ScheduleBatch
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
 from specserve.runner.forward_batch import ForwardMode
+
+# step(batch, states [R, H] or None) -> (logits [R, V_draft], next states [R, H] or None)
+DraftStep = Callable[[ScheduleBatch, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
 @dataclass
@@ -53,42 +63,61 @@ class Candidates:
         return tokens, parents
 
 
-class TreeDrafter:
-    def __init__(self, kv: KVManager, run, topk: int, num_steps: int) -> None:
-        self.kv, self.run, self.topk, self.num_steps = kv, run, topk, num_steps
+def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities, target token ids), each [R, k], of the k best draft tokens."""
+    logp, idx = logits.log_softmax(-1).topk(k, dim=-1)
+    if token_map is not None:  # draft vocabulary (EAGLE-3 d2t, FR-Spec) -> target ids
+        idx = token_map[idx]
+    return logp, idx
 
-    def draft(self, reqs: list[Req], root_logits: torch.Tensor, budgets: list[int]
-              ) -> list[tuple[list[int], list[int]]]:
-        """Trees per request from the root's draft logits [B, V] (the catch-up forward's)."""
+
+class TreeDrafter:
+    def __init__(self, kv: KVManager, step: DraftStep, topk: int, num_steps: int, shift: int = 0,
+                 token_map: torch.Tensor | None = None) -> None:
+        self.kv, self.step, self.topk, self.num_steps = kv, step, topk, num_steps
+        self.shift, self.token_map = shift, token_map
+
+    def draft(self, reqs: list[Req], first: tuple[torch.Tensor, torch.Tensor], budgets: list[int],
+              states: torch.Tensor | None = None) -> list[tuple[list[int], list[int]]]:
+        """Trees per request from the root's children `first` = (logp [B, k], ids [B, k]);
+        `states` [B, H] is the input state of every depth-1 node (None for a draft LLM)."""
         k = self.topk
         cands = [Candidates() for _ in reqs]
-        logp, tok = root_logits.log_softmax(-1).topk(k, dim=-1)  # [B, k]
-        frontier = [[c.add(t, -1, s) for t, s in zip(tok[b].tolist(), logp[b].tolist())]
-                    for b, c in enumerate(cands)]
-        rows, slots = self._first_rows(reqs), []
+        logp, tok = first[0].tolist(), first[1].tolist()
+        frontier = [[c.add(t, -1, s) for t, s in zip(tok[b], logp[b])] for b, c in enumerate(cands)]
+        if states is not None:
+            states = states.repeat_interleave(k, dim=0)  # [B*k, H]: branch j of request b at b*k+j
+        rows, slots = self._first_rows(reqs) if self.num_steps > 1 else [], []
         try:
             for depth in range(1, self.num_steps):
                 step_slots = self.kv.alloc_slots(len(reqs) * k)
+                assert step_slots is not None, "tree scratch slots were not reserved"
                 slots.append(step_slots)
-                logits = self._forward(reqs, cands, frontier, rows[-1], step_slots, depth)
+                logits, out_states = self._forward(reqs, cands, frontier, rows, step_slots, depth, states)
                 prev, frontier = frontier, self._expand(cands, frontier, logits)
-                if depth + 1 < self.num_steps:
-                    rows.append(self._next_rows(reqs, cands, prev, frontier, rows[-1], depth))
+                src = self._parent_branches(cands, prev, frontier)
+                states = out_states[src] if out_states is not None else None
+                if depth + 1 < self.num_steps:  # double-buffered: at most 2*B*k scratch rows
+                    rows, old = self._next_rows(reqs, src, rows, depth), rows
+                    self._free_rows(old)
         finally:
             for s in slots:
                 self.kv.allocator.free(s)
-            for r in (r for step_rows in rows for r in step_rows):
-                self.kv.table.free(r)
+            self._free_rows(rows)
         return [c.best_tree(req.all_ids[-1], n) for c, req, n in zip(cands, reqs, budgets)]
 
-    def _first_rows(self, reqs: list[Req]) -> list[list[int]]:
-        """k scratch rows per request holding its committed prefix and the root's slot."""
+    def _first_rows(self, reqs: list[Req]) -> list[int]:
+        """k scratch rows per request holding the positions below the depth-1 nodes."""
         rows = [self._alloc_row() for _ in range(len(reqs) * self.topk)]
         src = [r.row for r in reqs for _ in range(self.topk)]
-        width = max(r.kv_len for r in reqs) + 1
+        width = max(r.kv_len for r in reqs) + 1 - self.shift
         table = self.kv.table.table
         table[rows, :width] = table[src, :width]
-        return [rows]
+        return rows
+
+    def _free_rows(self, rows: list[int]) -> None:
+        for r in rows:
+            self.kv.table.free(r)
 
     def _alloc_row(self) -> int:
         row = self.kv.table.alloc()
@@ -96,21 +125,21 @@ class TreeDrafter:
             raise RuntimeError("no scratch table row for tree drafting (raise --max-running-requests' room)")
         return row
 
-    def _forward(self, reqs, cands, frontier, rows, slots, depth: int) -> torch.Tensor:
-        """Decode every frontier node (depth `depth`) on its branch row; logits [B*k, V]."""
+    def _forward(self, reqs, cands, frontier, rows, slots, depth: int, states):
+        """Decode every frontier node (depth `depth`) on its branch row."""
         k = self.topk
-        pos = [r.kv_len + depth for r in reqs for _ in range(k)]
+        pos = [r.kv_len + depth - self.shift for r in reqs for _ in range(k)]
         table = self.kv.table.table
         table[rows, pos] = slots.to(table.device)  # each branch row ends with its own node
         ids = [cands[b].tokens[i] for b in range(len(reqs)) for i in frontier[b]]
         batch = ScheduleBatch(ForwardMode.DECODE, [r for r in reqs for _ in range(k)], ids, slots, pos,
                               [1] * len(ids), [True] * len(ids), rows=rows)
-        return self.run(batch)
+        return self.step(batch, states)
 
     def _expand(self, cands: list[Candidates], frontier: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
         """Record all k*k children; return each request's top-k of them as the next frontier."""
         k = self.topk
-        logp, tok = logits.log_softmax(-1).topk(k, dim=-1)  # [B*k, k]
+        logp, tok = top_children(logits, k, self.token_map)  # [B*k, k]
         logp, tok = logp.view(len(cands), k, k).tolist(), tok.view(len(cands), k, k).tolist()
         nxt = []
         for b, c in enumerate(cands):
@@ -119,17 +148,20 @@ class TreeDrafter:
             nxt.append(sorted(kids, key=lambda i: -c.scores[i])[:k])
         return nxt
 
-    def _next_rows(self, reqs: list[Req], cands: list[Candidates], prev: list[list[int]],
-                   frontier: list[list[int]], rows: list[int], depth: int) -> list[int]:
-        """Branch rows for the new frontier: a copy of the parent branch's row through the
-        parent's own slot (position kv_len + depth); the next forward appends the child."""
-        k = self.topk
-        new = [self._alloc_row() for _ in range(len(reqs) * k)]
-        src = []
+    def _parent_branches(self, cands: list[Candidates], prev: list[list[int]],
+                         frontier: list[list[int]]) -> list[int]:
+        """For each new frontier node (flat, b*k + m), the flat index of its parent's branch."""
+        k, src = self.topk, []
         for b, c in enumerate(cands):
             branch_of = {node: j for j, node in enumerate(prev[b])}
-            src += [rows[b * k + branch_of[c.parents[i]]] for i in frontier[b]]
-        width = max(r.kv_len for r in reqs) + depth + 1
+            src += [b * k + branch_of[c.parents[i]] for i in frontier[b]]
+        return src
+
+    def _next_rows(self, reqs: list[Req], src: list[int], rows: list[int], depth: int) -> list[int]:
+        """Branch rows for the new frontier: a copy of the parent branch's row through the
+        parent's own slot; the next forward appends the child."""
+        new = [self._alloc_row() for _ in range(len(reqs) * self.topk)]
+        width = max(r.kv_len for r in reqs) + depth + 1 - self.shift
         table = self.kv.table.table
-        table[new, :width] = table[src, :width]
+        table[new, :width] = table[[rows[i] for i in src], :width]
         return new

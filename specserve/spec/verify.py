@@ -33,13 +33,14 @@ def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor]) -> 
                          positions=positions, custom_masks=custom, all_logits=True)
 
 
-def pad_logits(logits: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
-    """[sum(counts), V] packed verify logits -> [B, n, V] (padding rows repeat row 0)."""
-    out = logits.new_empty(len(counts), n, logits.shape[-1])
+def pad_rows(packed: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
+    """[sum(counts), X] packed per-node rows (logits, features) -> [B, n, X]; padding
+    rows repeat the request's row 0."""
+    out = packed.new_empty(len(counts), n, packed.shape[-1])
     start = 0
     for b, c in enumerate(counts):
-        out[b, :c] = logits[start:start + c]
-        out[b, c:] = logits[start]
+        out[b, :c] = packed[start:start + c]
+        out[b, c:] = packed[start]
         start += c
     return out
 

@@ -18,8 +18,8 @@ from specserve.engine.request import Req
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import apply_penalties, uniform_noise
 from specserve.spec.accept import AcceptResult, accept, gumbel_targets
-from specserve.spec.proposer import Proposer
-from specserve.spec.verify import commit_kv, pad_logits, verify_batch
+from specserve.spec.proposer import Proposer, Verified
+from specserve.spec.verify import commit_kv, pad_rows, verify_batch
 
 SPEC_NOISE_SALT = 1 << 40  # keeps the coin walk's uniforms apart from plain sampling noise
 
@@ -65,6 +65,15 @@ class SpecWorker:
         n = self.proposer.max_nodes
         return [1 if r.params.frequency_penalty or r.params.presence_penalty else n for r in reqs]
 
+    def slots_needed(self, reqs: list[Req]) -> int:
+        """Free slots one step over `reqs` takes at its peak: verify slots plus the
+        proposer's scratch (tree drafting), which is freed before verify."""
+        return sum(self.budgets(reqs)) + self.proposer.scratch_per_req * len(reqs)
+
+    def on_extend(self, batch, features: torch.Tensor | None) -> None:
+        """A target prefill chunk ran (and was sampled): let the proposer see it."""
+        self.proposer.on_extend(batch, features)
+
     def step(self, reqs: list[Req]) -> None:
         """Advance every request by one verify; the caller checked sum(budgets) slots are free."""
         budgets = self.budgets(reqs)
@@ -74,12 +83,15 @@ class SpecWorker:
         drafts = self.proposer.propose(reqs, budgets)
         batch = verify_batch(reqs, drafts, slots)
         fb = self.runner.forward_batch(batch, self.kv.table.table)
-        logits = pad_logits(self.runner.forward(fb), batch.extend_lens, drafts.num_nodes)
-        committed = self._accept_and_commit(reqs, drafts, logits, slots)
-        self.proposer.on_verified(reqs, committed)
+        logits, features = self.runner.forward_with_features(fb)
+        logits = pad_rows(logits, batch.extend_lens, drafts.num_nodes)
+        committed, paths = self._accept_and_commit(reqs, drafts, logits, slots)
+        if features is not None:
+            features = pad_rows(features, batch.extend_lens, drafts.num_nodes)
+        self.proposer.on_verified(reqs, Verified(committed, paths, features))
 
     def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor,
-                           slots: list[torch.Tensor]) -> list[list[int]]:
+                           slots: list[torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:
         sb = sampling_batch(reqs, self.runner.vocab_size, logits.device)
         if sb.has_penalties:  # only root rows carry penalties (budget 1 for those requests)
             logits[:, 0] = apply_penalties(logits[:, 0], sb)
@@ -91,7 +103,7 @@ class SpecWorker:
             commit_kv(self.kv, req, slots[b], path, len(done))
             committed.append(done)
             self._record(req, len(done), len(tokens))
-        return committed
+        return committed, result.paths
 
     def _accept(self, drafts, logits: torch.Tensor, sb) -> AcceptResult:
         """Exact Gumbel verification by default; SGLang's coin walk when thresholds relax it.

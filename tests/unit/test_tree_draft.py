@@ -1,0 +1,90 @@
+"""TreeDrafter: every branch's draft forward sees exactly its own ancestors.
+
+A fake draft step makes each node's children encode the node's own scratch slot in their
+token ids (child j of the node in slot s is token 7*s + j), so from any forward row we can
+walk the true ancestry back to the root and compare it with the slots the row's table
+actually holds. Checked for a draft LLM (shift 0) and EAGLE (shift 1), with ragged
+request lengths, and with varying scores so expansion picks children across parents.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.engine.kv_manager import KVManager
+from specserve.engine.request import Req
+from specserve.engine.sampling_params import SamplingParams
+from specserve.spec.tree_draft import TreeDrafter
+
+V, ROOT_KID = 4096, 4000  # the root's children are tokens 4000 + j
+
+
+def _req(kv: KVManager, rid: str, n: int) -> Req:
+    req = Req(rid, list(range(10, 10 + n)), SamplingParams(temperature=0), 0, None, None)
+    req.row = kv.table.alloc()
+    kv.table.write(req.row, 0, kv.alloc_slots(n))
+    req.kv_len = n - 1  # decode state: the last token is the root
+    return req
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("topk,steps", [(2, 4), (3, 3), (1, 4)])
+def test_each_branch_attends_to_exactly_its_ancestors(shift, topk, steps):
+    kv = KVManager(512, 64, 128, torch.device("cpu"), enable_prefix_cache=False)
+    reqs = [_req(kv, "a", 9), _req(kv, "b", 15)]
+    if shift == 0:  # a draft LLM has the root's KV in its verify slot at kv_len
+        for r in reqs:
+            kv.table.write(r.row, r.kv_len, kv.alloc_slots(1))
+    token_of_slot: dict[int, int] = {}
+    checked, mixed, branch_of_slot = [], {"yes": False}, {}
+
+    def step(batch, states):
+        table = kv.table.table
+        logits = torch.full((len(batch.input_ids), V), -30.0)
+        for i, (row, pos, tok, slot) in enumerate(zip(batch.rows, batch.prefix_lens, batch.input_ids,
+                                                     batch.out_slots.tolist())):
+            req = batch.reqs[i]
+            token_of_slot[slot] = tok
+            base = req.kv_len + 1 - shift  # positions below the depth-1 nodes
+            depth = pos - base + 1
+            assert pos == req.kv_len + depth - shift
+            assert table[row, :base].tolist() == table[req.row, :base].tolist()
+            assert table[row, base:pos + 1].tolist() == _ancestry(slot, token_of_slot)
+            assert states is not None and torch.equal(states[i], torch.full((4,), float(_parent_slot(tok))))
+            for j in range(topk):  # children of this node, more or less peaked per node, so
+                logits[i, 7 * slot + j] = -j * (0.05 + (slot % 4) * 1.5)  # winners mix parents
+            checked.append(depth)
+            branch_of_slot[slot] = i
+            parent = _parent_slot(tok)
+            if parent != -1 and branch_of_slot[parent] != i:
+                mixed["yes"] = True  # this node's parent ran as another branch index
+        # the next states: each node's own slot, so a child's incoming state names its parent
+        return logits, batch.out_slots.float()[:, None].repeat(1, 4)
+
+    drafter = TreeDrafter(kv, step, topk, steps, shift=shift)
+    first_ids = torch.tensor([[ROOT_KID + j for j in range(topk)]] * len(reqs))
+    first_logp = torch.tensor([[-0.1 * (j + 1) for j in range(topk)]] * len(reqs))
+    free_rows, free_slots = kv.table.available, kv.allocator.available
+    trees = drafter.draft(reqs, (first_logp, first_ids), [1 + topk * steps] * len(reqs),
+                          states=torch.full((len(reqs), 4), -1.0))
+    assert sorted(set(checked)) == list(range(1, steps))  # every depth but the last ran
+    assert topk == 1 or mixed["yes"], "the test must make some branch's parent differ from its row"
+    assert (kv.table.available, kv.allocator.available) == (free_rows, free_slots)  # scratch returned
+    for tokens, parents in trees:
+        for i in range(1, len(tokens)):  # tree edges agree with the encoded ancestry
+            p = parents[i]
+            assert (tokens[i] >= ROOT_KID) == (p == 0)
+            if p > 0:
+                assert tokens[i] // 7 in [s for s, t in token_of_slot.items() if t == tokens[p]]
+
+
+def _parent_slot(token: int) -> int:
+    return -1 if token >= ROOT_KID else token // 7
+
+
+def _ancestry(slot: int, token_of_slot: dict[int, int]) -> list[int]:
+    """Slots from the depth-1 ancestor down to `slot` itself, following the encoded parents."""
+    chain = [slot]
+    while (parent := _parent_slot(token_of_slot[chain[-1]])) != -1:
+        chain.append(parent)
+    return chain[::-1]
