@@ -1,16 +1,21 @@
-"""One model file for the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, SmolLM2.
+"""One model file for the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, SmolLM2, MiMo.
 
-The differences are config switches: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3),
+The differences are config switches: q/k/v bias (Qwen2, MiMo), per-head q/k RMSNorm (Qwen3),
 tied embeddings (SmolLM2, small Qwens), RoPE scaling (Llama 3.1). The model knows
 nothing about serving: it takes a ForwardBatch and returns final hidden states; the
 attention backend named by the batch does the attention. It can also return the
 residual stream at chosen layers (EAGLE-3's auxiliary hidden states).
+
+MTP layers stored in a trunk's checkpoint (DeepSeek-style `model.layers.{L + i}.*` when
+`num_nextn_predict_layers` > 0, MiMo's `model.mtp_layers.*`) belong to the draft model
+(`mtp.py`): the trunk skips them. The loading helpers at the bottom (q/k/v and gate/up
+stacking, completeness) are shared with the draft loaders.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Container, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +27,9 @@ from specserve.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger("specserve")
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "MiMoForCausalLM")
+_QKV_BIAS_BY_DEFAULT = ("Qwen2ForCausalLM", "MiMoForCausalLM")  # MiMo is a Qwen2 trunk
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class LlamaConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
+    num_nextn_predict_layers: int = 0  # DeepSeek-style MTP layers stored after the trunk's
 
     @classmethod
     def from_hf(cls, d: dict) -> "LlamaConfig":
@@ -60,8 +68,9 @@ class LlamaConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=_max_positions(d),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            attention_bias=d.get("attention_bias", arch in _QKV_BIAS_BY_DEFAULT),
             qk_norm=arch == "Qwen3ForCausalLM",
+            num_nextn_predict_layers=d.get("num_nextn_predict_layers") or 0,
         )
 
 
@@ -87,12 +96,14 @@ def _max_positions(d: dict) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_id: int, in_features: int | None = None) -> None:
+        """`in_features` defaults to hidden_size (EAGLE-3's midlayer feeds 2 * hidden_size)."""
         super().__init__()
         self.layer_id = layer_id
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(in_features or cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -122,9 +133,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_id: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_id: int, input_norm: bool = True) -> None:
+        """input_norm=False: no input_layernorm (identity), as in EAGLE-1/2's first draft layer."""
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
@@ -150,18 +162,23 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.aux_layers: tuple[int, ...] = ()  # residual stream captured *before* these layers
+        # Residual stream captured *before* these layers; num_layers means after the last
+        # layer (pre-norm).
+        self.aux_layers: tuple[int, ...] = ()
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Final normed hidden [T, hidden] and the aux hidden states asked for."""
+        """Final normed hidden [T, hidden] and the aux hidden states [T, hidden] asked for,
+        in the order of `self.aux_layers`."""
         x = self.model.embed_tokens(fb.input_ids)
         rope = self.model.rotary.lookup(fb.positions)
-        aux = []
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layers:
-                aux.append(x)
+                captured[i] = x
             x = layer(x, fb, rope)
-        return self.model.norm(x), aux
+        if self.config.num_layers in self.aux_layers:
+            captured[self.config.num_layers] = x
+        return self.model.norm(x), [captured[i] for i in self.aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -178,22 +195,27 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, stacking q/k/v and gate/up into the fused projections."""
-        params = dict(self.named_parameters())
+        params = loadable_tensors(self)
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or self._is_mtp_tensor(name):
                 continue
-            target, offset = _fused_target(name, self.config)
-            if target not in params:
+            key = load_tensor(params, self.config, name, tensor)
+            if key is None:
                 if self.config.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 raise ValueError(f"unexpected tensor {name} in checkpoint")
-            param = params[target]
-            rows = tensor.shape[0]
-            with torch.no_grad():
-                param[offset:offset + rows].copy_(tensor.to(param.dtype))
-            loaded.add(f"{target}@{offset}")
-        _check_complete(self, loaded)
+            loaded.add(key)
+        skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        check_complete(self, self.config, loaded, skip)
+
+    def _is_mtp_tensor(self, name: str) -> bool:
+        """The draft's tensors stored in the trunk's checkpoint (see the module docstring)."""
+        if name.startswith("model.mtp_layers."):
+            return True
+        if self.config.num_nextn_predict_layers and name.startswith("model.layers."):
+            return int(name.split(".")[2]) >= self.config.num_layers
+        return False
 
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
@@ -212,19 +234,55 @@ def _fused_target(name: str, cfg: LlamaConfig) -> tuple[str, int]:
     return name, 0
 
 
-def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
-    cfg = model.config
+def _hf_name(key: str, cfg: LlamaConfig) -> str:
+    """Inverse of `_fused_target` for messages: 'x.qkv_proj.weight@64' -> 'x.k_proj.weight'."""
+    name, offset = key.rsplit("@", 1)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if "qkv_proj" in name:
+        return name.replace("qkv_proj", {0: "q_proj", q: "k_proj", q + kv: "v_proj"}[int(offset)])
+    if "gate_up_proj" in name:
+        return name.replace("gate_up_proj", "up_proj" if int(offset) else "gate_proj")
+    return name
+
+
+def loadable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by name: what a checkpoint may fill."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def load_tensor(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str,
+                tensor: torch.Tensor) -> str | None:
+    """Copy one HF-named tensor (in our module paths) into `params`; q/k/v and gate/up land
+    in row blocks of the fused projections. Returns the slice key 'param@first_row', or None
+    when no parameter has that name. A shape that does not fit raises ValueError."""
+    target, offset = _fused_target(name, cfg)
+    if target not in params:
+        return None
+    param = params[target]
+    rows = tensor.shape[0] if tensor.dim() else 1
+    dest = param[offset:offset + rows] if param.dim() else param
+    if dest.shape != tensor.shape:
+        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(tensor.to(param.dtype))
+    return f"{target}@{offset}"
+
+
+def check_complete(model: nn.Module, cfg: LlamaConfig, loaded: set[str], skip: Container[str] = frozenset(),
+                   display: Callable[[str], str] = lambda name: name) -> None:
+    """Raise ValueError naming the tensors (HF names, through `display`) that `loaded`
+    (slice keys from `load_tensor`) lacks; parameters in `skip` are not expected."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     expected = set()
-    for name, _ in model.named_parameters():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
+    for name in loadable_tensors(model):
+        if name in skip:
             continue
         if "qkv_proj" in name:
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             expected |= {f"{name}@0", f"{name}@{q}", f"{name}@{q + kv}"}
         elif "gate_up_proj" in name:
             expected |= {f"{name}@0", f"{name}@{cfg.intermediate_size}"}
         else:
             expected.add(f"{name}@0")
-    missing = sorted(expected - loaded)
+    missing = sorted(display(_hf_name(key, cfg)) for key in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

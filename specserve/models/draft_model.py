@@ -1,0 +1,85 @@
+"""The contract every EAGLE-family draft model meets (EAGLE-2, EAGLE-3, MTP).
+
+A draft model is a small network that reads the target's per-token features plus the
+next token and predicts the token after it. The proposer drives all of them through
+`forward` and `compute_logits` alone; what differs is declared by attributes:
+  * `feature_mode`: "final" = the target's final normed hidden [T, H_target] (EAGLE-2,
+    MTP); "aux" = the target's residual stream before `aux_layers`, concatenated in that
+    order [T, len(aux_layers) * H_target] (EAGLE-3);
+  * `token_map`: draft logit index -> target token id when the draft's vocabulary is a
+    subset (EAGLE-3's draft vocab, FR-Spec hot tokens); None = identity.
+The embedding (and for EAGLE-2 / MTP the lm_head) is the target's own module, attached
+after loading by `share`. This file knows nothing about checkpoints' layouts
+(`draft_loader.py`) or about scheduling (`spec/`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.models.layers import Linear
+from specserve.models.llama import LlamaConfig, LlamaForCausalLM
+from specserve.models.rope import RotaryEmbedding
+from specserve.runner.forward_batch import ForwardBatch
+
+
+class DraftModel(nn.Module):
+    config: LlamaConfig  # the draft's own: num_layers = its attention layers = its KV pool's
+    feature_mode: str = "final"
+    aux_layers: tuple[int, ...] = ()  # "before layer i" indices for the target's aux_layers
+    token_map: torch.Tensor | None = None  # [draft_vocab] int64 on the model's device
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        self.embed_tokens: nn.Embedding | None = None  # the target's, set by `share`
+        # The target's head (or a truncated copy), set by `share`, unless a subclass sets
+        # owns_lm_head and builds its own [draft_vocab, H] head (EAGLE-3).
+        self.lm_head: nn.Linear | None = None
+        self.owns_lm_head = False
+
+    def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fb.input_ids: target token ids [T]; hidden [T, F]: target features or the draft's
+        own previous h_next [T, H]. Returns (h_logits [T, H], h_next [T, H])."""
+        raise NotImplementedError
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 [R, draft_vocab] for h [R, H]."""
+        return F.linear(h, self.lm_head.weight).float()
+
+    # -- checkpoint names <-> parameter names (overridden by layouts that rename) ---------
+    def param_name(self, ckpt_name: str) -> str | None:
+        """Our parameter for a checkpoint tensor (HF q/k/v, gate/up names kept), or None to
+        skip it. A name that maps to no parameter is reported as unexpected."""
+        return ckpt_name
+
+    def checkpoint_name(self, param_name: str) -> str:
+        """Inverse of `param_name`, for error messages."""
+        return param_name
+
+    # -- after loading -------------------------------------------------------------------
+    def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """After weights are loaded, before `share`: GEMV layout on CPU, RoPE tables."""
+        if device.type == "cpu":
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.use_gemv_layout()
+        self.rotary.build(device, torch.float32 if dtype == torch.float32 else dtype)
+
+    def share(self, target: LlamaForCausalLM, token_map: torch.Tensor | None) -> None:
+        """Take the target's embedding (same tensor) and, unless the draft owns a head, its
+        lm_head: shared as is, or with a token map a copy truncated to those rows."""
+        self.embed_tokens = target.model.embed_tokens
+        if self.owns_lm_head:
+            return
+        if token_map is None:
+            self.lm_head = target.lm_head
+            return
+        weight = target.lm_head.weight.detach()
+        ids = token_map.to(weight.device)
+        head = nn.Linear(weight.shape[1], ids.numel(), bias=False, device="meta")
+        head.weight = nn.Parameter(weight[ids], requires_grad=False)  # a copy: [draft_vocab, H]
+        self.lm_head, self.token_map = head, ids

@@ -1,0 +1,79 @@
+"""EAGLE-3 draft head (`LlamaForCausalLMEagle3`, the cnets layout): one `midlayer`.
+
+    h = fc(hidden) if hidden is not H wide else hidden      fc: [H, 3 * target_hidden]
+    e, hn = input_layernorm(embed(ids)), hidden_norm(h)
+    x = r + attn(cat(e, hn))       r = h, or hn with vLLM's `norm_before_residual`
+    out = x + mlp(post_attention_layernorm(x))
+    h_logits = norm(out) -> the draft's own lm_head [draft_vocab, H];  h_next = out
+
+The first draft step reads the target's aux features (3 residual-stream states, 3H);
+later steps feed the draft's own pre-norm `out` (H). The draft vocabulary maps to target
+ids through `d2t` offsets: token_map = arange(draft_vocab) + d2t (`t2d` is ignored).
+Without `draft_vocab_size` the head is the target's (full vocab). Checkpoint names are
+our parameter names; loading and sharing are `draft_loader.py`'s.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.models.draft_model import DraftModel
+from specserve.models.layers import Linear, RMSNorm
+from specserve.models.llama import MLP, Attention, LlamaConfig
+from specserve.runner.forward_batch import ForwardBatch
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, norm_before_residual: bool) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(h, eps)  # on the incoming hidden
+        self.self_attn = Attention(cfg, 0, in_features=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(cfg)
+        self.norm_before_residual = norm_before_residual
+
+    def forward(self, embeds: torch.Tensor, h: torch.Tensor, fb: ForwardBatch,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        hn = self.hidden_norm(h)
+        residual = hn if self.norm_before_residual else h
+        x = residual + self.self_attn(torch.cat([self.input_layernorm(embeds), hn], dim=-1), fb, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLMEagle3(DraftModel):
+    feature_mode = "aux"
+
+    def __init__(self, cfg: LlamaConfig, target_hidden_size: int, draft_vocab_size: int | None,
+                 aux_layers: tuple[int, ...], fc_bias: bool = False, norm_before_residual: bool = False) -> None:
+        super().__init__(cfg)
+        h = cfg.hidden_size
+        self.aux_layers = aux_layers
+        self.fc = Linear(len(aux_layers) * target_hidden_size, h, bias=fc_bias)
+        self.midlayer = Eagle3MidLayer(cfg, norm_before_residual)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        if draft_vocab_size is not None:
+            self.owns_lm_head = True
+            self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+            # Offsets: draft index i is target token i + d2t[i]. A buffer, so that loading
+            # and `.to(device)` treat it like a weight (integer buffers keep their dtype).
+            self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+
+    def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fc(hidden)  # target aux features [T, 3 * H_target] -> [T, H]
+        out = self.midlayer(self.embed_tokens(fb.input_ids), hidden, fb, self.rotary.lookup(fb.positions))
+        return self.norm(out), out
+
+    def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().finalize(device, dtype)
+        if self.owns_lm_head:
+            self.token_map = torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def param_name(self, ckpt_name: str) -> str | None:
+        if ckpt_name in ("t2d", "embed_tokens.weight"):  # t2d: unused; embedding: the target's
+            return None
+        if not self.owns_lm_head and ckpt_name in ("lm_head.weight", "d2t"):
+            return None  # no draft_vocab_size: the target's head is used (the loader logs it)
+        return ckpt_name
