@@ -38,12 +38,13 @@ __all__ = ["ConfigError", "CheckContext", "build_parser", "parse_config", "check
            "IMPLEMENTED_FLAGS"]
 
 # Implementation gates: the engine adds a name here in the same change that makes it work.
-IMPLEMENTED_SPEC_ALGORITHMS: frozenset[str] = frozenset({"NGRAM", "STANDALONE"})
+IMPLEMENTED_SPEC_ALGORITHMS: frozenset[str] = frozenset({"NGRAM", "STANDALONE", "EAGLE", "EAGLE3"})
 IMPLEMENTED_FLAGS: frozenset[str] = frozenset()
 _GATED_FLAGS: dict[str, Callable[[Config], bool]] = {
     "--enable-torch-compile": lambda c: c.runner.enable_torch_compile,
     "--enable-multi-layer-eagle": lambda c: c.spec.enable_multi_layer_eagle,
     "--attention-backend triton": lambda c: c.runner.attention_backend == "triton",
+    "--speculative-draft-attention-backend triton": lambda c: c.spec.draft_attention_backend == "triton",
     "--schedule-policy lpm": lambda c: c.scheduler.schedule_policy == "lpm",
 }
 
@@ -190,7 +191,9 @@ def _add_draft_tree(g: argparse._ArgumentGroup) -> None:
                    default=_P.accept_threshold_acc,
                    help="accumulated acceptance threshold (< 1.0 is lossy)")
     g.add_argument("--speculative-attention-mode", default=_P.attention_mode,
-                   choices=("prefill", "decode"), help="attention mode for speculative operations")
+                   choices=("prefill", "decode"),
+                   help="attention mode for speculative operations (the torch backend runs verify "
+                        "and draft extend with one kernel in either mode)")
 
 
 def _add_ngram(p: argparse.ArgumentParser) -> None:

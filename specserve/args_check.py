@@ -215,6 +215,9 @@ _DRAFT_ONLY = ("speculative_draft_model_path", "speculative_draft_model_revision
 def warn_ignored_spec_flags(cfg: Config, ctx: CheckContext) -> Config:
     """Flags that do not apply to the chosen algorithm: warned about, never silently dropped."""
     algo = cfg.spec.algorithm
+    if algo == "STANDALONE" and cfg.spec.token_map is not None:
+        raise ConfigError("--speculative-token-map (FR-Spec) is supported for --speculative-algorithm "
+                          "EAGLE only (EAGLE-2 heads and MTP layers)")
     if algo == "EAGLE3" and cfg.spec.token_map is not None:
         logger.warning("--speculative-token-map is ignored for EAGLE3: EAGLE3 models already "
                        "have a draft vocabulary")

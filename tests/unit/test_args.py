@@ -318,6 +318,19 @@ def test_token_map_ignored_for_eagle3(implemented: None, caplog: pytest.LogCaptu
             "vocabulary") in caplog.text
 
 
+def test_token_map_is_refused_for_standalone(implemented: None) -> None:
+    assert error_of("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
+                    "--speculative-token-map", "freq.pt") == (
+        "--speculative-token-map (FR-Spec) is supported for --speculative-algorithm EAGLE only "
+        "(EAGLE-2 heads and MTP layers)")
+
+
+def test_triton_draft_attention_backend_is_gated() -> None:
+    assert error_of(*EAGLE, "--speculative-draft-attention-backend", "triton") == (
+        "--speculative-draft-attention-backend triton is not implemented yet")
+    assert cfg(*EAGLE, "--speculative-draft-attention-backend", "torch").spec.draft_attention_backend == "torch"
+
+
 def test_lossy_threshold_warns(implemented: None, caplog: pytest.LogCaptureFixture) -> None:
     cfg(*EAGLE, "--speculative-accept-threshold-single", "0.5")
     assert "verification is no longer lossless" in caplog.text
@@ -399,12 +412,10 @@ def test_invalid_env_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -
 
 # ---- implementation gate ------------------------------------------------------------------
 
-@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3", "NEXTN"])
-def test_unimplemented_algorithm_fails(algo: str) -> None:
-    shown = "EAGLE" if algo == "NEXTN" else algo
-    assert error_of("--speculative-algorithm", algo, "--speculative-draft-model-path", "d") == (
-        f"speculative algorithm {shown} is not implemented yet in this version of specserve "
-        "(implemented: NGRAM, STANDALONE)")
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"])
+def test_every_algorithm_is_implemented(algo: str) -> None:
+    assert cfg("--speculative-algorithm", algo, "--speculative-draft-model-path", "d").spec.algorithm \
+        == ("EAGLE" if algo == "NEXTN" else algo)
 
 
 def test_gate_lists_what_is_implemented(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,201 @@
+"""EAGLE-2, EAGLE-3, MTP and FR-Spec through the real engine.
+
+* Greedy output is token-identical to plain decoding for every draft layout, at topk 1
+  and > 1, batch 1 and 8 (tiny random targets with random heads).
+* The wiring is right: drafts built to predict the target perfectly (perfect_draft.py)
+  reach an accept length near num_steps + 1, and shifting the feature/token pairing by
+  one position collapses it.
+* The draft extend pairs the target's feature at position p with token p+1, also across
+  chunked prefill and verify steps (checked against a plain target forward).
+"""
+from __future__ import annotations
+
+import random
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.spec import eagle as eagle_mod
+from tests.unit import perfect_draft as pd
+from tests.unit.draft_ckpt import add_mtp_deepseek, add_mtp_mimo, save_eagle2, save_eagle3
+from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from tests.unit.model_utils import BareRunner, save_tiny_hf
+
+pytestmark = pytest.mark.slow
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+TREES = {"chain": (3, 1, 4), "tree": (3, 2, 6)}
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+def _engine(target, smollm2_dir, **flags) -> Engine:
+    return Engine(str(target), tokenizer_path=str(smollm2_dir), log_level="warning", **flags)
+
+
+def _spec_flags(algo: str, draft, tree: str) -> dict:
+    steps, topk, n = TREES[tree]
+    flags = {"speculative_algorithm": algo, "speculative_num_steps": steps,
+             "speculative_eagle_topk": topk, "speculative_num_draft_tokens": n}
+    if draft is not None:
+        flags["speculative_draft_model_path"] = str(draft)
+    return flags
+
+
+def _clean(engine: Engine) -> None:
+    assert not engine.scheduler.has_work
+    engine.scheduler.kv.flush_cache()
+    engine.scheduler.kv.assert_no_leak()
+
+
+def _run(engine: Engine, prompts: list[list[int]], params=GREEDY) -> list[dict]:
+    out = engine.generate(input_ids=prompts, sampling_params=params)
+    _clean(engine)
+    return out
+
+
+# ---- random heads: lossless ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama target (SmolLM2's vocabulary), its plain greedy outputs and heads."""
+    root = tmp_path_factory.mktemp("eagle")
+    target = save_tiny_hf("llama", root / "target", vocab_size=49152, max_position_embeddings=1024,
+                          num_hidden_layers=4)
+    prompts = _prompts(8)
+    ref = [o["output_ids"] for o in _run(_engine(target, smollm2_dir), prompts)]
+    heads = {
+        "EAGLE": save_eagle2(root / "eagle2", target, bias=True),
+        "EAGLE-nobias-2layers": save_eagle2(root / "eagle2b", target, bias=False, num_layers=2),
+        "EAGLE3": save_eagle3(root / "eagle3", target, draft_vocab=4096),
+        "EAGLE3-trainer-layout": save_eagle3(root / "eagle3t", target, draft_vocab=4096,
+                                             architecture="LlamaForCausalLM"),
+    }
+    return target, prompts, ref, heads
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+@pytest.mark.parametrize("head", ["EAGLE", "EAGLE-nobias-2layers", "EAGLE3", "EAGLE3-trainer-layout"])
+def test_random_heads_are_lossless(tiny, smollm2_dir, head, tree):
+    target, prompts, ref, heads = tiny
+    algo = "EAGLE3" if head.startswith("EAGLE3") else "EAGLE"
+    engine = _engine(target, smollm2_dir, **_spec_flags(algo, heads[head], tree))
+    assert [o["output_ids"] for o in _run(engine, prompts)] == ref  # batch 8
+    assert _run(engine, prompts[:1])[0]["output_ids"] == ref[0]  # batch 1
+
+
+def test_fr_spec_token_map_is_lossless(tiny, smollm2_dir, tmp_path):
+    target, prompts, ref, heads = tiny
+    ids = list(range(0, 49152, 7))  # a "frequent" subset
+    torch.save(ids, tmp_path / "freq.pt")
+    engine = _engine(target, smollm2_dir, speculative_token_map=str(tmp_path / "freq.pt"),
+                     **_spec_flags("EAGLE", heads["EAGLE"], "tree"))
+    assert [o["output_ids"] for o in _run(engine, prompts)] == ref
+    drafted = engine.scheduler.spec.proposer.model.token_map
+    assert drafted is not None and drafted.tolist() == ids
+
+
+@pytest.mark.parametrize("layout", ["deepseek", "mimo"])
+def test_mtp_layers_draft_without_a_draft_path(tmp_path, smollm2_dir, layout):
+    target = save_tiny_hf("qwen2" if layout == "mimo" else "llama", tmp_path / "t", vocab_size=49152,
+                          max_position_embeddings=1024)
+    prompts = _prompts(8, seed=1)
+    ref = [o["output_ids"] for o in _run(_engine(target, smollm2_dir), prompts)]
+    (add_mtp_mimo if layout == "mimo" else add_mtp_deepseek)(target)
+    for algo, tree in (("NEXTN", "chain"), ("EAGLE", "tree")):
+        engine = _engine(target, smollm2_dir, **_spec_flags(algo, None, tree))
+        assert [o["output_ids"] for o in _run(engine, prompts)] == ref, (algo, tree)
+
+
+# ---- perfect drafts: the wiring ------------------------------------------------------------
+
+PERFECT = ["EAGLE", "EAGLE3", "MTP-deepseek", "MTP-mimo"]
+
+
+def _perfect_engine(kind: str, root, smollm2_dir, tree: str, **flags) -> Engine:
+    target = pd.make_target(root / "target", eagle3=kind == "EAGLE3", mimo=kind == "MTP-mimo")
+    if kind == "EAGLE":
+        spec = _spec_flags("EAGLE", pd.perfect_eagle2(root / "draft", target), tree)
+    elif kind == "EAGLE3":
+        spec = _spec_flags("EAGLE3", pd.perfect_eagle3(root / "draft", target), tree)
+    else:
+        (pd.perfect_mtp_mimo if kind == "MTP-mimo" else pd.perfect_mtp_deepseek)(target)
+        spec = _spec_flags("EAGLE", None, tree)
+    return _engine(target, smollm2_dir, **spec, **flags)
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+@pytest.mark.parametrize("kind", PERFECT)
+def test_a_perfect_draft_is_accepted_to_full_depth(tmp_path, smollm2_dir, kind, tree):
+    engine = _perfect_engine(kind, tmp_path, smollm2_dir, tree)
+    params = {"temperature": 0, "max_new_tokens": 33}  # 1 from prefill + 8 verifies of 4
+    outs = _run(engine, _prompts(4, seed=2), params) + _run(engine, _prompts(1, seed=3), params)
+    lengths = [o["meta_info"]["spec_accept_length"] for o in outs]
+    assert min(lengths) > 3.6, lengths  # the bound is num_steps + 1 = 4
+
+
+def test_shifting_the_pairing_by_one_collapses_acceptance(tmp_path, smollm2_dir, monkeypatch):
+    engine = _perfect_engine("EAGLE", tmp_path, smollm2_dir, "chain")
+    good = _run(engine, _prompts(2, seed=4), {"temperature": 0, "max_new_tokens": 33})
+    assert min(o["meta_info"]["spec_accept_length"] for o in good) > 3.6
+    # pair feature p with token p instead of p+1: the draft now predicts the current token's successor
+    monkeypatch.setattr(eagle_mod, "extend_tokens", lambda ids, start, end: ids[start:end])
+    bad = _run(engine, _prompts(2, seed=4), {"temperature": 0, "max_new_tokens": 33})
+    assert [o["output_ids"] for o in bad] == [o["output_ids"] for o in good]  # still lossless
+    assert max(o["meta_info"]["spec_accept_length"] for o in bad) < 1.5
+
+
+# ---- the draft extend's inputs -------------------------------------------------------------
+
+@pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])
+def test_draft_inputs_follow_the_training_convention(tiny, smollm2_dir, head, monkeypatch):
+    """Extends pair feature p with token p+1 (across prefill chunks and verifies) and cover
+    every committed position once; depth-d tree nodes run at position kv_len + d - 1."""
+    target, prompts, _, heads = tiny
+    engine = _engine(target, smollm2_dir, chunked_prefill_size=7, **_spec_flags(head, heads[head], "tree"))
+    proposer = engine.scheduler.spec.proposer
+    extends, decodes = [], {}  # extends: (positions, ids, features); decodes: kv_len -> positions
+    real_step = proposer._step
+
+    def spy(batch, hidden):
+        if batch.mode.name == "DRAFT_EXTEND":
+            fb = engine.scheduler.runner.forward_batch(batch, engine.scheduler.kv.table.table)
+            extends.append((fb.positions.tolist(), list(batch.input_ids), hidden.clone()))
+        else:
+            for req, pos in zip(batch.reqs, batch.prefix_lens):
+                decodes.setdefault(req.kv_len, set()).add(pos)
+        return real_step(batch, hidden)
+
+    monkeypatch.setattr(proposer, "_step", spy)
+    monkeypatch.setattr(proposer.tree, "step", spy)
+    out = _run(engine, prompts[1:2])[0]
+    seq = prompts[1] + out["output_ids"]
+    expected = _target_features(engine, seq, head)
+    covered = []
+    for positions, ids, feats in extends:
+        for i, p in enumerate(positions):
+            assert ids[i] == seq[p + 1], f"position {p} paired with the wrong token"
+            torch.testing.assert_close(feats[i], expected[p], rtol=1e-4, atol=1e-4)
+            covered.append(p)
+    assert sorted(covered) == list(range(len(seq) - 1))  # each committed position exactly once
+    steps = TREES["tree"][0]
+    assert decodes and all(ps == set(range(k, k + steps - 1)) for k, ps in decodes.items()), decodes
+
+
+def _target_features(engine: Engine, seq: list[int], head: str) -> torch.Tensor:
+    """The target's features for seq[:-1] from one plain extend (no cache, no speculation)."""
+    model = engine.scheduler.runner.model  # its aux_layers are set for EAGLE3 by the proposer
+    runner = BareRunner(model)
+    n = len(seq) - 1
+    slots = runner.slots(n)
+    runner.table.write(0, 0, slots)
+    fb = ForwardBatch(ForwardMode.EXTEND, torch.tensor(seq[:-1]), torch.arange(n), slots,
+                      torch.tensor([0]), [0], [n], runner.table.table, runner.pool, runner.backend,
+                      logit_rows=torch.arange(n))
+    with torch.inference_mode():
+        runner.backend.init_forward_metadata(fb)
+        hidden, aux = model(fb)
+    return hidden if head == "EAGLE" else torch.cat(aux, dim=-1)
