@@ -2,11 +2,15 @@
 
 Greedy, batch size 1 (one prompt after another) or --batch-size B (all prompts in
 batches of B). Prints one summary line per prompt set (tokens/s of each, the ratio, the
-mean accept length and whether outputs were token-identical) and appends JSON lines.
+mean accept length, the time of a plain decode step and of a speculative step, and
+whether outputs were token-identical) and appends JSON lines. `--random-head eagle|eagle3`
+drafts with a random head of the real layout for the target (accept length ~1): what the
+drafting machinery costs per step, before any head is trained.
 """
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 from specserve.bench.prompts import mt_bench_first_turns
@@ -17,8 +21,10 @@ from specserve.bench.repetitive import repetitive_prompts
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench spec")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE"))
-    p.add_argument("--draft", default=None, help="draft model for STANDALONE")
+    p.add_argument("--algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE", "EAGLE", "EAGLE3"))
+    p.add_argument("--draft", default=None, help="draft model (STANDALONE, EAGLE, EAGLE3)")
+    p.add_argument("--random-head", choices=("eagle", "eagle3"), default=None,
+                   help="draft with a random head of this layout, written for the target")
     p.add_argument("--spec-args", default="", help="extra engine flags, e.g. 'speculative_num_draft_tokens=8'")
     p.add_argument("--sets", default="mtbench,repetitive")
     p.add_argument("--num-prompts", type=int, default=10)
@@ -43,10 +49,24 @@ def _run(engine, prompts: list[list[int]], max_new: int, bs: int) -> tuple[float
     return time.perf_counter() - start, outs
 
 
-def _spec_kwargs(args) -> dict:
+def _random_head(args, out_dir: str) -> str:
+    from pathlib import Path
+
+    from specserve.models.draft_layouts import save_eagle2, save_eagle3
+    from specserve.models.loader import read_hf_config
+    from specserve.models.source import resolve_model_dir
+
+    target = resolve_model_dir(args.model)
+    if args.random_head == "eagle":
+        return str(save_eagle2(Path(out_dir) / "eagle2", target, bias=True, scale=0.02))
+    vocab = read_hf_config(target)["vocab_size"]  # SpecForge-style: a draft vocab of at most 32k
+    return str(save_eagle3(Path(out_dir) / "eagle3", target, draft_vocab=min(32000, vocab), scale=0.02))
+
+
+def _spec_kwargs(args, draft: str | None) -> dict:
     kw = {"speculative_algorithm": args.algorithm}
-    if args.draft:
-        kw["speculative_draft_model_path"] = args.draft
+    if draft:
+        kw["speculative_draft_model_path"] = draft
     for item in filter(None, args.spec_args.split(",")):
         key, value = item.split("=")
         kw[key.strip()] = value.strip()
@@ -60,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(device=args.device, dtype=args.dtype, log_level="warning",
                   max_total_tokens=args.max_total_tokens)
     plain = Engine(args.model, **common)
-    spec = Engine(args.model, **common, **_spec_kwargs(args))
+    with tempfile.TemporaryDirectory() as tmp:
+        draft = _random_head(args, tmp) if args.random_head else args.draft
+        spec = Engine(args.model, **common, **_spec_kwargs(args, draft))
     sets = {"mtbench": mt_bench_first_turns, "repetitive": repetitive_prompts}
     for name in args.sets.split(","):
         texts = sets[name](args.num_prompts)
@@ -76,11 +98,14 @@ def main(argv: list[str] | None = None) -> int:
                "num_prompts": len(prompts), "plain_tok_s": n_plain / plain_s, "spec_tok_s": n_spec / spec_s,
                "speedup": (n_spec / spec_s) / (n_plain / plain_s),
                "accept_length": (n_spec - len(prompts)) / max(verifies, 1),
-               "identical_outputs": same, "spec_args": args.spec_args}
+               # per batch step, prefill included: decode-step cost vs draft + verify cost
+               "plain_step_ms": 1e3 * plain_s / max(n_plain / args.batch_size, 1),
+               "spec_step_ms": 1e3 * spec_s / max(verifies / args.batch_size, 1),
+               "identical_outputs": same, "spec_args": args.spec_args, "random_head": args.random_head}
         report(f"spec[{name}] {args.algorithm}: plain {row['plain_tok_s']:.1f} tok/s, spec "
                f"{row['spec_tok_s']:.1f} tok/s, speedup {row['speedup']:.2f}x, accept len "
-               f"{row['accept_length']:.2f}, {same}/{len(prompts)} identical ({row['device']}, "
-               f"bs={args.batch_size})", row, args.output)
+               f"{row['accept_length']:.2f}, step {row['plain_step_ms']:.2f} -> {row['spec_step_ms']:.2f} ms, "
+               f"{same}/{len(prompts)} identical ({row['device']}, bs={args.batch_size})", row, args.output)
     return 0
 
 

@@ -23,7 +23,7 @@ from specserve.models.loader import load_model
 from specserve.models.mtp import DeepseekNextN, MiMoMTP, has_mtp_layers
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
-from tests.unit.draft_ckpt import (add_mtp_deepseek, add_mtp_mimo, read_tensors, save_eagle2,
+from specserve.models.draft_layouts import (add_mtp_deepseek, add_mtp_mimo, read_tensors, save_eagle2,
                                    save_eagle3)
 from tests.unit.model_utils import BareRunner, save_tiny_hf
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import Engine
+from specserve.models.draft_layouts import save_eagle2, save_eagle3
 from tests.unit.model_utils import save_tiny_hf
 
 pytestmark = pytest.mark.slow
@@ -98,6 +99,19 @@ def test_standalone_with_a_random_draft_is_still_exact(smollm2_dir, reference, t
                     speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
     results = _check(engine, reference, batch_sizes=(8,))
     assert all(r["meta_info"]["spec_accept_length"] < 1.5 for r in results)
+
+
+@pytest.mark.parametrize("algo,steps,topk,n", [("EAGLE", 3, 1, 4), ("EAGLE3", 3, 2, 6)])
+def test_eagle_heads_on_smollm2_are_exact(smollm2_dir, reference, tmp_path, algo, steps, topk, n):
+    """Random heads of the real layout and size (EAGLE-3 with a 32k draft vocabulary)."""
+    if algo == "EAGLE":
+        head = save_eagle2(tmp_path / "head", smollm2_dir, bias=True, scale=0.02)
+    else:
+        head = save_eagle3(tmp_path / "head", smollm2_dir, draft_vocab=32000, scale=0.02)
+    engine = Engine(str(smollm2_dir), log_level="warning", speculative_algorithm=algo,
+                    speculative_draft_model_path=str(head), speculative_num_steps=steps,
+                    speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+    _check(engine, reference)
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(smollm2_dir):

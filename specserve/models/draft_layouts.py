@@ -1,9 +1,10 @@
-"""Test helpers: synthetic EAGLE-2 / EAGLE-3 / MTP checkpoints next to a tiny target.
+"""Random EAGLE-2 / EAGLE-3 / MTP checkpoints in the published layouts, next to a target.
 
 The tensor names and config fields are exactly the published ones (the internals note,
-section 3), with tiny random tensors: norms are 1 + noise and biases non-zero, so a
-tensor loaded into the wrong place changes the outputs. Targets come from
-`model_utils.save_tiny_hf`.
+section 3). Tensors are random: weights N(0, scale^2), norms 1 + noise and biases
+non-zero, so a tensor loaded into the wrong place changes the outputs. Tests build their
+synthetic drafts here; `specserve bench spec --random-head` measures what the drafting
+machinery costs per step with a head of the real layout and size.
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from safetensors.torch import save_file
 class _Gen:
     """Random tensors from one seeded generator."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, scale: float = 0.1) -> None:
         self.g = torch.Generator().manual_seed(seed)
+        self.scale = scale
 
     def weight(self, *shape: int) -> torch.Tensor:
-        return 0.1 * torch.randn(*shape, generator=self.g)
+        return self.scale * torch.randn(*shape, generator=self.g)
 
     def norm(self, dim: int) -> torch.Tensor:
         return 1 + 0.1 * torch.randn(dim, generator=self.g)
@@ -85,13 +87,13 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def save_eagle2(path: Path, target_dir: Path, bias: bool, num_layers: int = 1,
-                architecture: str = "LlamaForCausalLMEagle", seed: int = 0) -> Path:
+                architecture: str = "LlamaForCausalLMEagle", seed: int = 0, scale: float = 0.1) -> Path:
     """cnets1 layout: fc (+ fc.bias iff bias), layers.{i}.*, no layers.0.input_layernorm,
     no final norm, no lm_head; config "bias": false when there is no fc.bias."""
     cfg = _config(target_dir) | {"architectures": [architecture], "num_hidden_layers": num_layers}
     if not bias:
         cfg["bias"] = False
-    g, h = _Gen(seed), cfg["hidden_size"]
+    g, h = _Gen(seed, scale), cfg["hidden_size"]
     t = {"fc.weight": g.weight(h, 2 * h)} | ({"fc.bias": g.weight(h)} if bias else {})
     for i in range(num_layers):
         t |= _decoder_layer(f"layers.{i}.", cfg, g, input_norm=i > 0)
@@ -99,12 +101,12 @@ def save_eagle2(path: Path, target_dir: Path, bias: bool, num_layers: int = 1,
 
 
 def save_eagle3(path: Path, target_dir: Path, draft_vocab: int | None, aux_ids: list[int] | None = None,
-                architecture: str = "LlamaForCausalLMEagle3", seed: int = 0) -> Path:
+                architecture: str = "LlamaForCausalLMEagle3", seed: int = 0, scale: float = 0.1) -> Path:
     """cnets layout: the 15 tensors (fc, midlayer.*, norm, lm_head [draft_vocab, H], d2t
     int64 offsets, t2d bool); without draft_vocab no lm_head / d2t / t2d and no
     `draft_vocab_size`. aux_ids -> eagle_config.eagle_aux_hidden_state_layer_ids."""
     cfg = _config(target_dir) | {"architectures": [architecture], "num_hidden_layers": 1}
-    vocab, g, h = cfg["vocab_size"], _Gen(seed), cfg["hidden_size"]
+    vocab, g, h = cfg["vocab_size"], _Gen(seed, scale), cfg["hidden_size"]
     if draft_vocab is not None:
         cfg["draft_vocab_size"] = draft_vocab
     if aux_ids is not None:
