@@ -94,6 +94,7 @@ def test_fr_spec_token_map_is_lossless(tiny, smollm2_dir, tmp_path):
     engine = _engine(target, smollm2_dir, speculative_token_map=str(tmp_path / "freq.pt"),
                      **_spec_flags("EAGLE", heads["EAGLE"], "tree"))
     assert [o["output_ids"] for o in _run(engine, prompts)] == ref
+    assert _run(engine, prompts[:1])[0]["output_ids"] == ref[0]
     drafted = engine.scheduler.spec.proposer.model.token_map
     assert drafted is not None and drafted.tolist() == ids
 
@@ -108,6 +109,7 @@ def test_mtp_layers_draft_without_a_draft_path(tmp_path, smollm2_dir, layout):
     for algo, tree in (("NEXTN", "chain"), ("EAGLE", "tree")):
         engine = _engine(target, smollm2_dir, **_spec_flags(algo, None, tree))
         assert [o["output_ids"] for o in _run(engine, prompts)] == ref, (algo, tree)
+        assert _run(engine, prompts[-1:])[0]["output_ids"] == ref[-1], (algo, tree)
 
 
 # ---- perfect drafts: the wiring ------------------------------------------------------------
