@@ -4,13 +4,13 @@ from __future__ import annotations
 import sys
 
 BENCHES = {"compare": "specserve.bench.compare", "spec": "specserve.bench.spec_compare",
-           "ngram-cost": "specserve.bench.ngram_cost"}
+           "ngram-cost": "specserve.bench.ngram_cost", "limit": "specserve.bench.limit"}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHES:
         names = ", ".join(BENCHES)
-        print(f"usage: specserve bench {{{names}}} [args]  (speculative, serving, mtbench, limit: "
+        print(f"usage: specserve bench {{{names}}} [args]  (speculative, serving, mtbench: "
               "not implemented yet)", file=sys.stderr)
         return 2
     import importlib

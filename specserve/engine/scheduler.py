@@ -50,6 +50,7 @@ class Scheduler:
         self.kv = KVManager(self.runner.num_slots, rows, self.context_length + tree_room,
                             self.runner.device, not cfg.cache.disable_radix_cache,
                             prefix_backoff=prefix_backoff(cfg.spec))
+        self.runner.capture_cuda_graphs(self.kv.table.table, self.max_running)
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.spec = make_spec_worker(cfg.spec, self.runner, self.kv, self.eos_ids, self.context_length,
                                      self.runner.model.config.architecture)

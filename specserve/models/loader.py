@@ -69,3 +69,21 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
     logger.info("Loaded %s (%s, %.1fM parameters, %s on %s)", Path(model_dir).name,
                 cfg.architecture, n_params / 1e6, str(dtype).removeprefix("torch."), device)
     return model
+
+
+def random_model(model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+    """The model of `model_dir`'s config.json with random N(0, 0.02) weights, made on the
+    device (no checkpoint): the bandwidth yardstick of `specserve bench limit`."""
+    cfg = LlamaConfig.from_hf(read_hf_config(model_dir))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.finalize(device, dtype)
+    return model.eval().requires_grad_(False)

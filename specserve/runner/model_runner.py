@@ -18,7 +18,8 @@ from specserve.config import CacheConfig, ModelConfig, RunnerConfig
 from specserve.engine.batch import ScheduleBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, pick_dtype, read_hf_config
-from specserve.runner.forward_batch import ForwardBatch
+from specserve.runner.cuda_graph import CudaGraphRunner
+from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger("specserve")
 
@@ -32,19 +33,36 @@ def pick_device(name: str) -> torch.device:
 
 
 def make_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    if name in (None, "torch"):
+    """`name` None: Triton on CUDA (when triton is installed), the torch reference on CPU."""
+    if name is None:
+        name = "triton" if device.type == "cuda" and _has_triton() else "torch"
+    if name == "torch":
         return TorchRefBackend()
-    raise ValueError(f"attention backend {name!r} is not available yet (available: torch)")
+    if name == "triton":
+        from specserve.attention.triton_backend import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"attention backend {name!r} is not available (available: torch, triton)")
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class ModelRunner:
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, cache_cfg: CacheConfig,
-                 runner_cfg: RunnerConfig) -> None:
+                 runner_cfg: RunnerConfig, model: LlamaForCausalLM | None = None) -> None:
+        """`model`: an already built model for `model_dir`'s config (benchmarks with random
+        weights); by default the weights are loaded from `model_dir`."""
         self.device = pick_device(model_cfg.device)
         self.model_dir = Path(model_dir)
         hf = read_hf_config(model_dir)
         self.dtype = pick_dtype(model_cfg.dtype, self.device, hf)
-        self.model = load_model(model_dir, self.dtype, self.device)
+        self.model = model or load_model(model_dir, self.dtype, self.device)
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.context_length = model_cfg.context_length or cfg.max_position_embeddings
@@ -57,9 +75,24 @@ class ModelRunner:
         self.attn_backend_name = runner_cfg.attention_backend
         self.attn_backend = make_backend(runner_cfg.attention_backend, self.device)
         self.feature_mode: str | None = None  # what forward_with_features returns (EAGLE drafts)
-        if self.device.type == "cuda" and not runner_cfg.disable_cuda_graph:
-            logger.warning("CUDA graphs are not implemented yet: decoding runs eagerly "
-                           "(--cuda-graph-max-bs has no effect)")
+        self.graphs: CudaGraphRunner | None = None
+        self.runner_cfg = runner_cfg
+
+    def capture_cuda_graphs(self, req_to_token: torch.Tensor, max_running: int) -> None:
+        """Capture decode graphs (CUDA, unless --disable-cuda-graph) once the table exists."""
+        cfg = self.runner_cfg
+        if self.device.type != "cuda" or cfg.disable_cuda_graph:
+            return
+        if not self.attn_backend.supports_cuda_graph:
+            logger.warning("attention backend %s cannot run in CUDA graphs: decoding runs eagerly",
+                           type(self.attn_backend).__name__)
+            return
+        max_bs = min(cfg.cuda_graph_max_bs or 256, max_running)
+        self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.vocab_size, self.device, max_bs)
+        template = ForwardBatch(ForwardMode.DECODE, *(torch.zeros(1, dtype=torch.int64, device=self.device),) * 4,
+                                [0], [1], req_to_token, self.kv_pool, self.attn_backend)
+        with torch.inference_mode():
+            self.graphs.capture(template)
 
     def _kv_budget(self, cache_cfg: CacheConfig) -> int:
         cfg = self.model.config
@@ -129,6 +162,8 @@ class ModelRunner:
     def forward_with_features(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's logits as `forward`, plus features [T, F] of every new token (None
         unless `capture_features` was called)."""
+        if self.graphs is not None and fb.attn_backend is self.attn_backend and self.graphs.can_run(fb):
+            return self.graphs.replay(fb), None  # only plain decode is captured: no features there
         fb.attn_backend.init_forward_metadata(fb)
         hidden, aux = self.model(fb)
         logits = self.model.compute_logits(hidden[fb.logit_rows])
@@ -141,6 +176,9 @@ class ModelRunner:
         """Run the model (or a draft model sharing this runner's table); return float32
         logits [len(fb.logit_rows), vocab]."""
         model = model or self.model
+        if model is self.model and self.graphs is not None and fb.attn_backend is self.attn_backend \
+                and self.graphs.can_run(fb):
+            return self.graphs.replay(fb)
         fb.attn_backend.init_forward_metadata(fb)
         hidden, _ = model(fb)
         return model.compute_logits(hidden[fb.logit_rows])
