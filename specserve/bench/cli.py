@@ -4,13 +4,14 @@ from __future__ import annotations
 import sys
 
 BENCHES = {"compare": "specserve.bench.compare", "spec": "specserve.bench.spec_compare",
-           "ngram-cost": "specserve.bench.ngram_cost", "limit": "specserve.bench.limit"}
+           "ngram-cost": "specserve.bench.ngram_cost", "limit": "specserve.bench.limit",
+           "speculative": "specserve.bench.speculative"}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHES:
         names = ", ".join(BENCHES)
-        print(f"usage: specserve bench {{{names}}} [args]  (speculative, serving, mtbench: "
+        print(f"usage: specserve bench {{{names}}} [args]  (serving, mtbench: "
               "not implemented yet)", file=sys.stderr)
         return 2
     import importlib

@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(engine, prompts: list[list[int]], max_new: int, bs: int) -> tuple[float, list[dict]]:
     params = {"temperature": 0, "max_new_tokens": max_new}
-    engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})  # warm-up
+    warm = engine.tokenizer.encode_chat([{"role": "user", "content": "Say hello."}])
+    engine.generate(input_ids=warm, sampling_params={**params, "max_new_tokens": 8})  # not a benchmark prompt
     engine.scheduler.kv.flush_cache()
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), bs):
