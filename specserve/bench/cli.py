@@ -5,13 +5,13 @@ import sys
 
 BENCHES = {"compare": "specserve.bench.compare", "spec": "specserve.bench.spec_compare",
            "ngram-cost": "specserve.bench.ngram_cost", "limit": "specserve.bench.limit",
-           "speculative": "specserve.bench.speculative"}
+           "speculative": "specserve.bench.speculative", "serving": "specserve.bench.serving"}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHES:
         names = ", ".join(BENCHES)
-        print(f"usage: specserve bench {{{names}}} [args]  (serving, mtbench: "
+        print(f"usage: specserve bench {{{names}}} [args]  (mtbench: "
               "not implemented yet)", file=sys.stderr)
         return 2
     import importlib
