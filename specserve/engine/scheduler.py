@@ -25,6 +25,7 @@ from specserve.engine.metrics import SchedulerStats
 from specserve.engine.output import commit_token, finish_abort, take_output
 from specserve.engine.request import Req
 from specserve.runner.forward_batch import ForwardMode
+from specserve.runner.memory import OOM_ADVICE
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import SampleOutput, sample
 from specserve.server.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
@@ -38,7 +39,20 @@ class Scheduler:
     def __init__(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model_dir, cfg.model, cfg.cache, cfg.runner)
+        try:
+            self._build_device_state(cfg, model_dir, tokenizer)
+        except torch.cuda.OutOfMemoryError as e:
+            raise RuntimeError(f"{OOM_ADVICE} ({str(e).splitlines()[0]})") from None
+        self.rng = random.Random(cfg.scheduler.random_seed)
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []
+        self.running: list[Req] = []
+        self.stats = SchedulerStats()
+
+    def _build_device_state(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
+        """Model, KV memory, speculative worker and CUDA graphs: everything that allocates on the device."""
+        self.runner = ModelRunner(model_dir, cfg.model, cfg.cache, cfg.runner, spec_algorithm=cfg.spec.algorithm,
+                                  chunked_prefill_size=cfg.scheduler.chunked_prefill_size)
         self.context_length = self.runner.context_length
         sc = cfg.scheduler
         self.max_running = sc.max_running_requests or (256 if self.runner.device.type == "cuda" else 128)
@@ -50,15 +64,10 @@ class Scheduler:
         self.kv = KVManager(self.runner.num_slots, rows, self.context_length + tree_room,
                             self.runner.device, not cfg.cache.disable_radix_cache,
                             prefix_backoff=prefix_backoff(cfg.spec))
-        self.runner.capture_cuda_graphs(self.kv.table.table, self.max_running)
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.spec = make_spec_worker(cfg.spec, self.runner, self.kv, self.eos_ids, self.context_length,
                                      self.runner.model.config.architecture)
-        self.rng = random.Random(sc.random_seed)
-        self.waiting: deque[Req] = deque()
-        self.prefilling: list[Req] = []
-        self.running: list[Req] = []
-        self.stats = SchedulerStats()
+        self.runner.capture_cuda_graphs(self.kv.table.table, self.max_running)
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, g: GenerateReq) -> list[TokenOut]:

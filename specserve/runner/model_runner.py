@@ -20,6 +20,7 @@ from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, pick_dtype, read_hf_config
 from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.runner.memory import OOM_ADVICE, auto_mem_fraction
 
 logger = logging.getLogger("specserve")
 
@@ -55,9 +56,12 @@ def _has_triton() -> bool:
 
 class ModelRunner:
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, cache_cfg: CacheConfig,
-                 runner_cfg: RunnerConfig, model: LlamaForCausalLM | None = None) -> None:
+                 runner_cfg: RunnerConfig, model: LlamaForCausalLM | None = None,
+                 spec_algorithm: str | None = None, chunked_prefill_size: int | None = None) -> None:
         """`model`: an already built model for `model_dir`'s config (benchmarks with random
-        weights); by default the weights are loaded from `model_dir`."""
+        weights); by default the weights are loaded from `model_dir`. The speculative
+        algorithm and chunk size only size the GPU memory headroom (`memory.py`)."""
+        self.spec_algorithm, self.chunked_prefill_size = spec_algorithm, chunked_prefill_size
         self.device = pick_device(model_cfg.device)
         self.model_dir = Path(model_dir)
         hf = read_hf_config(model_dir)
@@ -69,6 +73,7 @@ class ModelRunner:
         if self.context_length > cfg.max_position_embeddings:
             raise ValueError(f"--context-length {self.context_length} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
+        self.runner_cfg_max_bs = runner_cfg.cuda_graph_max_bs
         self.num_slots = self._kv_budget(cache_cfg)
         self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device)
@@ -112,17 +117,13 @@ class ModelRunner:
     def _gpu_budget(self, cache_cfg: CacheConfig, per_slot: int) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         fraction = cache_cfg.mem_fraction_static
-        if fraction is None:  # leave room for activations, graphs and a draft model
-            reserve = max(2 << 30, int(0.1 * total))
-            usable = free - reserve
-        else:
-            used = total - free
-            usable = int(total * fraction) - used
+        if fraction is None:
+            fraction = auto_mem_fraction(total, self.chunked_prefill_size, self.runner_cfg_max_bs,
+                                         self.spec_algorithm)
+        usable = int(total * fraction) - (total - free)  # what the weights left of the fraction
         if usable <= per_slot * 256:
-            raise RuntimeError(
-                "not enough GPU memory for the KV cache after loading weights: lower "
-                "--mem-fraction-static's headroom, use --max-total-tokens, a smaller "
-                "--cuda-graph-max-bs or --max-running-requests (see the OOM section of the docs)")
+            raise RuntimeError(f"not enough GPU memory for the KV cache after loading weights "
+                               f"(--mem-fraction-static {fraction:.3f}): {OOM_ADVICE}")
         return usable // per_slot
 
     def forward_batch(self, batch: ScheduleBatch, req_to_token: torch.Tensor,

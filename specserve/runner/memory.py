@@ -1,0 +1,31 @@
+"""GPU memory sizing: SGLang's automatic --mem-fraction-static and its OOM advice.
+
+The KV cache takes what is left of `total * mem_fraction_static` once the weights are
+loaded. When the fraction is omitted it is computed as SGLang does (internals note 2.5):
+headroom for activations (by chunked-prefill size), CUDA graphs (by their max batch
+size), at least 10 GB on large GPUs, and more for a draft model: the draft's weights and
+its KV pool (same slot count, its own layers) must fit in that headroom.
+"""
+from __future__ import annotations
+
+MB = 1 << 20
+
+OOM_ADVICE = (
+    "out of GPU memory at start-up; try, in this order: a lower --mem-fraction-static, a smaller "
+    "--cuda-graph-max-bs, a smaller draft tree (--speculative-num-steps / --speculative-eagle-topk / "
+    "--speculative-num-draft-tokens), a lower --max-running-requests (or set --max-total-tokens)"
+)
+
+
+def auto_mem_fraction(total_bytes: int, chunked_prefill_size: int | None, cuda_graph_max_bs: int | None,
+                      spec_algorithm: str | None) -> float:
+    """The fraction of GPU memory for weights + KV cache when --mem-fraction-static is omitted."""
+    total_mb = total_bytes / MB
+    reserved = 512 + max(chunked_prefill_size or 0, 2048) * 1.5 + (cuda_graph_max_bs or 256) * 2
+    if total_mb > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    if spec_algorithm == "STANDALONE":
+        reserved += 6 * 1024  # a whole draft LLM
+    elif spec_algorithm not in (None, "NGRAM"):
+        reserved += 2 * 1024  # EAGLE heads, their KV and graphs
+    return (total_mb - reserved) / total_mb
