@@ -1,0 +1,153 @@
+"""The Triton attention backend: the reference backend's semantics in two kernels.
+
+Owns per-forward metadata (`TritonMeta`, built once per forward from the host-side lists
+of the ForwardBatch, with no device->host sync) and the CUDA-graph static buffers for
+DECODE. The kernels live in `triton_decode.py` (one query per request, split-KV) and
+`triton_extend.py` (ragged queries, causal or custom mask); both are imported on first
+construction, so this package imports without triton installed.
+
+Which kernel: the decode kernel whenever every request has exactly one new token and no
+custom mask (DECODE, and one-token EXTEND / DRAFT_EXTEND batches); the extend kernel
+otherwise (EXTEND, DRAFT_EXTEND, VERIFY).
+
+CUDA graphs (DECODE only). `init_cuda_graph_state(max_bs, 1)` allocates the static
+seq_lens [max_bs] int32; capture and replay point `fb.attn_meta` at its first `bs`
+entries and read req_rows straight from the caller's static `fb.req_rows`. Padding
+convention: the caller pads the batch to the captured size with rows of prefix_len 0
+(so seq_len 1), out_slot 0 (the scratch slot) and any valid table row (the graph runner
+repeats the first real row). Such a row attends to the one key at column 0 of that row;
+its output is garbage-but-finite and is dropped. The number of KV splits depends only on
+(batch size, kv heads), so capture and replay launch the same grid.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention.base import AttentionBackend
+from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class TritonMeta:
+    req_rows: torch.Tensor  # [B] int64 rows of req_to_token
+    seq_lens: torch.Tensor | None  # [B] int32 prefix + 1 (decode kernel only)
+    num_splits: int  # decode: KV splits per (request, kv head)
+    # extend kernel only:
+    prefix_lens: torch.Tensor | None = None  # [B] int32
+    extend_lens: torch.Tensor | None = None  # [B] int32
+    q_starts: torch.Tensor | None = None  # [B] int32 first row of request b in the T tokens
+    max_extend: int = 1
+    mask: torch.Tensor | None = None  # flat uint8 custom masks, row-major [n_b, n_b] each
+    mask_indptr: torch.Tensor | None = None  # [B] int64 offset of request b's mask
+
+    @property
+    def is_decode(self) -> bool:
+        return self.prefix_lens is None
+
+
+class TritonBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, device: torch.device | str | None = None, num_kv_splits: int | None = None) -> None:
+        """`device`: where the CUDA-graph buffers live (default: the current CUDA device, else
+        CPU). `num_kv_splits`: fix the decode split count (default: a heuristic, see below)."""
+        from specserve.attention import triton_decode, triton_extend  # imports triton
+
+        self._decode, self._extend = triton_decode, triton_extend
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.num_kv_splits = num_kv_splits
+        self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                         if self.device.type == "cuda" else 1)
+        self._graph_seq_lens: torch.Tensor | None = None
+
+    # -- per forward ------------------------------------------------------------------
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        dev = fb.input_ids.device
+        rows = fb.req_rows.to(dev, non_blocking=True)
+        if fb.custom_masks is None and all(n == 1 for n in fb.extend_lens):
+            seq = _to_device([[p + 1 for p in fb.prefix_lens]], dev)[0]
+            fb.attn_meta = TritonMeta(rows, seq, self._num_splits(fb))
+            return
+        starts = [0]
+        for n in fb.extend_lens[:-1]:
+            starts.append(starts[-1] + n)
+        prefix, extend, q_starts = _to_device([fb.prefix_lens, fb.extend_lens, starts], dev)
+        mask, indptr = _pack_masks(fb, dev) if fb.custom_masks is not None else (None, None)
+        fb.attn_meta = TritonMeta(rows, None, 1, prefix, extend, q_starts, max(fb.extend_lens), mask, indptr)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: ForwardBatch, scale: float) -> torch.Tensor:
+        fb.kv_pool.write(layer_id, fb.out_slots, k, v)
+        m: TritonMeta = fb.attn_meta
+        k_pool, v_pool = fb.kv_pool.k[layer_id], fb.kv_pool.v[layer_id]
+        assert q.shape[1] % k_pool.shape[1] == 0, "query heads must be a multiple of kv heads"
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+        if m.is_decode:
+            self._decode.decode_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
+                                          m.seq_lens, scale, m.num_splits)
+        else:
+            self._extend.extend_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
+                                          m.prefix_lens, m.extend_lens, m.q_starts, m.max_extend,
+                                          scale, m.mask, m.mask_indptr)
+        return out.view(q.shape[0], -1)  # [T, H*D]
+
+    def _num_splits(self, fb: ForwardBatch) -> int:
+        """Split KV until about two programs per SM (1 when the batch alone fills the GPU).
+
+        A function of (batch size, kv heads) only, never of lengths, so a captured graph
+        stays right for every length. Short sequences leave trailing splits empty (cheap)."""
+        if self.num_kv_splits is not None:
+            return self.num_kv_splits
+        programs = fb.batch_size * fb.kv_pool.k[0].shape[1]
+        return max(1, min(self._decode.MAX_SPLITS, -(-2 * self._num_sms // programs)))
+
+    # -- CUDA graphs (DECODE) -------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int) -> None:
+        if max_tokens_per_req != 1:
+            raise NotImplementedError("TritonBackend captures DECODE graphs only (1 token per request)")
+        self._graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+
+    def init_metadata_for_capture(self, fb: ForwardBatch) -> None:
+        self._check_graph_batch(fb)
+        self.init_metadata_for_replay(fb)  # the same static slices, filled with fb's lengths
+
+    def init_metadata_for_replay(self, fb: ForwardBatch) -> None:
+        """Write seq lens (prefix + 1) in place with one copy; fb.req_rows is already static.
+        Runs outside the captured region (it copies from host memory)."""
+        bs = fb.batch_size
+        seq = self._graph_seq_lens[:bs]
+        seq.copy_(torch.tensor([p + 1 for p in fb.prefix_lens], dtype=torch.int32, device="cpu"), non_blocking=True)
+        fb.attn_meta = TritonMeta(fb.req_rows, seq, self._num_splits(fb))
+
+    def _check_graph_batch(self, fb: ForwardBatch) -> None:
+        if self._graph_seq_lens is None:
+            raise RuntimeError("call init_cuda_graph_state before capturing")
+        if fb.mode != ForwardMode.DECODE or fb.custom_masks is not None or any(n != 1 for n in fb.extend_lens):
+            raise NotImplementedError("TritonBackend captures DECODE graphs only")
+        if fb.batch_size > self._graph_seq_lens.numel():
+            raise ValueError(f"batch {fb.batch_size} exceeds the graph state's max_bs {self._graph_seq_lens.numel()}")
+
+
+def _to_device(lists: list[list[int]], dev: torch.device) -> torch.Tensor:
+    """Host int lists -> one [len(lists), B] int32 tensor on `dev`, in one async copy.
+
+    non_blocking from pageable memory: CUDA stages the bytes before returning, so the
+    temporary may die at once, and no stream sync is issued."""
+    return torch.tensor(lists, dtype=torch.int32, device="cpu").to(dev, non_blocking=True)
+
+
+def _pack_masks(fb: ForwardBatch, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat uint8 of all [n_b, n_b] masks row-major, int64 [B] offsets), like SGLang's mask_indptr."""
+    offsets, total = [], 0
+    for m, n in zip(fb.custom_masks, fb.extend_lens):
+        assert tuple(m.shape) == (n, n), f"custom mask {tuple(m.shape)} for {n} new tokens"
+        offsets.append(total)
+        total += n * n
+    flat = torch.cat([m.reshape(-1).to(dev, non_blocking=True) for m in fb.custom_masks]).to(torch.uint8)
+    return flat, torch.tensor(offsets, dtype=torch.int64, device="cpu").to(dev, non_blocking=True)

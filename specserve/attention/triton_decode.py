@@ -1,0 +1,117 @@
+"""Decode attention: one query token per request against its KV, read through req_to_token.
+
+A program owns (request b, kv head, split): the GROUP query heads that share that kv head
+are one [BLOCK_H, D] block, so each K/V block is loaded once per kv head (GQA). Key
+positions [0, seq_len) are cut into NUM_SPLITS contiguous chunks (flash-decoding): with
+one split the kernel writes the normalised output directly; with more, each split writes
+its normalised partial output and log-sum-exp and `_reduce_kernel` merges them. Lengths
+are read from a device `seq_lens` tensor, so one compiled kernel serves every length and
+the launch grid depends only on (batch, kv heads, splits): safe to capture in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
+                                                online_softmax_step)
+
+BLOCK_N = 64  # keys per loop step
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Out, Lse, qk_scale,
+                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
+                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   STORE_LSE: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(ReqRows + b)
+    # Splits are whole key blocks; short sequences leave the last splits empty.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GROUP
+    heads = kvh * GROUP + offs_h  # the query heads of this kv head
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
+
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    table = ReqToToken + row * stride_tr
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        slots = tl.load(table + offs_n, mask=valid, other=0)
+        k = load_kv_block(K, slots, valid, stride_ks, kvh * stride_kh, offs_d, mask_d)
+        v = load_kv_block(V, slots, valid, stride_vs, kvh * stride_vh, offs_d, mask_d)
+        acc, m_i, l_i = online_softmax_step(q, k, v, valid[None, :], acc, m_i, l_i, qk_scale, PREC)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split writes o = 0, lse = -inf
+    out = Out + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    if STORE_LSE:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _reduce_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                   stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[b, h] = sum_s 2^lse_s o_s / sum_s 2^lse_s (split 0 is never empty)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_S]; empty splits weigh 0
+    o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
+                     req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, num_splits: int) -> None:
+    """out[b] = attention of q[b] over slots req_to_token[req_rows[b], :seq_lens[b]].
+
+    q, out [B, H, D] (last dim contiguous); k_pool, v_pool [slots, kvH, D]; req_rows [B]
+    int64, seq_lens [B] int32 on q's device. Launches without reading any device value.
+    """
+    bsz, heads, dim = q.shape
+    group = heads // k_pool.shape[1]
+    assert req_to_token.stride(1) == 1 and 1 <= num_splits <= MAX_SPLITS
+    bd = block_d(dim)
+    if num_splits == 1:  # write the final output directly; Lse is never dereferenced
+        dst, lse, dst_strides, lse_strides = out, seq_lens, (out.stride(0), out.stride(1), 0), (0, 0)
+    else:  # per call, not per forward: inside a graph capture they come from the graph's pool
+        dst = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
+        dst_strides, lse_strides = dst.stride()[:3], lse.stride()[:2]
+    _decode_kernel[(bsz, k_pool.shape[1], num_splits)](
+        q, k_pool, v_pool, req_to_token, req_rows, seq_lens, dst, lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        req_to_token.stride(0), *dst_strides, *lse_strides,
+        GROUP=group, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
+        BLOCK_D=bd, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, PREC=dot_precision(k_pool.dtype),
+        num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _reduce_kernel[(bsz, heads)](
+            dst, lse, out, *dst_strides, *lse_strides, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim, BLOCK_D=bd,
+            num_warps=4)
