@@ -43,8 +43,6 @@ IMPLEMENTED_FLAGS: frozenset[str] = frozenset()
 _GATED_FLAGS: dict[str, Callable[[Config], bool]] = {
     "--enable-torch-compile": lambda c: c.runner.enable_torch_compile,
     "--enable-multi-layer-eagle": lambda c: c.spec.enable_multi_layer_eagle,
-    "--attention-backend triton": lambda c: c.runner.attention_backend == "triton",
-    "--speculative-draft-attention-backend triton": lambda c: c.spec.draft_attention_backend == "triton",
     "--schedule-policy lpm": lambda c: c.scheduler.schedule_policy == "lpm",
 }
 

@@ -137,7 +137,6 @@ def test_bool_flags_and_plain_values() -> None:
 
 @pytest.mark.parametrize("argv,needle", [
     (["--schedule-policy", "lpm"], "--schedule-policy lpm is not implemented yet"),
-    (["--attention-backend", "triton"], "--attention-backend triton is not implemented yet"),
 ])
 def test_accepted_but_unbuilt_choices_fail_loudly(argv, needle) -> None:
     with pytest.raises(ConfigError, match=needle):
@@ -325,10 +324,10 @@ def test_token_map_is_refused_for_standalone(implemented: None) -> None:
         "(EAGLE-2 heads and MTP layers)")
 
 
-def test_triton_draft_attention_backend_is_gated() -> None:
-    assert error_of(*EAGLE, "--speculative-draft-attention-backend", "triton") == (
-        "--speculative-draft-attention-backend triton is not implemented yet")
-    assert cfg(*EAGLE, "--speculative-draft-attention-backend", "torch").spec.draft_attention_backend == "torch"
+def test_attention_backends_are_accepted() -> None:
+    assert cfg("--attention-backend", "triton").runner.attention_backend == "triton"
+    for name in ("torch", "triton"):
+        assert cfg(*EAGLE, "--speculative-draft-attention-backend", name).spec.draft_attention_backend == name
 
 
 def test_lossy_threshold_warns(implemented: None, caplog: pytest.LogCaptureFixture) -> None:
