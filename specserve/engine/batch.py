@@ -11,7 +11,7 @@ import torch
 
 from specserve.engine.request import Req
 from specserve.runner.forward_batch import ForwardMode
-from specserve.runner.sampler import SamplingBatch
+from specserve.runner.sampler import HostFlags, SamplingBatch
 
 
 @dataclass
@@ -40,20 +40,23 @@ class ScheduleBatch:
 
 
 def sampling_batch(reqs: list[Req], vocab_size: int, device: torch.device) -> SamplingBatch:
-    """Stack the requests' sampling parameters into [B] tensors."""
-    def t(values, dtype=torch.float32):
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    """Stack the requests' sampling parameters into [B] tensors: two host->device copies
+    (floats, ints) and host-side flags, so sampling never syncs to pick its path."""
     ps = [r.params for r in reqs]
     top_k = [p.top_k if p.top_k and p.top_k > 0 else vocab_size for p in ps]
+    floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+                           [p.frequency_penalty for p in ps], [p.presence_penalty for p in ps],
+                           [float(p.greedy) for p in ps]], dtype=torch.float32).to(device, non_blocking=True)
+    ints = torch.tensor([top_k, [r.seed for r in reqs], [len(r.output_ids) for r in reqs]],
+                        dtype=torch.int64).to(device, non_blocking=True)
+    flags = HostFlags(all_greedy=all(p.greedy for p in ps),
+                      has_penalties=any(p.frequency_penalty or p.presence_penalty for p in ps),
+                      needs_sort=any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in ps),
+                      needs_min_p=any(p.min_p > 0 for p in ps))
     return SamplingBatch(
-        temperature=t([p.temperature for p in ps]), greedy=t([p.greedy for p in ps], torch.bool),
-        top_p=t([p.top_p for p in ps]), top_k=t(top_k, torch.int64), min_p=t([p.min_p for p in ps]),
-        freq_penalty=t([p.frequency_penalty for p in ps]),
-        presence_penalty=t([p.presence_penalty for p in ps]),
-        seeds=t([r.seed for r in reqs], torch.int64),
-        counters=t([len(r.output_ids) for r in reqs], torch.int64),
+        temperature=floats[0], top_p=floats[1], min_p=floats[2], freq_penalty=floats[3],
+        presence_penalty=floats[4], greedy=floats[5] > 0, top_k=ints[0], seeds=ints[1], counters=ints[2],
         output_ids=[r.output_ids for r in reqs],
         top_logprobs=max((p.top_logprobs for p in ps if p.logprobs), default=0),
-        want_logprobs=any(p.logprobs for p in ps),
+        want_logprobs=any(p.logprobs for p in ps), flags=flags,
     )

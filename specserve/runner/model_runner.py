@@ -130,7 +130,6 @@ class ModelRunner:
                       kv_pool: KVPool | None = None) -> ForwardBatch:
         """Device tensors for `batch`; `kv_pool` defaults to this runner's (a draft model
         shares the target's table and slots but has a pool of its own)."""
-        dev = self.device
         positions = batch.positions
         if positions is None:
             positions = [p + i for p, n in zip(batch.prefix_lens, batch.extend_lens) for i in range(n)]
@@ -139,15 +138,17 @@ class ModelRunner:
         else:
             ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
             logit_rows = ends[torch.tensor(batch.sample_mask, dtype=torch.bool)]
+        rows = batch.rows or [r.row for r in batch.reqs]
+        # One host->device copy for all five index vectors (each copy is a launch and a wait).
+        parts = [torch.tensor(batch.input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                 batch.out_slots.to(torch.int64), torch.tensor(rows, dtype=torch.int64), logit_rows]
+        ids, pos, slots, req_rows, logit_rows = torch.cat(parts).to(self.device, non_blocking=True) \
+            .split([t.numel() for t in parts])
         return ForwardBatch(
-            mode=batch.mode,
-            input_ids=torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_slots=batch.out_slots.to(dev, non_blocking=True),
-            req_rows=torch.tensor(batch.rows or [r.row for r in batch.reqs], dtype=torch.int64, device=dev),
+            mode=batch.mode, input_ids=ids, positions=pos, out_slots=slots, req_rows=req_rows,
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
             req_to_token=req_to_token, kv_pool=kv_pool or self.kv_pool, attn_backend=self.attn_backend,
-            custom_masks=batch.custom_masks, logit_rows=logit_rows.to(dev),
+            custom_masks=batch.custom_masks, logit_rows=logit_rows,
         )
 
     def capture_features(self, mode: str, aux_layers: tuple[int, ...] = ()) -> None:

@@ -35,6 +35,17 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> to
     return ((h >> 8).float() + 0.5) / float(1 << 24)
 
 
+@dataclass(frozen=True)
+class HostFlags:
+    """Batch-wide decisions known on the host when the batch is built, so that sampling
+    needs no device->host sync to choose its path (on a GPU each would stall the step)."""
+
+    all_greedy: bool
+    has_penalties: bool
+    needs_sort: bool  # some request limits top-k or top-p
+    needs_min_p: bool
+
+
 @dataclass
 class SamplingBatch:
     """Per-request sampling parameters as [B] tensors on the logits' device."""
@@ -51,14 +62,24 @@ class SamplingBatch:
     output_ids: list[list[int]]  # for penalties
     top_logprobs: int = 0  # max over the batch; 0 and want_logprobs False: skip
     want_logprobs: bool = False
+    flags: HostFlags | None = None  # None: decide from the tensors (a sync on GPU)
 
     @property
     def all_greedy(self) -> bool:
-        return bool(self.greedy.all())
+        return self.flags.all_greedy if self.flags else bool(self.greedy.all())
 
     @property
     def has_penalties(self) -> bool:
+        if self.flags:
+            return self.flags.has_penalties
         return bool((self.freq_penalty != 0).any() or (self.presence_penalty != 0).any())
+
+    def needs_sort(self, vocab: int) -> bool:
+        return self.flags.needs_sort if self.flags else bool((self.top_k < vocab).any() | (self.top_p < 1.0).any())
+
+    @property
+    def needs_min_p(self) -> bool:
+        return self.flags.needs_min_p if self.flags else bool((self.min_p > 0).any())
 
 
 @dataclass
@@ -84,7 +105,7 @@ def filter_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     t = torch.where(sb.greedy, 1.0, sb.temperature).clamp_min(1e-5)
     scaled = logits / t[:, None]
     vocab = logits.shape[-1]
-    if bool((sb.top_k < vocab).any() | (sb.top_p < 1.0).any()):
+    if sb.needs_sort(vocab):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         rank = torch.arange(vocab, device=logits.device)[None, :]
@@ -93,7 +114,7 @@ def filter_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         drop |= (probs.cumsum(-1) - probs) >= sb.top_p[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
-    if bool((sb.min_p > 0).any()):
+    if sb.needs_min_p:
         probs = scaled.softmax(-1)
         keep = probs >= sb.min_p[:, None] * probs.max(-1, keepdim=True).values
         scaled = scaled.masked_fill(~keep, float("-inf"))
