@@ -10,7 +10,7 @@ Which kernel: the decode kernel whenever every request has exactly one new token
 custom mask (DECODE, and one-token EXTEND / DRAFT_EXTEND batches); the extend kernel
 otherwise (EXTEND, DRAFT_EXTEND, VERIFY).
 
-CUDA graphs (DECODE only). `init_cuda_graph_state(max_bs, 1)` allocates the static
+CUDA graphs (DECODE; VERIFY is described at `_VerifyBuffers`). `init_cuda_graph_state(max_bs, 1)` allocates the static
 seq_lens [max_bs] int32; capture and replay point `fb.attn_meta` at its first `bs`
 entries and read req_rows straight from the caller's static `fb.req_rows`. Padding
 convention: the caller pads the batch to the captured size with rows of prefix_len 0
@@ -63,6 +63,7 @@ class TritonBackend(AttentionBackend):
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 1)
         self._graph_seq_lens: torch.Tensor | None = None
+        self._verify: _VerifyBuffers | None = None
 
     # -- per forward ------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -107,31 +108,67 @@ class TritonBackend(AttentionBackend):
         programs = fb.batch_size * fb.kv_pool.k[0].shape[1]
         return max(1, min(self._decode.MAX_SPLITS, -(-2 * self._num_sms // programs)))
 
-    # -- CUDA graphs (DECODE) -------------------------------------------------------------
+    # -- CUDA graphs (DECODE; VERIFY with N tokens per request) ---------------------------
     def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int) -> None:
-        if max_tokens_per_req != 1:
-            raise NotImplementedError("TritonBackend captures DECODE graphs only (1 token per request)")
-        self._graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        """Static buffers for graphs of up to max_bs requests. max_tokens_per_req 1: DECODE;
+        N > 1: VERIFY, every request padded to exactly N tree nodes with an [N, N] mask."""
+        dev, n = self.device, max_tokens_per_req
+        if n == 1:
+            self._graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+            return
+        idx = torch.arange(max_bs, dtype=torch.int64, device=dev)
+        self._verify = _VerifyBuffers(
+            n=n, prefix_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            extend_lens=torch.full((max_bs,), n, dtype=torch.int32, device=dev),
+            q_starts=(idx * n).to(torch.int32), mask=torch.ones(max_bs * n * n, dtype=torch.uint8, device=dev),
+            mask_indptr=idx * n * n)
 
     def init_metadata_for_capture(self, fb: ForwardBatch) -> None:
         self._check_graph_batch(fb)
         self.init_metadata_for_replay(fb)  # the same static slices, filled with fb's lengths
 
     def init_metadata_for_replay(self, fb: ForwardBatch) -> None:
-        """Write seq lens (prefix + 1) in place with one copy; fb.req_rows is already static.
-        Runs outside the captured region (it copies from host memory)."""
+        """Write lengths (and VERIFY masks) in place; fb.req_rows is already static. Runs
+        outside the captured region (it copies from host memory)."""
         bs = fb.batch_size
+        if fb.mode == ForwardMode.VERIFY:
+            vb = self._verify
+            prefix = vb.prefix_lens[:bs]
+            prefix.copy_(torch.tensor(fb.prefix_lens, dtype=torch.int32), non_blocking=True)
+            if fb.custom_masks is not None:  # capture runs with full masks (all ones)
+                flat = torch.stack([m.reshape(-1) for m in fb.custom_masks]).to(torch.uint8).reshape(-1)
+                vb.mask[:flat.numel()].copy_(flat, non_blocking=True)
+            fb.attn_meta = TritonMeta(fb.req_rows, None, 1, prefix, vb.extend_lens[:bs], vb.q_starts[:bs], vb.n,
+                                      vb.mask, vb.mask_indptr[:bs])
+            return
         seq = self._graph_seq_lens[:bs]
         seq.copy_(torch.tensor([p + 1 for p in fb.prefix_lens], dtype=torch.int32, device="cpu"), non_blocking=True)
         fb.attn_meta = TritonMeta(fb.req_rows, seq, self._num_splits(fb))
 
     def _check_graph_batch(self, fb: ForwardBatch) -> None:
+        if fb.mode == ForwardMode.VERIFY:
+            if self._verify is None or any(n != self._verify.n for n in fb.extend_lens):
+                raise RuntimeError("VERIFY graphs need init_cuda_graph_state(max_bs, N) and N nodes per request")
+            return
         if self._graph_seq_lens is None:
             raise RuntimeError("call init_cuda_graph_state before capturing")
         if fb.mode != ForwardMode.DECODE or fb.custom_masks is not None or any(n != 1 for n in fb.extend_lens):
-            raise NotImplementedError("TritonBackend captures DECODE graphs only")
+            raise NotImplementedError("TritonBackend captures DECODE and VERIFY graphs only")
         if fb.batch_size > self._graph_seq_lens.numel():
             raise ValueError(f"batch {fb.batch_size} exceeds the graph state's max_bs {self._graph_seq_lens.numel()}")
+
+
+@dataclass
+class _VerifyBuffers:
+    """Static extend-kernel metadata for VERIFY graphs: request b owns query rows
+    [b*n, (b+1)*n) and mask bytes [b*n*n, (b+1)*n*n)."""
+
+    n: int
+    prefix_lens: torch.Tensor  # [max_bs] int32, rewritten per replay
+    extend_lens: torch.Tensor  # [max_bs] int32, all n
+    q_starts: torch.Tensor  # [max_bs] int32
+    mask: torch.Tensor  # [max_bs * n * n] uint8, rewritten per replay
+    mask_indptr: torch.Tensor  # [max_bs] int64
 
 
 def _to_device(lists: list[list[int]], dev: torch.device) -> torch.Tensor:

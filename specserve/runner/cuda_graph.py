@@ -1,21 +1,26 @@
-"""CUDA graphs for decode: one captured forward per batch size, replayed with fresh inputs.
+"""CUDA graphs: one captured forward per (mode, batch size), replayed with fresh inputs.
 
-A small model's eager decode step is bound by kernel launches (hundreds per token), not by
-the GPU. Capturing the whole forward (embedding, layers, attention, LM head) once per
-batch size turns a step into one graph launch. Graphs are keyed by (mode, batch size);
-a batch is padded up to the next captured size. Only DECODE is captured so far.
+A small model's eager step is bound by kernel launches (hundreds per token), not by the
+GPU. Capturing the whole forward (embedding, layers, attention, LM head) once per batch
+size turns a step into one graph launch. Graphs are keyed by (mode, batch size); a batch
+is padded up to the next captured size. Modes:
+  * DECODE: one token per request;
+  * VERIFY (when speculation is on): exactly N tree nodes per request (the caller pads
+    ragged trees to N), with the tree masks and, for EAGLE, the target features.
+Draft-model steps still run eagerly.
 
 Static buffers hold everything a captured forward reads: input ids, positions, output
-slots and table rows of up to `max_bs` requests, plus the attention backend's own
-metadata (`init_cuda_graph_state` / `init_metadata_for_capture` / `..._for_replay`).
-Replay copies a batch into them in place; padded rows decode token 0 at position 0
-into the scratch slot 0, reading one key through the first real row (their outputs are
-dropped). All captures share one memory pool, largest batch first.
+slots and table rows, plus the attention backend's own metadata (`init_cuda_graph_state`
+/ `init_metadata_for_capture` / `..._for_replay`). Replay copies a batch into them in
+place. Padding requests decode token 0 at position 0 into the scratch slot 0, reading
+through the first real row (their outputs are dropped). All captures share one memory
+pool, largest batch first.
 """
 from __future__ import annotations
 
 import bisect
 import logging
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -31,68 +36,107 @@ def capture_sizes(max_bs: int) -> list[int]:
     return [s for s in sizes if s < max_bs] + [max_bs]
 
 
+@dataclass
+class _Static:
+    """One mode's input and output buffers, sized for max_bs requests of `tokens` each."""
+
+    tokens: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor  # padding: slot 0
+    req_rows: torch.Tensor
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
 class CudaGraphRunner:
-    def __init__(self, model, backend, vocab_size: int, device: torch.device, max_bs: int) -> None:
+    def __init__(self, model, backend, vocab_size: int, device: torch.device, max_bs: int,
+                 verify_tokens: int = 0, feature_mode: str | None = None) -> None:
         self.model, self.backend, self.device = model, backend, device
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        n = self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_slots = torch.zeros(n, dtype=torch.int64, device=device)  # padding: slot 0
-        self.req_rows = torch.zeros(n, dtype=torch.int64, device=device)
-        self.logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
-        backend.init_cuda_graph_state(n, 1)
+        self.feature_mode = feature_mode
+        self.static = {ForwardMode.DECODE: self._buffers(1, vocab_size, None)}
+        backend.init_cuda_graph_state(self.max_bs, 1)
+        if verify_tokens > 1:
+            self.static[ForwardMode.VERIFY] = self._buffers(verify_tokens, vocab_size, feature_mode)
+            backend.init_cuda_graph_state(self.max_bs, verify_tokens)
         self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
+    def _buffers(self, tokens: int, vocab: int, feature_mode: str | None) -> _Static:
+        n, dev = self.max_bs * tokens, self.device
+        c = self.model.config
+        width = c.hidden_size * (len(self.model.aux_layers) if feature_mode == "aux" else 1)
+        zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        features = zeros(n, width, dtype=next(self.model.parameters()).dtype) if feature_mode else None
+        return _Static(tokens, zeros(n), zeros(n), zeros(n), zeros(self.max_bs),
+                       zeros(n, vocab, dtype=torch.float32), features)
+
     def capture(self, template: ForwardBatch) -> None:
-        """Capture DECODE for every size; `template` supplies the table and KV pool."""
-        for bs in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph", leave=False):
-            fb = self._static_batch(template, bs, [0] * bs)
+        """Capture every mode at every size; `template` supplies the table and KV pool."""
+        jobs = [(mode, bs) for mode in self.static for bs in sorted(self.sizes, reverse=True)]
+        for mode, bs in tqdm(jobs, desc="Capturing CUDA graphs", unit="graph", leave=False):
+            st = self.static[mode]
+            fb = self._static_batch(template, mode, bs, [0] * bs, None)
             self.backend.init_metadata_for_capture(fb)
             for _ in range(2):  # warm up: compile kernels, settle allocator state
-                self._run(fb, bs)
+                self._run(fb, st, bs)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self._run(fb, bs)
-            self.graphs[(ForwardMode.DECODE, bs)] = graph
+                self._run(fb, st, bs)
+            self.graphs[(mode, bs)] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("Captured CUDA graphs for decode at batch sizes %s", self.sizes)
+        logger.info("Captured CUDA graphs for %s at batch sizes %s",
+                    ", ".join(m.value for m in self.static), self.sizes)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.mode == ForwardMode.DECODE and fb.batch_size <= self.max_bs and fb.logit_rows is not None \
-            and fb.logit_rows.numel() == fb.batch_size
+        st = self.static.get(fb.mode)
+        if st is None or fb.batch_size > self.max_bs or fb.logit_rows is None:
+            return False
+        return all(n == st.tokens for n in fb.extend_lens) and fb.logit_rows.numel() == fb.input_ids.numel()
 
-    def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] of a DECODE batch, through the graph of the next captured size."""
-        b = fb.batch_size
+    def replay(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [T, V], features [T, F] or None) through the graph of the next captured size."""
+        st, b = self.static[fb.mode], fb.batch_size
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
-        self._fill(fb, b, bs)
-        static = self._static_batch(fb, bs, fb.prefix_lens + [0] * (bs - b))
+        self._fill(fb, st, b, bs)
+        masks = None
+        if fb.custom_masks is not None:  # padding requests: a full mask (their rows are dropped)
+            full = torch.ones(st.tokens, st.tokens, dtype=torch.bool)
+            masks = list(fb.custom_masks) + [full] * (bs - b)
+        static = self._static_batch(fb, fb.mode, bs, fb.prefix_lens + [0] * (bs - b), masks)
         self.backend.init_metadata_for_replay(static)
-        self.graphs[(ForwardMode.DECODE, bs)].replay()
-        return self.logits[:b]
+        self.graphs[(fb.mode, bs)].replay()
+        t = b * st.tokens
+        return st.logits[:t], (st.features[:t] if st.features is not None else None)
 
-    def _fill(self, fb: ForwardBatch, b: int, bs: int) -> None:
-        self.input_ids[:b].copy_(fb.input_ids)
-        self.positions[:b].copy_(fb.positions)
-        self.out_slots[:b].copy_(fb.out_slots)
-        self.req_rows[:b].copy_(fb.req_rows)
-        if bs > b:  # padding rows: token 0 at position 0 into slot 0, reading the first real row
-            self.input_ids[b:bs].zero_()
-            self.positions[b:bs].zero_()
-            self.out_slots[b:bs].zero_()
-            self.req_rows[b:bs].copy_(fb.req_rows[:1].expand(bs - b))
+    def _fill(self, fb: ForwardBatch, st: _Static, b: int, bs: int) -> None:
+        t, tp = b * st.tokens, bs * st.tokens
+        st.input_ids[:t].copy_(fb.input_ids)
+        st.positions[:t].copy_(fb.positions)
+        st.out_slots[:t].copy_(fb.out_slots)
+        st.req_rows[:b].copy_(fb.req_rows)
+        if bs > b:  # padding: token 0 at position 0 into slot 0, reading the first real row
+            st.input_ids[t:tp].zero_()
+            st.positions[t:tp].zero_()
+            st.out_slots[t:tp].zero_()
+            st.req_rows[b:bs].copy_(fb.req_rows[:1].expand(bs - b))
 
-    def _static_batch(self, template: ForwardBatch, bs: int, prefix_lens: list[int]) -> ForwardBatch:
+    def _static_batch(self, template: ForwardBatch, mode: ForwardMode, bs: int, prefix_lens: list[int],
+                      masks: list[torch.Tensor] | None) -> ForwardBatch:
+        st = self.static[mode]
+        t = bs * st.tokens
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_slots=self.out_slots[:bs], req_rows=self.req_rows[:bs], prefix_lens=prefix_lens,
-            extend_lens=[1] * bs, req_to_token=template.req_to_token, kv_pool=template.kv_pool,
-            attn_backend=self.backend, logit_rows=None)
+            mode=mode, input_ids=st.input_ids[:t], positions=st.positions[:t], out_slots=st.out_slots[:t],
+            req_rows=st.req_rows[:bs], prefix_lens=prefix_lens, extend_lens=[st.tokens] * bs,
+            req_to_token=template.req_to_token, kv_pool=template.kv_pool, attn_backend=self.backend,
+            custom_masks=masks, logit_rows=None)
 
-    def _run(self, fb: ForwardBatch, bs: int) -> None:
-        hidden, _ = self.model(fb)
-        self.logits[:bs].copy_(self.model.compute_logits(hidden))
+    def _run(self, fb: ForwardBatch, st: _Static, bs: int) -> None:
+        t = bs * st.tokens
+        hidden, aux = self.model(fb)
+        st.logits[:t].copy_(self.model.compute_logits(hidden))
+        if st.features is not None:
+            st.features[:t].copy_(hidden if self.feature_mode == "final" else torch.cat(aux, dim=-1))

@@ -83,8 +83,9 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.runner_cfg = runner_cfg
 
-    def capture_cuda_graphs(self, req_to_token: torch.Tensor, max_running: int) -> None:
-        """Capture decode graphs (CUDA, unless --disable-cuda-graph) once the table exists."""
+    def capture_cuda_graphs(self, req_to_token: torch.Tensor, max_running: int, verify_tokens: int = 0) -> None:
+        """Capture decode graphs, and verify graphs of `verify_tokens` nodes per request when
+        speculating (CUDA, unless --disable-cuda-graph), once the table and draft exist."""
         cfg = self.runner_cfg
         if self.device.type != "cuda" or cfg.disable_cuda_graph:
             return
@@ -93,7 +94,8 @@ class ModelRunner:
                            type(self.attn_backend).__name__)
             return
         max_bs = min(cfg.cuda_graph_max_bs or 256, max_running)
-        self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.vocab_size, self.device, max_bs)
+        self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.vocab_size, self.device, max_bs,
+                                      verify_tokens, self.feature_mode)
         template = ForwardBatch(ForwardMode.DECODE, *(torch.zeros(1, dtype=torch.int64, device=self.device),) * 4,
                                 [0], [1], req_to_token, self.kv_pool, self.attn_backend)
         with torch.inference_mode():
@@ -151,6 +153,12 @@ class ModelRunner:
             custom_masks=batch.custom_masks, logit_rows=logit_rows,
         )
 
+    @property
+    def verify_graph_tokens(self) -> int:
+        """N when VERIFY graphs are captured (verify batches must then have N nodes per request)."""
+        st = self.graphs.static.get(ForwardMode.VERIFY) if self.graphs is not None else None
+        return st.tokens if st is not None else 0
+
     def capture_features(self, mode: str, aux_layers: tuple[int, ...] = ()) -> None:
         """Make forward_with_features return the target's per-token features: "final" (the
         final normed hidden, EAGLE-2 / MTP) or "aux" (residual-stream states captured
@@ -165,7 +173,7 @@ class ModelRunner:
         """The target's logits as `forward`, plus features [T, F] of every new token (None
         unless `capture_features` was called)."""
         if self.graphs is not None and fb.attn_backend is self.attn_backend and self.graphs.can_run(fb):
-            return self.graphs.replay(fb), None  # only plain decode is captured: no features there
+            return self.graphs.replay(fb)
         fb.attn_backend.init_forward_metadata(fb)
         hidden, aux = self.model(fb)
         logits = self.model.compute_logits(hidden[fb.logit_rows])
@@ -180,7 +188,7 @@ class ModelRunner:
         model = model or self.model
         if model is self.model and self.graphs is not None and fb.attn_backend is self.attn_backend \
                 and self.graphs.can_run(fb):
-            return self.graphs.replay(fb)
+            return self.graphs.replay(fb)[0]
         fb.attn_backend.init_forward_metadata(fb)
         hidden, _ = model(fb)
         return model.compute_logits(hidden[fb.logit_rows])

@@ -52,6 +52,16 @@ class Drafts:
         return Drafts.from_lists([[r] + d for r, d in zip(roots, drafts)],
                                  [list(range(-1, len(d))) for d in drafts])
 
+    def padded(self, n: int) -> "Drafts":
+        """The same trees padded to n nodes per request (invalid nodes hanging off the root)."""
+        extra = n - self.num_nodes
+        if extra <= 0:
+            return self
+        bsz = self.batch_size
+        return Drafts(torch.cat([self.tokens, self.tokens.new_zeros(bsz, extra)], 1),
+                      torch.cat([self.parents, self.parents.new_zeros(bsz, extra)], 1),
+                      torch.cat([self.valid, self.valid.new_zeros(bsz, extra)], 1))
+
     def depths(self) -> torch.Tensor:
         """[B, N] int64: the number of ancestors of each node (root 0)."""
         depth = torch.zeros_like(self.parents)

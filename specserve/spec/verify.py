@@ -17,18 +17,23 @@ from specserve.runner.forward_batch import ForwardMode
 from specserve.spec.drafts import Drafts
 
 
-def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor]) -> ScheduleBatch:
-    """The VERIFY batch: request b contributes its valid nodes (a prefix of its row)."""
-    counts = drafts.valid.sum(1).tolist()
+def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor], full: bool = False) -> ScheduleBatch:
+    """The VERIFY batch: request b contributes its valid nodes (a prefix of its row), or
+    with `full` all N nodes (the shape a captured graph needs). Padding nodes hang off the
+    root, no valid node attends to them, and their K/V go to the scratch slot 0."""
+    counts = [drafts.num_nodes] * len(reqs) if full else drafts.valid.sum(1).tolist()
     depth = drafts.depths()
     masks = drafts.tree_mask()
-    ids, positions, custom = [], [], []
+    ids, positions, custom, out_slots = [], [], [], []
     for b, (req, n) in enumerate(zip(reqs, counts)):
-        assert bool(drafts.valid[b, :n].all()), "valid nodes must form a prefix of the row"
+        valid = int(drafts.valid[b].sum())
+        assert bool(drafts.valid[b, :valid].all()), "valid nodes must form a prefix of the row"
         ids += drafts.tokens[b, :n].tolist()
         positions += (req.kv_len + depth[b, :n]).tolist()
         custom.append(masks[b, :n, :n])
-    return ScheduleBatch(ForwardMode.VERIFY, reqs, ids, torch.cat([s[:n] for s, n in zip(slots, counts)]),
+        s = slots[b][:min(n, valid)]
+        out_slots.append(torch.cat([s, s.new_zeros(n - s.numel())]) if n > s.numel() else s)
+    return ScheduleBatch(ForwardMode.VERIFY, reqs, ids, torch.cat(out_slots),
                          [r.kv_len for r in reqs], counts, [True] * len(reqs),
                          positions=positions, custom_masks=custom, all_logits=True)
 

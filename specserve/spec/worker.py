@@ -81,7 +81,10 @@ class SpecWorker:
         for req, s in zip(reqs, slots):
             self.kv.table.write(req.row, req.kv_len, s)
         drafts = self.proposer.propose(reqs, budgets)
-        batch = verify_batch(reqs, drafts, slots)
+        full = self.runner.verify_graph_tokens == self.proposer.max_nodes  # verify runs as a captured graph
+        if full:
+            drafts = drafts.padded(self.proposer.max_nodes)
+        batch = verify_batch(reqs, drafts, slots, full=full)
         fb = self.runner.forward_batch(batch, self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
         logits = pad_rows(logits, batch.extend_lens, drafts.num_nodes)

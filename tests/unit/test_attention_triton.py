@@ -223,3 +223,30 @@ def _tiny_model_logits_match_reference(model) -> None:
         logits.append((extend, decode, verify))
     for got, ref in zip(logits[1], logits[0]):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_verify_graph_hooks_replay_equals_eager():
+    """VERIFY graph state: N nodes per request, masks rewritten per replay, a padding request."""
+    heads, kv_heads, dim, n, bs = 4, 2, 16, 4, 3
+    g = torch.Generator().manual_seed(9)
+    pool = KVPool(NUM_SLOTS, 2, kv_heads, dim, torch.float32, DEV)
+    for t in pool.k + pool.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    backend = TritonBackend(DEV)
+    backend.init_cuda_graph_state(4, n)
+    drafts = Drafts.from_lists([[1, 2, 3, 4], [5, 6]], [[-1, 0, 0, 1], [-1, 0]]).padded(n)
+    masks = [m.to(DEV) for m in drafts.tree_mask()]
+    prefix_lens = [20, 75]
+    table, rows, out_slots = _layout(prefix_lens, [n, n], g)
+    qkv = [torch.randn(2 * n, h, dim, generator=g).to(DEV) for h in (heads, kv_heads, kv_heads)]
+    ref, _ = _run(TritonBackend(DEV), pool, table, rows, out_slots, prefix_lens, [n, n], qkv, masks,
+                  mode=ForwardMode.VERIFY)
+    static_rows = torch.cat([rows, rows[:1]])  # the padding request reads through the first real row
+    ids = torch.zeros(bs * n, dtype=torch.int64, device=DEV)
+    fb = ForwardBatch(ForwardMode.VERIFY, ids, ids, torch.cat([out_slots, ids[:n]]), static_rows,
+                      prefix_lens + [0], [n] * bs, table, pool, backend,
+                      custom_masks=masks + [torch.ones(n, n, dtype=torch.bool, device=DEV)])
+    backend.init_metadata_for_capture(fb)
+    q, k, v = (torch.cat([x, x.new_zeros(n, *x.shape[1:])]) for x in qkv)
+    out = backend.forward(q, k, v, LAYER, fb, dim ** -0.5)
+    torch.testing.assert_close(out[:2 * n], ref, rtol=1e-5, atol=2e-5)

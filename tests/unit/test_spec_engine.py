@@ -145,3 +145,16 @@ def test_seeded_sampling_with_speculation_reproduces_plain_sampling(smollm2_engi
     pen = engine.generate(input_ids=ids, sampling_params={**p, "frequency_penalty": 0.5})
     assert pen["meta_info"]["spec_accept_length"] == pytest.approx(1.0, abs=0.05)  # root-only trees
     _clean(engine)
+
+
+def test_full_verify_batches_are_exact(smollm2_dir, reference, monkeypatch):
+    """With verify graphs every request's tree is padded to N nodes (padding hangs off the
+    root into the scratch slot): forced here on the eager path, NGRAM's ragged trees must
+    still give the plain greedy tokens."""
+    from specserve.runner.model_runner import ModelRunner
+
+    engine = Engine(str(smollm2_dir), log_level="warning", speculative_algorithm="NGRAM",
+                    speculative_num_draft_tokens=8)
+    monkeypatch.setattr(ModelRunner, "verify_graph_tokens", property(lambda self: 8))
+    results = _check(engine, reference)
+    assert results[1]["meta_info"]["spec_accept_length"] > 1.2
