@@ -42,6 +42,7 @@ from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.model_runner import ModelRunner, make_backend
+from specserve.spec.draft_graphs import DraftDecodeGraphs
 from specserve.spec.drafts import Drafts
 from specserve.spec.proposer import Verified
 from specserve.spec.tree_draft import TreeDrafter, top_children
@@ -64,7 +65,7 @@ def extend_tokens(all_ids: list[int], start: int, end: int) -> list[int]:
 
 
 class EagleProposer:
-    def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager) -> None:
+    def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> None:
         self.model = load_draft(_draft_dir(spec, runner), runner.model, spec.algorithm, runner.dtype,
                                 runner.device, _token_map(spec, runner))
         runner.capture_features(self.model.feature_mode, self.model.aux_layers)
@@ -78,6 +79,7 @@ class EagleProposer:
         self.token_map = token_map.to(runner.device) if token_map is not None else None
         self.tree = TreeDrafter(kv, self._step, spec.eagle_topk, spec.num_steps, shift=1, token_map=self.token_map)
         self.roots: dict[str, RootState] = {}
+        self.graphs = self._capture(runner, max_running) if spec.num_steps > 1 else None
 
     # -- request life cycle -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -129,12 +131,24 @@ class EagleProposer:
         tokens, parents = zip(*trees)
         return Drafts.from_lists(list(tokens), list(parents))
 
+    def _capture(self, runner: ModelRunner, max_running: int) -> DraftDecodeGraphs | None:
+        """Draft decode graphs on CUDA (unless --disable-cuda-graph) when the backend can."""
+        if runner.device.type != "cuda" or runner.runner_cfg.disable_cuda_graph \
+                or not self.backend.supports_cuda_graph:
+            return None
+        vocab = self.token_map.numel() if self.token_map is not None else runner.vocab_size
+        with torch.inference_mode():
+            return DraftDecodeGraphs(self.model, self.backend, self.pool, self.kv.table.table,
+                                     max_running * self.topk, vocab)
+
     @torch.inference_mode()
     def _step(self, batch: ScheduleBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward: (logits [R, V_draft], next hidden [R, H]) at the batch's
         logit rows (the last token of each sampled request, or every decode row)."""
         fb = self.runner.forward_batch(batch, self.kv.table.table, kv_pool=self.pool)
         fb.attn_backend = self.backend
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.replay(fb, hidden)
         self.backend.init_forward_metadata(fb)
         h_logits, h_next = self.model(fb, hidden)
         rows = fb.logit_rows

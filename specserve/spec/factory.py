@@ -29,7 +29,7 @@ def prefix_backoff(spec: SpecConfig) -> int:
 
 
 def make_spec_worker(spec: SpecConfig, runner: ModelRunner, kv: KVManager, eos_ids: frozenset[int],
-                     context_length: int, architecture: str) -> SpecWorker | None:
+                     context_length: int, architecture: str, max_running: int) -> SpecWorker | None:
     if not spec.enabled:
         return None
     spec = resolve_spec_defaults(spec, architecture)
@@ -49,7 +49,7 @@ def make_spec_worker(spec: SpecConfig, runner: ModelRunner, kv: KVManager, eos_i
     elif spec.algorithm in EAGLE_FAMILY:
         from specserve.spec.eagle import EagleProposer
 
-        proposer = EagleProposer(spec, runner, kv)
+        proposer = EagleProposer(spec, runner, kv, max_running)
     else:
         raise ValueError(f"speculative algorithm {spec.algorithm} is not implemented yet")
     return SpecWorker(spec, runner, kv, proposer, eos_ids, context_length)
