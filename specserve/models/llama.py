@@ -6,6 +6,11 @@ nothing about serving: it takes a ForwardBatch and returns final hidden states; 
 attention backend named by the batch does the attention. It can also return the
 residual stream at chosen layers (EAGLE-3's auxiliary hidden states).
 
+The residual stream is carried as a pair (h, residual) whose sum is the stream: each
+residual add is deferred into the following norm (`RMSNorm.forward_add`), which on CUDA
+is one fused Triton launch (`specserve.kernels`); the final norm takes the last add. On
+CPU the same adds run in torch, in the same order, so results are unchanged.
+
 MTP layers stored in a trunk's checkpoint (DeepSeek-style `model.layers.{L + i}.*` when
 `num_nextn_predict_layers` > 0, MiMo's `model.mtp_layers.*`) belong to the draft model
 (`mtp.py`): the trunk skips them. The loading helpers at the bottom (q/k/v and gate/up
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve import kernels
 from specserve.models.layers import Linear, RMSNorm
 from specserve.models.rope import RotaryEmbedding, apply_rope
 from specserve.runner.forward_batch import ForwardBatch
@@ -128,7 +134,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if kernels.use_fused(gate_up):
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -142,8 +151,23 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), fb, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """Stream in, stream out: x + attn + mlp (the interface the draft models use)."""
+        h, residual = self.step(x, None, fb, rope)
+        return residual + h
+
+    def step(self, h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
+             rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream entering is h + residual (just h when residual is None); returns
+        (mlp output, residual) whose sum is the stream leaving. Both adds are left to
+        the next norm, which fuses them on CUDA."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        elif isinstance(self.input_layernorm, RMSNorm):
+            x, residual = self.input_layernorm.forward_add(h, residual)
+        else:  # no input norm (EAGLE-1/2 layer 0)
+            residual = x = residual + h
+        x, residual = self.post_attention_layernorm.forward_add(self.self_attn(x, fb, rope), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -169,16 +193,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden [T, hidden] and the aux hidden states [T, hidden] asked for,
         in the order of `self.aux_layers`."""
-        x = self.model.embed_tokens(fb.input_ids)
+        h = self.model.embed_tokens(fb.input_ids)
         rope = self.model.rotary.lookup(fb.positions)
         captured: dict[int, torch.Tensor] = {}
+        residual: torch.Tensor | None = None  # the stream is h + residual (see the module docstring)
         for i, layer in enumerate(self.model.layers):
-            if i in self.aux_layers:
-                captured[i] = x
-            x = layer(x, fb, rope)
+            if i in self.aux_layers:  # one extra add per aux layer; the fused norm keeps no copy
+                captured[i] = h if residual is None else residual + h
+            h, residual = layer.step(h, residual, fb, rope)
+        if residual is None:  # no layers
+            h, residual = self.model.norm(h), h
+        else:
+            h, residual = self.model.norm.forward_add(h, residual)
         if self.config.num_layers in self.aux_layers:
-            captured[self.config.num_layers] = x
-        return self.model.norm(x), [captured[i] for i in self.aux_layers]
+            captured[self.config.num_layers] = residual
+        return h, [captured[i] for i in self.aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

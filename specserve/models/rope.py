@@ -1,6 +1,7 @@
 """Rotary position embeddings (Llama "rotate half" convention) and their scalings.
 
-Owns the cos/sin tables and how positions index them. The frequencies are computed in
+Owns the cos/sin tables and how positions index them (`apply_rope` hands CUDA tensors
+to the fused kernel in `specserve.kernels.rope`). The frequencies are computed in
 float32 exactly as Hugging Face does, so our logits match theirs bit for bit in fp32.
 """
 from __future__ import annotations
@@ -9,6 +10,8 @@ import math
 
 import torch
 from torch import nn
+
+from specserve import kernels
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -61,5 +64,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] (queries and keys together) rotated by (cos, signed sin) [T, 1, D]."""
+    """x [T, heads, D] (queries and keys together) rotated by (cos, signed sin) [T, 1, D].
+    One Triton launch on CUDA (`specserve.kernels`); four elementwise ops otherwise."""
+    if kernels.use_fused(x):
+        return kernels.apply_rope(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -1,0 +1,80 @@
+"""Fused Triton kernels for the model's small per-layer ops, and the switch that picks them.
+
+Owns the decision "fused kernel or torch path" (`use_fused`) and thin entry points that
+import the Triton modules on first call, so this package imports without triton. The
+kernels (`norm.py`, `activation.py`, `rope.py`) replace chains of small elementwise
+launches on CUDA: per decoder layer, add+RMSNorm twice, RoPE once, SiLU*mul once.
+The model files call these only when `use_fused(tensor)` says so; everywhere else
+(CPU) they keep their exact torch path.
+
+The switch: automatic (CUDA tensors and triton importable) unless overridden, first by
+`fused_kernels(enabled)` (a context manager, for tests), then by the environment variable
+SPECSERVE_FUSED_KERNELS=0/1 read at import. Forcing it on for CPU tensors only works
+with TRITON_INTERPRET=1 set before triton is first imported (the tests do this).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+_ENV = os.environ.get("SPECSERVE_FUSED_KERNELS", "").strip()
+_override: bool | None = None if _ENV == "" else _ENV not in ("0", "false", "off")
+_triton_ok: bool | None = None  # cached find_spec("triton")
+
+
+def triton_available() -> bool:
+    global _triton_ok
+    if _triton_ok is None:
+        _triton_ok = importlib.util.find_spec("triton") is not None
+    return _triton_ok
+
+
+def use_fused(t: torch.Tensor) -> bool:
+    """Whether ops on `t` should go through the fused kernels."""
+    if _override is not None:
+        return _override
+    return t.is_cuda and triton_available()
+
+
+@contextmanager
+def fused_kernels(enabled: bool | None) -> Iterator[None]:
+    """Force the fused kernels on (True) or off (False), or restore automatic (None), in a block."""
+    global _override
+    saved, _override = _override, enabled
+    try:
+        yield
+    finally:
+        _override = saved
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., N]; our `RMSNorm` semantics (see norm.py)."""
+    from specserve.kernels import norm
+
+    return norm.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x), residual + x) in one launch; the sum rounded to x's dtype."""
+    from specserve.kernels import norm
+
+    return norm.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+    from specserve.kernels import activation
+
+    return activation.silu_and_mul(gate_up)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by (cos, signed sin) [T, 1, D] from `RotaryEmbedding.lookup`."""
+    from specserve.kernels import rope
+
+    return rope.apply_rope(x, cos, sin)

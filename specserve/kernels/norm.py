@@ -1,0 +1,102 @@
+"""RMSNorm and fused residual-add + RMSNorm: one Triton program per row.
+
+Semantics match `specserve.models.layers.RMSNorm` in structure (not bit for bit: the
+row reduction order differs):
+  fp32:       out = x * rsqrt(mean(x^2) + eps) * w                 (all fp32)
+  half types: out = w * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)
+              (normalise in fp32, round, THEN scale by the half weight: HF's order;
+              the product is rounded once, as torch's elementwise mul does)
+The fused form first computes s = residual + x rounded to x's dtype (what
+`residual + x` gives in torch; both must share a dtype), stores s as the new residual,
+and normalises s.
+
+Rows are the leading dims of x viewed as [A, B, N] (so strided [T, H, D] head slices,
+e.g. Qwen3's q/k norm, need no copy); the last dim must be contiguous. Outputs are new
+contiguous tensors: nothing is written in place, so a caller may keep the old residual
+(EAGLE-3's aux states). One row fits one block: N <= 16384.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_HALF = (torch.float16, torch.bfloat16)
+MAX_N = 16384
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, sx0, sx1, sr0, sr1, N, eps,
+                     HAS_RES: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    i, j = row // n_inner, row % n_inner  # row of x viewed as [A, B, N]
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + i * sx0 + j * sx1 + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_ptr + i * sr0 + j * sr1 + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_out_ptr.dtype.element_ty)  # rounded as torch's `residual + x`
+        tl.store(res_out_ptr + row * N + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HALF:
+        y = (x * rstd).to(x_ptr.dtype.element_ty)
+        out = w * y.to(tl.float32)
+    else:
+        out = x * rstd * w
+    tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """x [..., N] as a [A, B, N] view with a unit last stride (copies only if it must)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 1:
+        return x.view(1, 1, -1)
+    if x.dim() == 2:
+        return x.unsqueeze(1)
+    if x.dim() == 3:
+        return x
+    return x.reshape(-1, 1, x.shape[-1])
+
+
+def _out_dtype(x_dtype: torch.dtype, weight: torch.Tensor) -> torch.dtype:
+    # torch: fp32 -> F.rms_norm(x, w) (fp32); half -> w * y_half (promotes with w's dtype)
+    return torch.promote_types(x_dtype, weight.dtype) if x_dtype in _HALF else x_dtype
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = x.shape[-1]
+    assert n <= MAX_N and weight.shape == (n,), (x.shape, weight.shape)
+    x3 = _as_3d(x)
+    out = torch.empty(x.shape, dtype=_out_dtype(x.dtype, weight), device=x.device)
+    new_res, r3 = None, x3  # r3 unused without a residual
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+        r3 = _as_3d(residual)
+        new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x3.shape[0] * x3.shape[1]
+    if rows == 0:
+        return out, new_res
+    _rms_norm_kernel[(rows,)](
+        x3, r3, weight.contiguous(), out, new_res if new_res is not None else out, x3.shape[1],
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), n, eps,
+        HAS_RES=residual is not None, HALF=x.dtype in _HALF, BLOCK=triton.next_power_of_2(n),
+        num_warps=_num_warps(n))
+    return out, new_res
+
+
+def _num_warps(n: int) -> int:
+    return 1 if n <= 256 else 4 if n <= 2048 else 8
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out, new_res = _launch(x, residual, weight, eps)
+    return out, new_res

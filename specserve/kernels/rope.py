@@ -1,0 +1,53 @@
+"""RoPE (rotate-half convention) on queries and keys together, in one launch.
+
+Same tables and formula as `specserve.models.rope.apply_rope`:
+  out = x * cos + roll(x, D/2) * sin        (sin's first half negated: signed sin)
+roll(x, D/2)[d] = x[(d + D/2) % D], so each program loads its head row twice. Each
+product and the sum are rounded to the output dtype, as torch's three elementwise ops
+do (in fp32 the compiler may contract to an FMA: ~1 ulp). One program per (token, head);
+x [T, heads, D] may be a strided view (last dim contiguous); cos/sin [T, 1, D] or [T, D].
+The output is a new contiguous [T, heads, D].
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sx0, sx1, sc, D,
+                 HALF_D: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t, h = pid // heads, pid % heads
+    d = tl.arange(0, BLOCK)
+    mask = d < D
+    base = x_ptr + t * sx0 + h * sx1
+    x = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+    xr = tl.load(base + (d + HALF_D) % D, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * sc + d, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * sc + d, mask=mask, other=0.0).to(tl.float32)
+    ty = out_ptr.dtype.element_ty
+    a = (x * c).to(ty).to(tl.float32)
+    b = (xr * s).to(ty).to(tl.float32)
+    tl.store(out_ptr + pid * D + d, (a + b).to(ty), mask=mask)
+
+
+def _table_2d(t: torch.Tensor, tokens: int) -> torch.Tensor:
+    t = t.reshape(tokens, -1)  # [T, 1, D] -> [T, D]: a view for lookup()'s output
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 3 and x.shape[-1] % 2 == 0, x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tokens, heads, dim = x.shape
+    cos, sin = _table_2d(cos, tokens), _table_2d(sin, tokens)
+    assert cos.shape == sin.shape == (tokens, dim) and cos.stride(0) == sin.stride(0), (cos.shape, sin.shape)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    if tokens * heads == 0:
+        return out
+    _rope_kernel[(tokens * heads,)](x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), dim,
+                                    HALF_D=dim // 2, BLOCK=triton.next_power_of_2(dim), num_warps=1)
+    return out

@@ -1,0 +1,148 @@
+"""The fused Triton kernels (specserve.kernels) against the torch path they replace.
+
+On CUDA the kernels run compiled; on CPU under TRITON_INTERPRET=1 (set before triton is
+first imported). Half types: bf16 on CUDA only, since the interpreter casts fp32 -> bf16
+by truncation rather than round-to-nearest (checked: results differ by 1 bf16 ulp); fp16
+everywhere, where the interpreter rounds correctly and the kernels match torch exactly.
+Each check flips `fused_kernels(True/False)` around the same module call, so the
+reference is the very code path CPU inference runs.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from specserve import kernels  # noqa: E402
+from specserve.models.layers import RMSNorm  # noqa: E402
+from specserve.models.loader import load_model  # noqa: E402
+from specserve.models.rope import RotaryEmbedding, apply_rope  # noqa: E402
+from specserve.runner.forward_batch import ForwardMode  # noqa: E402
+from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV.type == "cuda" else [])
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    if ref.dtype == torch.float32:  # reduction order differs: a few ulp
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    else:  # one half-type ulp at most (fp32 rsqrt/exp differ by ulps before rounding)
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def _both(fn):
+    """(fused result, torch result) of fn()."""
+    with kernels.fused_kernels(True), torch.no_grad():
+        got = fn()
+    with kernels.fused_kernels(False), torch.no_grad():
+        ref = fn()
+    return got, ref
+
+
+def _norm(n: int, dtype: torch.dtype) -> RMSNorm:
+    m = RMSNorm(n, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        m.weight.copy_(1 + 0.3 * torch.randn(n))
+    return m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 576, 4096, 8192])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_rms_norm_and_fused_add(n, tokens, dtype):
+    torch.manual_seed(n + tokens)
+    m = _norm(n, dtype)
+    x, r = (torch.randn(tokens, n, device=DEV).to(dtype) for _ in range(2))
+    got, ref = _both(lambda: m(x))
+    _close(got, ref)
+    x_in, r_in = x.clone(), r.clone()
+    (out, res), (out0, res0) = _both(lambda: m.forward_add(x, r))
+    assert torch.equal(res, res0)  # the residual sum is one rounded add: exact
+    _close(out, out0)
+    assert torch.equal(x, x_in) and torch.equal(r, r_in)  # out of place: callers may keep r (aux)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_on_strided_heads(dtype):
+    # Qwen3's per-head q/k norm reads head slices of the qkv projection: a strided 3-D view
+    qkv = torch.randn(5, 4 + 2 * 2, 16, device=DEV).to(dtype)
+    m = _norm(16, dtype)
+    got, ref = _both(lambda: m(qkv[:, :4]))
+    _close(got, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 96), (5, 1536), (3, 2000)])
+def test_silu_and_mul(tokens, inter, dtype):
+    gate_up = 3 * torch.randn(tokens, 2 * inter, device=DEV).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(kernels.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 16), (6, 8, 2, 64), (3, 2, 1, 128)])
+def test_rope_on_qk_view(tokens, heads, kv_heads, dim, dtype):
+    rot = RotaryEmbedding(dim, 256, 10000.0, None)
+    rot.build(DEV, dtype)
+    cos, sin = rot.lookup(torch.randint(0, 256, (tokens,), device=DEV))
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, device=DEV).to(dtype)
+    qk = qkv[:, :heads + kv_heads]  # the strided view Attention rotates
+    got, ref = _both(lambda: apply_rope(qk, cos, sin))
+    assert got.is_contiguous()
+    if dtype == torch.float32:  # the fp32 sum may be contracted to an FMA
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    else:  # products and sum rounded as torch rounds them
+        assert torch.equal(got, ref)
+
+
+def _logits(model, fused: bool) -> list[torch.Tensor]:
+    """Logits of a 9-token extend, then of a 1-token decode."""
+    with kernels.fused_kernels(fused):
+        r = BareRunner(model)
+        ids = [5, 17, 99, 3, 250, 7, 1, 42, 8]
+        prefill = r.forward([0], [0], [ids])
+        decode = r.forward([0], [len(ids)], [[77]], mode=ForwardMode.DECODE)
+    return [prefill, decode]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tiny_model_fused_matches_torch(tmp_path, kind):
+    model = load_model(save_tiny_hf(kind, tmp_path / kind), torch.float32, DEV)
+    model.aux_layers = (0, 1, 2)  # exercises the residual-stream capture too
+    for got, ref in zip(_logits(model, True), _logits(model, False)):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_aux_states_fused_match_torch(tmp_path):
+    from specserve.runner.forward_batch import ForwardBatch
+
+    model = load_model(save_tiny_hf("llama", tmp_path / "m"), torch.float32, DEV)
+    model.aux_layers = (0, 1, 2)
+    outs = []
+    for fused in (True, False):
+        with kernels.fused_kernels(fused):
+            r = BareRunner(model)
+            ids = torch.tensor([5, 17, 99, 3])
+            r.table.write(0, 0, r.slots(4))
+            fb = ForwardBatch(ForwardMode.EXTEND, ids.to(DEV), torch.arange(4, device=DEV),
+                              torch.arange(1, 5, device=DEV), torch.tensor([0], device=DEV), [0], [4],
+                              r.table.table, r.pool, r.backend, logit_rows=torch.arange(4, device=DEV))
+            r.backend.init_forward_metadata(fb)
+            with torch.inference_mode():
+                outs.append(model(fb))
+    (h, aux), (h0, aux0) = outs
+    torch.testing.assert_close(h, h0, rtol=1e-5, atol=1e-5)
+    assert torch.equal(aux[0], aux0[0])  # the embeddings, untouched
+    for a, b in zip(aux[1:], aux0[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
