@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _time_ours(engine, prompts: list[list[int]], max_new: int) -> tuple[float, int, list[list[int]]]:
     params = {"temperature": 0, "max_new_tokens": max_new}
-    engine.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})  # warm-up
+    engine.generate(input_ids=max(prompts, key=len), sampling_params={**params, "max_new_tokens": 8})  # warm-up
     outs, start = [], time.perf_counter()
     for ids in prompts:
         outs.append(engine.generate(input_ids=ids, sampling_params=params)["output_ids"])

@@ -19,6 +19,7 @@ import torch
 
 from specserve.bench.report import report
 
+VERIFY_NODES = 16  # the verify(16) <= 1.15x decode target
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                              RunnerConfig(attention_backend=args.attention_backend,
                                           disable_cuda_graph=args.disable_cuda_graph), model=model)
     kv = KVManager(runner.num_slots, 4, 4096 + 32, device, enable_prefix_cache=False)
-    runner.capture_cuda_graphs(kv.table.table, 1)
+    runner.capture_cuda_graphs(kv.table.table, 1, verify_tokens=VERIFY_NODES)
     step_s, kv_mid, verify_ratio = _decode(runner, kv, args.prompt_len, args.steps)
     bw = step_bytes(model, kv_mid) / step_s
     row = {"bench": "limit", "model": "llama-3.1-8b-shaped", "dtype": "bfloat16", "batch_size": 1,
@@ -138,7 +139,7 @@ def _verify_ratio(runner, kv, req, decode_s: float, nodes: int = 16, iters: int 
     drafts = Drafts.from_lists([[req.all_ids[-1]] + tokens], [parents])
     slots = kv.alloc_slots(nodes)
     kv.table.write(req.row, req.kv_len, slots)
-    batch = verify_batch([req], drafts, [slots])
+    batch = verify_batch([req], drafts, [slots], full=runner.verify_graph_tokens == nodes)
     for _ in range(3):
         _argmax(runner, kv, batch)
     start = time.perf_counter()
