@@ -15,6 +15,7 @@ import torch
 
 from specserve.bench.prompts import mt_bench_first_turns
 from specserve.bench.report import report
+from specserve.bench.spec_compare import warm_up
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _time_ours(engine, prompts: list[list[int]], max_new: int) -> tuple[float, int, list[list[int]]]:
     params = {"temperature": 0, "max_new_tokens": max_new}
-    engine.generate(input_ids=max(prompts, key=len), sampling_params={**params, "max_new_tokens": 8})  # warm-up
+    warm_up(engine, prompts, 1)
     outs, start = [], time.perf_counter()
     for ids in prompts:
         outs.append(engine.generate(input_ids=ids, sampling_params=params)["output_ids"])

@@ -14,7 +14,7 @@ import time
 
 from specserve.bench.prompts import mt_bench_first_turns
 from specserve.bench.report import report
-from specserve.bench.spec_compare import _random_head, warm_up_ids
+from specserve.bench.spec_compare import _random_head, warm_up
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,8 +52,7 @@ def _engine_kwargs(args, setting: tuple[int, int, int] | None, draft: str | None
 def _measure(engine, prompts: list[list[int]], bs: int, max_new: int) -> tuple[float, int, int]:
     """(seconds, output tokens, verify steps summed over requests)."""
     params = {"temperature": 0, "max_new_tokens": max_new}
-    engine.generate(input_ids=[warm_up_ids(prompts)] * bs, sampling_params={**params, "max_new_tokens": 8})
-    engine.scheduler.kv.flush_cache()
+    warm_up(engine, prompts, bs)
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), bs):
         outs += engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)

@@ -102,8 +102,10 @@ def test_rope_on_qk_view(tokens, heads, kv_heads, dim, dtype):
     assert got.is_contiguous()
     if dtype == torch.float32:  # the fp32 sum may be contracted to an FMA
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    else:  # products and sum rounded as torch rounds them
+    elif DEV.type == "cpu":  # the interpreter rounds products and sum as torch does
         assert torch.equal(got, ref)
+    else:  # compiled for a GPU, the half-type sum may round once differently (measured on an H100)
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
 
 
 def _logits(model, fused: bool) -> list[torch.Tensor]:
