@@ -51,13 +51,15 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
     assert coins.shape == (bsz, n) and final_coins.shape == (bsz,)
     first, sibling = (t.tolist() for t in drafts.child_lists())
     toks = drafts.tokens.tolist()
-    greedy = [True] * bsz if force_greedy else sb.greedy.tolist()
+    all_greedy = force_greedy or sb.all_greedy  # host-side when the batch carries flags: no sync
+    greedy = [True] * bsz if all_greedy else sb.greedy.tolist()
     paths: list[list[int]] = [[] for _ in range(bsz)]
     tokens: list[list[int]] = [[] for _ in range(bsz)]
 
     g_rows = [b for b in range(bsz) if greedy[b]]
     if g_rows:
-        target = logits[g_rows].argmax(-1).tolist()  # [G, N]
+        rows = logits if len(g_rows) == bsz else logits.index_select(0, torch.tensor(g_rows, device=logits.device))
+        target = rows.argmax(-1).tolist()  # [G, N]: no copy of the logits when every row is greedy
         for b, tgt in zip(g_rows, target):
             paths[b] = _walk_greedy(first[b], sibling[b], toks[b], tgt)
             tokens[b] = [toks[b][i] for i in paths[b][1:]] + [tgt[paths[b][-1]]]

@@ -83,13 +83,20 @@ class Drafts:
         return mask
 
     def child_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(first_child, next_sibling), each [B, N] int64 with -1 for none; valid nodes only."""
+        """(first_child, next_sibling), each [B, N] int64 with -1 for none; valid nodes only.
+
+        Children are in increasing node order: node i's next sibling is the smallest j > i
+        with the same parent, a parent's first child the smallest such j. Computed with
+        [B, N, N] comparisons (N <= a few dozen), no per-node Python loop."""
         bsz, n = self.tokens.shape
-        first = torch.full((bsz, n), -1, dtype=torch.int64)
-        sibling = torch.full((bsz, n), -1, dtype=torch.int64)
-        for i in range(n - 1, 0, -1):  # prepend in reverse: lists end up in increasing order
-            for b in torch.nonzero(self.valid[:, i]).flatten().tolist():
-                p = int(self.parents[b, i])
-                sibling[b, i] = first[b, p]
-                first[b, p] = i
+        idx = torch.arange(n)
+        child = self.valid & (idx > 0)  # the root is nobody's child
+        none = torch.full((), n)
+        # is_child[b, p, j]: node j is a valid child of node p
+        is_child = (self.parents[:, None, :] == idx[None, :, None]) & child[:, None, :]
+        first = torch.where(is_child, idx, none).min(-1).values
+        same = (self.parents[:, :, None] == self.parents[:, None, :]) & child[:, None, :] & (idx[None, :] > idx[:, None])
+        sibling = torch.where(same, idx, none).min(-1).values
+        first = torch.where((first == n) | ~self.valid, -1, first)
+        sibling = torch.where((sibling == n) | ~child, -1, sibling)
         return first, sibling

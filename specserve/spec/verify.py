@@ -41,6 +41,8 @@ def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor], ful
 def pad_rows(packed: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
     """[sum(counts), X] packed per-node rows (logits, features) -> [B, n, X]; padding
     rows repeat the request's row 0."""
+    if all(c == n for c in counts):  # full trees (always with verify graphs): a view, no copy
+        return packed.view(len(counts), n, packed.shape[-1])
     out = packed.new_empty(len(counts), n, packed.shape[-1])
     start = 0
     for b, c in enumerate(counts):

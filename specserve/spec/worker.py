@@ -97,6 +97,7 @@ class SpecWorker:
                            slots: list[torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:
         sb = sampling_batch(reqs, self.runner.vocab_size, logits.device)
         if sb.has_penalties:  # only root rows carry penalties (budget 1 for those requests)
+            logits = logits.clone()  # may be a view of a graph's output or an inference tensor
             logits[:, 0] = apply_penalties(logits[:, 0], sb)
         result = self._accept(drafts, logits, sb)
         committed = []
