@@ -153,7 +153,7 @@ class TritonBackend(AttentionBackend):
         if self._graph_seq_lens is None:
             raise RuntimeError("call init_cuda_graph_state before capturing")
         if fb.mode != ForwardMode.DECODE or fb.custom_masks is not None or any(n != 1 for n in fb.extend_lens):
-            raise NotImplementedError("TritonBackend captures DECODE and VERIFY graphs only")
+            raise ValueError(f"TritonBackend captures DECODE and VERIFY graphs, not {fb.mode.value}")
         if fb.batch_size > self._graph_seq_lens.numel():
             raise ValueError(f"batch {fb.batch_size} exceeds the graph state's max_bs {self._graph_seq_lens.numel()}")
 

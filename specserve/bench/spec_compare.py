@@ -49,7 +49,8 @@ def warm_up(engine, prompts: list[list[int]], bs: int) -> None:
     engine.scheduler.kv.flush_cache()
 
 
-def _run(engine, prompts: list[list[int]], max_new: int, bs: int) -> tuple[float, list[dict]]:
+def timed_run(engine, prompts: list[list[int]], max_new: int, bs: int) -> tuple[float, list[dict]]:
+    """Warm up, then (seconds, results) of greedy generation in batches of bs, no cross-batch cache hits."""
     params = {"temperature": 0, "max_new_tokens": max_new}
     warm_up(engine, prompts, bs)
     outs, start = [], time.perf_counter()
@@ -59,7 +60,7 @@ def _run(engine, prompts: list[list[int]], max_new: int, bs: int) -> tuple[float
     return time.perf_counter() - start, outs
 
 
-def _random_head(args, out_dir: str) -> str:
+def random_head(args, out_dir: str) -> str:
     from pathlib import Path
 
     from specserve.models.draft_layouts import save_eagle2, save_eagle3
@@ -91,14 +92,14 @@ def main(argv: list[str] | None = None) -> int:
                   max_total_tokens=args.max_total_tokens)
     plain = Engine(args.model, **common)
     with tempfile.TemporaryDirectory() as tmp:
-        draft = _random_head(args, tmp) if args.random_head else args.draft
+        draft = random_head(args, tmp) if args.random_head else args.draft
         spec = Engine(args.model, **common, **_spec_kwargs(args, draft))
     sets = {"mtbench": mt_bench_first_turns, "repetitive": repetitive_prompts}
     for name in args.sets.split(","):
         texts = sets[name](args.num_prompts)
         prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-        plain_s, plain_out = _run(plain, prompts, args.max_new_tokens, args.batch_size)
-        spec_s, spec_out = _run(spec, prompts, args.max_new_tokens, args.batch_size)
+        plain_s, plain_out = timed_run(plain, prompts, args.max_new_tokens, args.batch_size)
+        spec_s, spec_out = timed_run(spec, prompts, args.max_new_tokens, args.batch_size)
         n_plain = sum(len(o["output_ids"]) for o in plain_out)
         n_spec = sum(len(o["output_ids"]) for o in spec_out)
         verifies = sum(o["meta_info"].get("spec_verify_ct", 0) for o in spec_out)

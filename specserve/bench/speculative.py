@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 from specserve.bench.prompts import mt_bench_first_turns
 from specserve.bench.report import report
-from specserve.bench.spec_compare import _random_head, warm_up
+from specserve.bench.spec_compare import random_head, timed_run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,13 +50,7 @@ def _engine_kwargs(args, setting: tuple[int, int, int] | None, draft: str | None
 
 def _measure(engine, prompts: list[list[int]], bs: int, max_new: int) -> tuple[float, int, int]:
     """(seconds, output tokens, verify steps summed over requests)."""
-    params = {"temperature": 0, "max_new_tokens": max_new}
-    warm_up(engine, prompts, bs)
-    outs, start = [], time.perf_counter()
-    for i in range(0, len(prompts), bs):
-        outs += engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)
-        engine.scheduler.kv.flush_cache()
-    seconds = time.perf_counter() - start
+    seconds, outs = timed_run(engine, prompts, max_new, bs)
     return seconds, sum(len(o["output_ids"]) for o in outs), sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
 
 
@@ -69,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = [tuple(int(x) for x in s.split(",")) for s in args.settings.split(";")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        draft = _random_head(args, tmp) if args.random_head else args.draft
+        draft = random_head(args, tmp) if args.random_head else args.draft
         for setting in [None, *settings]:
             for bs in sizes:  # a fresh engine each time: NGRAM's trie must not learn the answers
                 engine = Engine(args.model, **_engine_kwargs(args, setting, draft))

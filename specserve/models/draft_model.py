@@ -14,6 +14,8 @@ after loading by `share`. This file knows nothing about checkpoints' layouts
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,7 +26,7 @@ from specserve.models.rope import RotaryEmbedding
 from specserve.runner.forward_batch import ForwardBatch
 
 
-class DraftModel(nn.Module):
+class DraftModel(nn.Module, ABC):
     config: LlamaConfig  # the draft's own: num_layers = its attention layers = its KV pool's
     feature_mode: str = "final"
     aux_layers: tuple[int, ...] = ()  # "before layer i" indices for the target's aux_layers
@@ -41,10 +43,10 @@ class DraftModel(nn.Module):
         self.lm_head: nn.Linear | None = None
         self.owns_lm_head = False
 
+    @abstractmethod
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fb.input_ids: target token ids [T]; hidden [T, F]: target features or the draft's
         own previous h_next [T, H]. Returns (h_logits [T, H], h_next [T, H])."""
-        raise NotImplementedError
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 [R, draft_vocab] for h [R, H]."""
