@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from specserve.runner.h2d import h2d_many
+
 
 class ReqToTokenTable:
     def __init__(self, max_reqs: int, max_context: int, device: torch.device | str) -> None:
@@ -30,6 +32,17 @@ class ReqToTokenTable:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """table[row, start:start+len(slots)] = slots."""
         self.table[row, start:start + slots.numel()] = slots.to(self.table.device, non_blocking=True)
+
+    def write_many(self, rows: list[int], starts: list[int], slots: list[torch.Tensor]) -> None:
+        """table[rows[i], starts[i]:starts[i]+len(slots[i])] = slots[i] for every i, as one
+        index write with one host->device copy (per-row writes cost a copy each)."""
+        lens = [s.numel() for s in slots]
+        if not sum(lens):
+            return
+        r = [row for row, n in zip(rows, lens) for _ in range(n)]
+        c = [start + i for start, n in zip(starts, lens) for i in range(n)]
+        dev_r, dev_c, dev_s = h2d_many([r, c, torch.cat(slots)], self.table.device)
+        self.table[dev_r, dev_c] = dev_s
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """The slots of positions [start, end) of a row, as a CPU int64 tensor."""

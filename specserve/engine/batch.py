@@ -18,15 +18,15 @@ from specserve.runner.sampler import HostFlags, SamplingBatch
 class ScheduleBatch:
     mode: ForwardMode
     reqs: list[Req]
-    input_ids: list[int]  # packed new tokens, request by request
+    input_ids: list[int] | torch.Tensor  # packed new tokens, request by request (drafts: on the device)
     out_slots: torch.Tensor  # [T] slots of the new tokens
     prefix_lens: list[int]  # KV length of each request before this forward
     extend_lens: list[int]
     sample_mask: list[bool]  # which requests get a next token from this forward
     # Speculative verify: explicit positions (seq_len + depth), tree masks over each
     # request's new tokens, and logits for every new token instead of the last ones.
-    positions: list[int] | None = None
-    custom_masks: list[torch.Tensor] | None = None
+    positions: list[int] | torch.Tensor | None = None
+    custom_masks: list[torch.Tensor] | None = None  # host or device tensors
     all_logits: bool = False
     rows: list[int] | None = None  # table rows to read KV from, when not the requests' own
 

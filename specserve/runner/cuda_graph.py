@@ -104,7 +104,7 @@ class CudaGraphRunner:
         self._fill(fb, st, b, bs)
         masks = None
         if fb.custom_masks is not None:  # padding requests: a full mask (their rows are dropped)
-            full = torch.ones(st.tokens, st.tokens, dtype=torch.bool)
+            full = torch.ones(st.tokens, st.tokens, dtype=torch.bool, device=fb.custom_masks[0].device)
             masks = list(fb.custom_masks) + [full] * (bs - b)
         static = self._static_batch(fb, fb.mode, bs, fb.prefix_lens + [0] * (bs - b), masks)
         self.backend.init_metadata_for_replay(static)

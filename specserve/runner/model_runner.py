@@ -20,6 +20,7 @@ from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, pick_dtype, read_hf_config
 from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.runner.h2d import h2d_many
 from specserve.runner.memory import OOM_ADVICE, auto_mem_fraction
 
 logger = logging.getLogger("specserve")
@@ -141,11 +142,13 @@ class ModelRunner:
             ends = torch.tensor(batch.extend_lens).cumsum(0) - 1
             logit_rows = ends[torch.tensor(batch.sample_mask, dtype=torch.bool)]
         rows = batch.rows or [r.row for r in batch.reqs]
-        # One host->device copy for all five index vectors (each copy is a launch and a wait).
-        parts = [torch.tensor(batch.input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                 batch.out_slots.to(torch.int64), torch.tensor(rows, dtype=torch.int64), logit_rows]
-        ids, pos, slots, req_rows, logit_rows = torch.cat(parts).to(self.device, non_blocking=True) \
-            .split([t.numel() for t in parts])
+        # One host->device copy for every host-side index vector (each copy is a launch);
+        # ids and positions may already be device tensors (drafted on the GPU).
+        vecs = {"ids": batch.input_ids, "pos": positions, "slots": batch.out_slots, "rows": rows,
+                "logit_rows": logit_rows}
+        host = [k for k, v in vecs.items() if not (isinstance(v, torch.Tensor) and v.device.type == self.device.type)]
+        vecs |= dict(zip(host, h2d_many([vecs[k] for k in host], self.device)))
+        ids, pos, slots, req_rows, logit_rows = (vecs[k].to(torch.int64) for k in vecs)
         return ForwardBatch(
             mode=batch.mode, input_ids=ids, positions=pos, out_slots=slots, req_rows=req_rows,
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,

@@ -49,8 +49,6 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
     bsz, n, _ = logits.shape
     assert drafts.tokens.shape == (bsz, n), f"drafts {tuple(drafts.tokens.shape)} vs {logits.shape}"
     assert coins.shape == (bsz, n) and final_coins.shape == (bsz,)
-    first, sibling = (t.tolist() for t in drafts.child_lists())
-    toks = drafts.tokens.tolist()
     all_greedy = force_greedy or sb.all_greedy  # host-side when the batch carries flags: no sync
     greedy = [True] * bsz if all_greedy else sb.greedy.tolist()
     paths: list[list[int]] = [[] for _ in range(bsz)]
@@ -58,16 +56,14 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
 
     g_rows = [b for b in range(bsz) if greedy[b]]
     if g_rows:
-        rows = logits if len(g_rows) == bsz else logits.index_select(0, torch.tensor(g_rows, device=logits.device))
-        target = rows.argmax(-1).tolist()  # [G, N]: no copy of the logits when every row is greedy
-        for b, tgt in zip(g_rows, target):
-            paths[b] = _walk_greedy(first[b], sibling[b], toks[b], tgt)
-            tokens[b] = [toks[b][i] for i in paths[b][1:]] + [tgt[paths[b][-1]]]
+        for b, path, tok in zip(g_rows, *_accept_greedy(drafts, logits, None if len(g_rows) == bsz else g_rows)):
+            paths[b], tokens[b] = path, tok
 
     s_rows = [b for b in range(bsz) if not greedy[b]]
     if s_rows:
-        s_paths, s_tokens = _accept_sampled(drafts, (first, sibling, toks), logits, sb, s_rows,
-                                            coins, final_coins, threshold_single,
+        first, sibling = (t.tolist() for t in drafts.child_lists())
+        s_paths, s_tokens = _accept_sampled(drafts, (first, sibling, drafts.tokens.tolist()), logits, sb,
+                                            s_rows, coins, final_coins, threshold_single,
                                             max(threshold_acc, 1e-9))
         for b, path, tok in zip(s_rows, s_paths, s_tokens):
             paths[b], tokens[b] = path, tok
@@ -76,18 +72,41 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
     return AcceptResult(paths, tokens, logprobs)
 
 
-def _walk_greedy(first: list[int], sibling: list[int], toks: list[int],
-                 target: list[int]) -> list[int]:
-    """Longest path whose every node carries the target's argmax at its parent."""
-    path, last = [0], 0
-    while True:
-        cur = first[last]
-        while cur != -1 and toks[cur] != target[last]:
-            cur = sibling[cur]
-        if cur == -1:
-            return path
-        path.append(cur)
-        last = cur
+def _accept_greedy(drafts: Drafts, logits: torch.Tensor,
+                   rows: list[int] | None) -> tuple[list[list[int]], list[list[int]]]:
+    """(paths, tokens) of the greedy walk for `rows` (None: all), on the logits' device
+    with one read back: the walk from the root that at each node takes the first child
+    (in node order) carrying the target's argmax there.
+
+    Vectorised: a node *hits* when it is valid, carries the argmax at its parent and no
+    earlier sibling hits; it is accepted when it and all its ancestors hit. Hits are
+    unique per parent, so the accepted nodes form one path from the root, and the walk
+    ends at its deepest node, whose argmax is the bonus token."""
+    dev = logits.device
+    fields = (drafts.tokens, drafts.parents, drafts.valid, drafts.tree_mask(), drafts.depths())
+    if rows is not None:
+        idx = torch.tensor(rows, dtype=torch.int64)
+        fields = tuple(f[idx.to(f.device)] for f in fields)
+        logits = logits[idx.to(dev, non_blocking=True)]
+    tok, par, valid, mask, depth = (f.to(dev, non_blocking=True) for f in fields)
+    target = logits.argmax(-1)  # [G, N]: no copy of the logits
+    n = tok.shape[1]
+    hit = (tok == target.gather(1, par.clamp_min(0))) & valid
+    hit[:, 0] = True  # the root is given
+    earlier = torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)  # [i, j]: j < i
+    shadowed = ((par[:, :, None] == par[:, None, :]) & earlier & hit[:, None, :]).any(-1)
+    hit &= ~shadowed
+    accepted = ~(mask & ~hit[:, None, :]).any(-1)  # [G, N]: every ancestor-or-self hits
+    best = torch.where(accepted, depth, -1).argmax(-1)  # the path's deepest node
+    on_path = mask[torch.arange(len(best), device=dev), best]  # [G, N]: its ancestors-or-self
+    bonus = target.gather(1, best[:, None])
+    host = torch.cat([on_path.to(torch.int64), tok, bonus], dim=1).tolist()  # the one sync
+    paths, tokens = [], []
+    for row in host:
+        path = [i for i in range(n) if row[i]]  # node order == depth order along a path
+        paths.append(path)
+        tokens.append([row[n + i] for i in path[1:]] + [row[2 * n]])
+    return paths, tokens
 
 
 def _walk_sampled(first: list[int], sibling: list[int], toks: list[int], q_tok: list[float],

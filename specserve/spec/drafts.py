@@ -12,7 +12,9 @@ as their preference order: the first child is their best guess).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -22,6 +24,9 @@ class Drafts:
     tokens: torch.Tensor  # [B, N] int64
     parents: torch.Tensor  # [B, N] int64
     valid: torch.Tensor  # [B, N] bool
+    # Valid nodes per request, when the proposer knows them on the host (they are a prefix
+    # of each row): lets verify size its batch without reading `valid` back from the device.
+    counts: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -44,13 +49,33 @@ class Drafts:
             par[b, :len(p)] = torch.tensor(p)
             val[b, :len(t)] = True
         par[:, 0] = -1
-        return Drafts(tok, par, val)
+        return Drafts(tok, par, val, [len(t) for t in tokens])
 
     @staticmethod
     def chains(roots: list[int], drafts: list[list[int]]) -> "Drafts":
         """Linear chains root -> d1 -> d2 ... (possibly of different lengths)."""
         return Drafts.from_lists([[r] + d for r, d in zip(roots, drafts)],
                                  [list(range(-1, len(d))) for d in drafts])
+
+    @staticmethod
+    def roots(tokens: list[int], device: torch.device | str = "cpu") -> "Drafts":
+        """Root-only trees (nothing drafted) for requests whose last tokens are `tokens`."""
+        bsz = len(tokens)
+        tok = torch.tensor(tokens, dtype=torch.int64)[:, None].to(device, non_blocking=True)
+        return Drafts(tok, torch.full((bsz, 1), -1, dtype=torch.int64, device=device),
+                      torch.ones(bsz, 1, dtype=torch.bool, device=device), [1] * bsz)
+
+    def with_rows(self, rows: list[int], other: "Drafts") -> "Drafts":
+        """These drafts with requests `rows` replaced by `other`'s (padded to a common N)."""
+        n = max(self.num_nodes, other.num_nodes)
+        base, other = self.padded(n), other.padded(n)
+        idx = torch.tensor(rows, dtype=torch.int64).to(base.tokens.device, non_blocking=True)
+        fields = [t.index_copy(0, idx, o) for t, o in ((base.tokens, other.tokens), (base.parents, other.parents),
+                                                     (base.valid, other.valid))]
+        counts = list(base.valid_counts())
+        for r, c in zip(rows, other.valid_counts()):
+            counts[r] = c
+        return Drafts(*fields, counts)
 
     def padded(self, n: int) -> "Drafts":
         """The same trees padded to n nodes per request (invalid nodes hanging off the root)."""
@@ -60,14 +85,15 @@ class Drafts:
         bsz = self.batch_size
         return Drafts(torch.cat([self.tokens, self.tokens.new_zeros(bsz, extra)], 1),
                       torch.cat([self.parents, self.parents.new_zeros(bsz, extra)], 1),
-                      torch.cat([self.valid, self.valid.new_zeros(bsz, extra)], 1))
+                      torch.cat([self.valid, self.valid.new_zeros(bsz, extra)], 1), self.counts)
+
+    def valid_counts(self) -> list[int]:
+        """Valid nodes per request (host-side when known, else read from `valid`)."""
+        return self.counts if self.counts is not None else self.valid.sum(1).tolist()
 
     def depths(self) -> torch.Tensor:
         """[B, N] int64: the number of ancestors of each node (root 0)."""
-        depth = torch.zeros_like(self.parents)
-        for i in range(1, self.num_nodes):  # parents precede children: one pass suffices
-            depth[:, i] = depth.gather(1, self.parents[:, i:i + 1].clamp_min(0))[:, 0] + 1
-        return depth
+        return self._mask.sum(-1, dtype=torch.int64) - 1
 
     def positions(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """[B, N] RoPE positions: the root sits at seq_len (its KV is not cached yet)."""
@@ -75,12 +101,23 @@ class Drafts:
 
     def tree_mask(self) -> torch.Tensor:
         """[B, N, N] bool: mask[b, i, j] iff node j is node i or one of its ancestors."""
+        return self._mask
+
+    @cached_property
+    def _mask(self) -> torch.Tensor:
+        """Ancestor-or-self closure by repeated squaring of the one-step relation
+        (self + parent): ceil(log2 N) batched matmuls on the drafts' device, no per-node
+        loop (trees may live on the GPU; a loop would be N launches per step)."""
         bsz, n = self.tokens.shape
-        mask = torch.eye(n, dtype=torch.bool).repeat(bsz, 1, 1)
-        for i in range(1, n):  # row i = row of its parent + itself
-            parent_rows = mask[torch.arange(bsz), self.parents[:, i].clamp_min(0)]
-            mask[:, i] |= parent_rows
-        return mask
+        dev = self.parents.device
+        step = torch.eye(n, device=dev).repeat(bsz, 1, 1)
+        has_parent = self.parents >= 0
+        step.scatter_add_(2, self.parents.clamp_min(0)[:, :, None], has_parent[:, :, None].to(step.dtype))
+        reach = step > 0
+        for _ in range(math.ceil(math.log2(n)) if n > 1 else 0):
+            r = reach.to(torch.float32)  # path counts stay <= N: exact in float32
+            reach = torch.bmm(r, r) > 0
+        return reach
 
     def child_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(first_child, next_sibling), each [B, N] int64 with -1 for none; valid nodes only.
@@ -89,9 +126,9 @@ class Drafts:
         with the same parent, a parent's first child the smallest such j. Computed with
         [B, N, N] comparisons (N <= a few dozen), no per-node Python loop."""
         bsz, n = self.tokens.shape
-        idx = torch.arange(n)
+        idx = torch.arange(n, device=self.tokens.device)
         child = self.valid & (idx > 0)  # the root is nobody's child
-        none = torch.full((), n)
+        none = torch.full((), n, device=self.tokens.device)
         # is_child[b, p, j]: node j is a valid child of node p
         is_child = (self.parents[:, None, :] == idx[None, :, None]) & child[:, None, :]
         first = torch.where(is_child, idx, none).min(-1).values

@@ -41,6 +41,7 @@ from specserve.models.mtp import has_mtp_layers
 from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
+from specserve.runner.h2d import h2d
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.spec.draft_graphs import DraftDecodeGraphs
 from specserve.spec.drafts import Drafts
@@ -100,17 +101,19 @@ class EagleProposer:
 
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
         """Draft-extend each request's committed positions with the target's features there."""
-        ids, starts, lens, feats, slots = [], [], [], [], []
+        ids, starts, lens, nodes = [], [], [], []
+        n = verified.features.shape[1]
         for b, (req, tokens) in enumerate(zip(reqs, verified.committed)):
             start = req.kv_len - len(tokens)  # commit already advanced kv_len
             ids += extend_tokens(req.all_ids, start, req.kv_len)  # == the committed tokens
             starts.append(start)
             lens.append(len(tokens))
-            feats.append(verified.features[b, verified.paths[b][:len(tokens)]])
-            slots.append(self.kv.table.read(req.row, start, req.kv_len))
-        draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, ids, torch.cat(slots), starts, lens,
+            nodes += [b * n + i for i in verified.paths[b][:len(tokens)]]
+        feats = verified.features.reshape(-1, verified.features.shape[-1])
+        feats = feats[h2d(nodes, feats.device)]  # [sum(lens), F]: the accepted nodes' features
+        draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, ids, torch.cat(verified.kv_slots), starts, lens,
                               [True] * len(reqs))
-        self._set_roots(reqs, *self._step(draft, torch.cat(feats)))
+        self._set_roots(reqs, *self._step(draft, feats))
 
     def _set_roots(self, reqs: list[Req], logits: torch.Tensor, hidden: torch.Tensor) -> None:
         logp, ids = top_children(logits, self.topk, self.token_map)
@@ -119,17 +122,16 @@ class EagleProposer:
 
     # -- drafting -------------------------------------------------------------------------
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
-        trees = [([r.all_ids[-1]], [-1]) for r in reqs]
-        active = [b for b, n in enumerate(budgets) if n > 1]
-        if active:
-            act = [reqs[b] for b in active]
-            roots = [self.roots[r.rid] for r in act]
-            first = (torch.stack([s.logp for s in roots]), torch.stack([s.ids for s in roots]))
-            states = torch.stack([s.hidden for s in roots])
-            for b, tree in zip(active, self.tree.draft(act, first, [budgets[b] for b in active], states)):
-                trees[b] = tree
-        tokens, parents = zip(*trees)
-        return Drafts.from_lists(list(tokens), list(parents))
+        active = [b for b, n in enumerate(budgets) if n > 1]  # budget 1: root only (penalties)
+        if not active:
+            return Drafts.roots([r.all_ids[-1] for r in reqs], self.runner.device)
+        act = [reqs[b] for b in active]
+        roots = [self.roots[r.rid] for r in act]
+        first = (torch.stack([s.logp for s in roots]), torch.stack([s.ids for s in roots]))
+        tree = self.tree.draft(act, first, self.max_nodes, torch.stack([s.hidden for s in roots]))
+        if len(act) == len(reqs):
+            return tree
+        return Drafts.roots([r.all_ids[-1] for r in reqs], self.runner.device).with_rows(active, tree)
 
     def _capture(self, runner: ModelRunner, max_running: int) -> DraftDecodeGraphs | None:
         """Draft decode graphs on CUDA (unless --disable-cuda-graph) when the backend can."""

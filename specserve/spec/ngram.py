@@ -217,4 +217,4 @@ def _drafts(trees: list[_Tree]) -> Drafts:
     parents = torch.from_numpy(np.array(par, dtype=np.int64).reshape(len(trees), n))
     parents[:, 0] = -1
     valid = torch.from_numpy(np.arange(n)[None, :] < np.array(lens, dtype=np.int64)[:, None])
-    return Drafts(tokens, parents, valid)
+    return Drafts(tokens, parents, valid, lens)

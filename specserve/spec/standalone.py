@@ -79,17 +79,16 @@ class StandaloneProposer:
 
     def _propose_tree(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         """Tree drafts; only the root's draft KV (in its verify slot) survives the step."""
-        trees = [([r.all_ids[-1]], [-1]) for r in reqs]
         active = [b for b, n in enumerate(budgets) if n > 1]
-        if active:
-            act = [reqs[b] for b in active]
-            first = top_children(self._logits(self._catch_up(act)), self.tree.topk, None)
-            for b, tree in zip(active, self.tree.draft(act, first, [budgets[b] for b in active])):
-                trees[b] = tree
         for b, req in enumerate(reqs):
             self._fed[req.rid] = (req.kv_len, 1 if b in active else 0)
-        tokens, parents = zip(*trees)
-        return Drafts.from_lists(list(tokens), list(parents))
+        roots = Drafts.roots([r.all_ids[-1] for r in reqs], self.runner.device)
+        if not active:
+            return roots
+        act = [reqs[b] for b in active]
+        first = top_children(self._logits(self._catch_up(act)), self.tree.topk, None)
+        tree = self.tree.draft(act, first, self.max_nodes)
+        return tree if len(act) == len(reqs) else roots.with_rows(active, tree)
 
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
         pass  # the draft catches up lazily in propose()

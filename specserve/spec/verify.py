@@ -20,22 +20,28 @@ from specserve.spec.drafts import Drafts
 def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor], full: bool = False) -> ScheduleBatch:
     """The VERIFY batch: request b contributes its valid nodes (a prefix of its row), or
     with `full` all N nodes (the shape a captured graph needs). Padding nodes hang off the
-    root, no valid node attends to them, and their K/V go to the scratch slot 0."""
-    counts = [drafts.num_nodes] * len(reqs) if full else drafts.valid.sum(1).tolist()
-    depth = drafts.depths()
+    root, no valid node attends to them, and their K/V go to the scratch slot 0.
+
+    Token ids, positions and masks stay on the drafts' device (the GPU for drafted trees):
+    building the batch reads nothing back; valid counts come from the host."""
+    n, valid = drafts.num_nodes, drafts.valid_counts()
+    counts = [n] * len(reqs) if full else valid
+    dev = drafts.tokens.device
+    positions = torch.tensor([r.kv_len for r in reqs]).to(dev, non_blocking=True)[:, None] + drafts.depths()
     masks = drafts.tree_mask()
-    ids, positions, custom, out_slots = [], [], [], []
-    for b, (req, n) in enumerate(zip(reqs, counts)):
-        valid = int(drafts.valid[b].sum())
-        assert bool(drafts.valid[b, :valid].all()), "valid nodes must form a prefix of the row"
-        ids += drafts.tokens[b, :n].tolist()
-        positions += (req.kv_len + depth[b, :n]).tolist()
-        custom.append(masks[b, :n, :n])
-        s = slots[b][:min(n, valid)]
-        out_slots.append(torch.cat([s, s.new_zeros(n - s.numel())]) if n > s.numel() else s)
+    if all(c == n for c in counts):
+        ids, pos, custom = drafts.tokens.reshape(-1), positions.reshape(-1), list(masks)
+    else:
+        idx = torch.tensor([b * n + i for b, c in enumerate(counts) for i in range(c)]).to(dev, non_blocking=True)
+        ids, pos = drafts.tokens.reshape(-1)[idx], positions.reshape(-1)[idx]
+        custom = [masks[b, :c, :c] for b, c in enumerate(counts)]
+    out_slots = []
+    for s, c, v in zip(slots, counts, valid):
+        s = s[:min(c, v)]
+        out_slots.append(torch.cat([s, s.new_zeros(c - s.numel())]) if c > s.numel() else s)
     return ScheduleBatch(ForwardMode.VERIFY, reqs, ids, torch.cat(out_slots),
                          [r.kv_len for r in reqs], counts, [True] * len(reqs),
-                         positions=positions, custom_masks=custom, all_logits=True)
+                         positions=pos, custom_masks=custom, all_logits=True)
 
 
 def pad_rows(packed: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
@@ -52,15 +58,23 @@ def pad_rows(packed: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
     return out
 
 
-def commit_kv(kv: KVManager, req: Req, slots: torch.Tensor, path: list[int], kept: int) -> None:
-    """Keep the KV of path[:kept] at positions kv_len.. of req's row; free the rest of `slots`.
+def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: list[list[int]],
+              kept: list[int]) -> list[torch.Tensor]:
+    """Keep the KV of paths[b][:kept[b]] at positions kv_len.. of each request's row, free
+    the rest of `slots`, advance kv_len; return each request's kept slots (host).
 
-    `kept` is the number of tokens the request committed: root + (kept - 1) accepted nodes
-    have their KV at the right positions; the last committed token's KV comes next step.
-    """
-    keep = torch.tensor(path[:kept], dtype=torch.int64)
-    kv.table.write(req.row, req.kv_len, slots[keep])
-    drop = torch.ones(slots.numel(), dtype=torch.bool)
-    drop[keep] = False
-    kv.allocator.free(slots[drop])
-    req.kv_len += kept
+    `kept[b]` is the number of tokens request b committed: root + (kept - 1) accepted
+    nodes have their KV at the right positions; the last committed token's KV comes next
+    step. All rows are written in one index write."""
+    keep_all, drop_all = [], []
+    for s, path, k in zip(slots, paths, kept):
+        ids = s.tolist()
+        keep = set(path[:k])
+        keep_all.append(torch.tensor([ids[i] for i in path[:k]], dtype=torch.int64))
+        drop_all += [x for i, x in enumerate(ids) if i not in keep]
+    kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], keep_all)
+    if drop_all:
+        kv.allocator.free(torch.tensor(drop_all, dtype=torch.int64))
+    for req, k in zip(reqs, kept):
+        req.kv_len += k
+    return keep_all

@@ -78,8 +78,7 @@ class SpecWorker:
         """Advance every request by one verify; the caller checked sum(budgets) slots are free."""
         budgets = self.budgets(reqs)
         slots = [self.kv.alloc_slots(n) for n in budgets]
-        for req, s in zip(reqs, slots):
-            self.kv.table.write(req.row, req.kv_len, s)
+        self.kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], slots)
         drafts = self.proposer.propose(reqs, budgets)
         full = self.runner.verify_graph_tokens == self.proposer.max_nodes  # verify runs as a captured graph
         if full:
@@ -88,13 +87,13 @@ class SpecWorker:
         fb = self.runner.forward_batch(batch, self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
         logits = pad_rows(logits, batch.extend_lens, drafts.num_nodes)
-        committed, paths = self._accept_and_commit(reqs, drafts, logits, slots)
+        committed, paths, kept = self._accept_and_commit(reqs, drafts, logits, slots)
         if features is not None:
             features = pad_rows(features, batch.extend_lens, drafts.num_nodes)
-        self.proposer.on_verified(reqs, Verified(committed, paths, features))
+        self.proposer.on_verified(reqs, Verified(committed, paths, features, kept))
 
-    def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor,
-                           slots: list[torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:
+    def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor]
+                           ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
         sb = sampling_batch(reqs, self.runner.vocab_size, logits.device)
         if sb.has_penalties:  # only root rows carry penalties (budget 1 for those requests)
             logits = logits.clone()  # may be a view of a graph's output or an inference tensor
@@ -102,12 +101,11 @@ class SpecWorker:
         result = self._accept(drafts, logits, sb)
         committed = []
         for b, req in enumerate(reqs):
-            path, tokens = result.paths[b], result.tokens[b]
-            done = self._commit_tokens(req, tokens, path, logits[b])
-            commit_kv(self.kv, req, slots[b], path, len(done))
+            done = self._commit_tokens(req, result.tokens[b], result.paths[b], logits[b])
             committed.append(done)
-            self._record(req, len(done), len(tokens))
-        return committed, result.paths
+            self._record(req, len(done), len(result.tokens[b]))
+        kept = commit_kv(self.kv, reqs, slots, result.paths, [len(c) for c in committed])
+        return committed, result.paths, kept
 
     def _accept(self, drafts, logits: torch.Tensor, sb) -> AcceptResult:
         """Exact Gumbel verification by default; SGLang's coin walk when thresholds relax it.
@@ -117,9 +115,11 @@ class SpecWorker:
         """
         force_greedy = self.spec.ngram_force_greedy_verify and self.spec.algorithm == "NGRAM"
         relaxed = self.spec.accept_threshold_single < 1.0 or self.spec.accept_threshold_acc < 1.0
-        if not relaxed and not force_greedy and not sb.all_greedy:
+        unused = torch.zeros(drafts.batch_size, drafts.num_nodes + 1)  # greedy walks draw nothing
+        if sb.all_greedy or force_greedy:
+            return accept(drafts, logits, sb, unused[:, :-1], unused[:, -1], force_greedy=True)
+        if not relaxed:
             targets = gumbel_targets(logits, sb, drafts.depths())
-            unused = torch.zeros(drafts.batch_size, drafts.num_nodes + 1)  # greedy walks draw nothing
             return accept(drafts, targets, sb, unused[:, :-1], unused[:, -1], force_greedy=True)
         noise = uniform_noise(sb.seeds, sb.counters + SPEC_NOISE_SALT, drafts.num_nodes + 1)
         return accept(drafts, logits, sb, noise[:, :-1], noise[:, -1], self.spec.accept_threshold_single,

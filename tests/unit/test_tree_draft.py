@@ -41,7 +41,8 @@ def test_each_branch_attends_to_exactly_its_ancestors(shift, topk, steps):
     def step(batch, states):
         table = kv.table.table
         logits = torch.full((len(batch.input_ids), V), -30.0)
-        for i, (row, pos, tok, slot) in enumerate(zip(batch.rows, batch.prefix_lens, batch.input_ids,
+        ids = torch.as_tensor(batch.input_ids).tolist()  # drafted on the device: a tensor
+        for i, (row, pos, tok, slot) in enumerate(zip(batch.rows, batch.prefix_lens, ids,
                                                      batch.out_slots.tolist())):
             req = batch.reqs[i]
             token_of_slot[slot] = tok
@@ -65,13 +66,16 @@ def test_each_branch_attends_to_exactly_its_ancestors(shift, topk, steps):
     first_ids = torch.tensor([[ROOT_KID + j for j in range(topk)]] * len(reqs))
     first_logp = torch.tensor([[-0.1 * (j + 1) for j in range(topk)]] * len(reqs))
     free_rows, free_slots = kv.table.available, kv.allocator.available
-    trees = drafter.draft(reqs, (first_logp, first_ids), [1 + topk * steps] * len(reqs),
-                          states=torch.full((len(reqs), 4), -1.0))
+    drafts = drafter.draft(reqs, (first_logp, first_ids), 1 + topk * steps,
+                           states=torch.full((len(reqs), 4), -1.0))
     assert sorted(set(checked)) == list(range(1, steps))  # every depth but the last ran
     assert topk == 1 or mixed["yes"], "the test must make some branch's parent differ from its row"
     assert (kv.table.available, kv.allocator.available) == (free_rows, free_slots)  # scratch returned
-    for tokens, parents in trees:
-        for i in range(1, len(tokens)):  # tree edges agree with the encoded ancestry
+    assert drafts.counts == [min(1 + topk * steps, 1 + drafter.max_candidates)] * len(reqs)
+    for req, tokens, parents in zip(reqs, drafts.tokens.tolist(), drafts.parents.tolist()):
+        assert (parents[0], tokens[0]) == (-1, req.all_ids[-1])
+        for i in range(1, len(tokens)):
+            assert 0 <= parents[i] < i  # tree edges agree with the encoded ancestry
             p = parents[i]
             assert (tokens[i] >= ROOT_KID) == (p == 0)
             if p > 0:
