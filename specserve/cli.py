@@ -7,8 +7,8 @@ USAGE = """usage: specserve <command> [args]
 
 commands:
   serve [flags]        start the OpenAI-compatible server (same flags as python -m specserve.launch_server)
-  bench compare [...]  our engine against Hugging Face transformers on the same prompts
-  train-draft [...]    train an EAGLE draft head (not implemented yet)
+  bench <name> [...]   benchmarks: compare, spec, speculative, serving, limit, mtbench, ngram-cost
+  train-draft [...]    train an EAGLE-3 / EAGLE-2 draft head for a target (train-draft --help)
 """
 
 
@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench(rest)
     if cmd == "train-draft":
-        print("error: specserve train-draft is not implemented yet (planned: EAGLE-2/EAGLE-3 "
-              "distillation, see the project issues)", file=sys.stderr)
-        return 2
+        from specserve.train.cli import main as train_draft
+
+        return train_draft(rest)
     print(f"error: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -4,7 +4,8 @@ The tensor names and config fields are exactly the published ones (the internals
 section 3). Tensors are random: weights N(0, scale^2), norms 1 + noise and biases
 non-zero, so a tensor loaded into the wrong place changes the outputs. Tests build their
 synthetic drafts here; `specserve bench spec --random-head` measures what the drafting
-machinery costs per step with a head of the real layout and size.
+machinery costs per step with a head of the real layout and size. The config builders
+and `write_checkpoint` are also how `specserve train-draft` writes its trained heads.
 """
 from __future__ import annotations
 
@@ -69,7 +70,9 @@ def _decoder_layer(p: str, cfg: dict, g: _Gen, input_norm: bool = True) -> dict[
         | _mlp(p, cfg, g)
 
 
-def _write(path: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """`path/model.safetensors` + `path/config.json`: how every layout here is written
+    (random heads and `specserve train-draft`'s trained ones alike)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
@@ -86,18 +89,39 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def eagle2_config(target_cfg: dict, bias: bool, num_layers: int = 1,
+                  architecture: str = "LlamaForCausalLMEagle") -> dict:
+    """The cnets1 config.json: the target's config, one (or `num_layers`) layer(s), and
+    `"bias": false` when the checkpoint has no fc.bias (omitted means a bias)."""
+    cfg = target_cfg | {"architectures": [architecture], "num_hidden_layers": num_layers}
+    if not bias:
+        cfg["bias"] = False
+    return cfg
+
+
+def eagle3_config(target_cfg: dict, draft_vocab: int | None, aux_ids: list[int] | None = None,
+                  architecture: str = "LlamaForCausalLMEagle3") -> dict:
+    """The cnets config.json: the target's config with one layer, `draft_vocab_size` (when
+    the head has its own vocabulary) and `eagle_config.eagle_aux_hidden_state_layer_ids`
+    (layer-output ids, when given)."""
+    cfg = target_cfg | {"architectures": [architecture], "num_hidden_layers": 1}
+    if draft_vocab is not None:
+        cfg["draft_vocab_size"] = draft_vocab
+    if aux_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True}
+    return cfg
+
+
 def save_eagle2(path: Path, target_dir: Path, bias: bool, num_layers: int = 1,
                 architecture: str = "LlamaForCausalLMEagle", seed: int = 0, scale: float = 0.1) -> Path:
     """cnets1 layout: fc (+ fc.bias iff bias), layers.{i}.*, no layers.0.input_layernorm,
     no final norm, no lm_head; config "bias": false when there is no fc.bias."""
-    cfg = _config(target_dir) | {"architectures": [architecture], "num_hidden_layers": num_layers}
-    if not bias:
-        cfg["bias"] = False
+    cfg = eagle2_config(_config(target_dir), bias, num_layers, architecture)
     g, h = _Gen(seed, scale), cfg["hidden_size"]
     t = {"fc.weight": g.weight(h, 2 * h)} | ({"fc.bias": g.weight(h)} if bias else {})
     for i in range(num_layers):
         t |= _decoder_layer(f"layers.{i}.", cfg, g, input_norm=i > 0)
-    return _write(path, t, cfg)
+    return write_checkpoint(path, t, cfg)
 
 
 def save_eagle3(path: Path, target_dir: Path, draft_vocab: int | None, aux_ids: list[int] | None = None,
@@ -105,12 +129,8 @@ def save_eagle3(path: Path, target_dir: Path, draft_vocab: int | None, aux_ids: 
     """cnets layout: the 15 tensors (fc, midlayer.*, norm, lm_head [draft_vocab, H], d2t
     int64 offsets, t2d bool); without draft_vocab no lm_head / d2t / t2d and no
     `draft_vocab_size`. aux_ids -> eagle_config.eagle_aux_hidden_state_layer_ids."""
-    cfg = _config(target_dir) | {"architectures": [architecture], "num_hidden_layers": 1}
+    cfg = eagle3_config(_config(target_dir), draft_vocab, aux_ids, architecture)
     vocab, g, h = cfg["vocab_size"], _Gen(seed, scale), cfg["hidden_size"]
-    if draft_vocab is not None:
-        cfg["draft_vocab_size"] = draft_vocab
-    if aux_ids is not None:
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True}
     t = {"fc.weight": g.weight(h, 3 * h),
          "midlayer.input_layernorm.weight": g.norm(h), "midlayer.hidden_norm.weight": g.norm(h)}
     t |= _attention("midlayer.", cfg, g, 2 * h, bias=False)
@@ -121,14 +141,14 @@ def save_eagle3(path: Path, target_dir: Path, draft_vocab: int | None, aux_ids: 
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[ids] = True
         t |= {"lm_head.weight": g.weight(draft_vocab, h), "d2t": ids - torch.arange(draft_vocab), "t2d": t2d}
-    return _write(path, t, cfg)
+    return write_checkpoint(path, t, cfg)
 
 
 def _rewrite_target(target_dir: Path, extra: dict[str, torch.Tensor], config: dict) -> Path:
     tensors = read_tensors(target_dir) | extra
     for f in Path(target_dir).glob("*.safetensors*"):
         f.unlink()
-    return _write(target_dir, tensors, config)
+    return write_checkpoint(target_dir, tensors, config)
 
 
 def add_mtp_deepseek(target_dir: Path, seed: int = 0, num_mtp: int = 1) -> Path:

@@ -1,0 +1,385 @@
+"""`specserve train-draft`: EAGLE-3 / EAGLE-2 heads distilled from a tiny target, on CPU.
+
+* The training forward is the inference forward: TTT step 0 equals the head's extend,
+  and step j at index i equals the j-th chain-drafting forward rooted at position i
+  (positions, attention over the prefix + the chain's own keys) -- through the same
+  module and through the written checkpoint loaded by `load_draft`.
+* End to end on a tiny target (its own 512-token word tokenizer, so nothing is fetched;
+  its final norm scaled up so its greedy choices are confident): regenerate answers with
+  the Engine, train, and the written head loads, drafts losslessly, and is accepted far
+  more often than a random head of the same layout.
+* The draft vocabulary / d2t / t2d, the prompt filters, resuming, and the CLI's errors.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from specserve import Engine
+from specserve.attention.torch_ref import TorchRefBackend
+from specserve.bench.prompts import MT_BENCH
+from specserve.cache.kv_pool import KVPool
+from specserve.cache.req_table import ReqToTokenTable
+from specserve.cli import main as specserve_main
+from specserve.models.draft_layouts import read_tensors, save_eagle2, save_eagle3
+from specserve.models.draft_loader import load_draft
+from specserve.models.loader import load_model, read_hf_config
+from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.train import trainer
+from specserve.train.data import decode_truncated_array, load_prompts
+from specserve.train.draft import (EAGLE2, EAGLE3, build_draft, default_aux_layers, head_config, save_head,
+                                   unroll)
+from specserve.train.features import Teacher
+from specserve.train.loss import answer_rows
+from specserve.train.regen import load_sequences
+from specserve.train.trainer import TrainConfig, train_draft
+from specserve.train.vocab import answer_token_counts, build_draft_vocab
+from tests.unit.model_utils import save_tiny_hf
+
+CPU, F32 = torch.device("cpu"), torch.float32
+VOCAB = 512
+WORDS = ("what is the capital of france write a haiku about rain explain gravity simply list three fruits "
+         "how do i boil an egg name famous painter count to five say hello tell me story").split()
+PROMPTS = ["What is the capital of France?", "write a haiku about rain", "explain gravity simply",
+           "list three fruits", "how do I boil an egg", "name a famous painter", "count to five",
+           "say hello", "tell me a story about rain", "what is gravity"]
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+SPEC = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+
+
+# -- a tiny target with its own tokenizer -----------------------------------------------------
+
+def _word_tokenizer(path: Path) -> None:
+    """A WordLevel tokenizer of exactly VOCAB ids (ChatML specials, our words, fillers)."""
+    vocab = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"] + list(dict.fromkeys(WORDS))
+    vocab += [f"w{i}" for i in range(VOCAB - len(vocab))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+
+
+def _sharpen(path: Path, factor: float) -> None:
+    """Scale the final norm: logits x factor, so the random model's greedy choices are clear."""
+    t = read_tensors(path)
+    t["model.norm.weight"] = t["model.norm.weight"] * factor
+    save_file(t, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_draft")
+    target = save_tiny_hf("llama", root / "target", vocab_size=VOCAB, max_position_embeddings=256,
+                          num_hidden_layers=4)
+    _sharpen(target, 30.0)
+    _word_tokenizer(target)
+    data = root / "prompts.jsonl"
+    bench = json.loads(MT_BENCH.read_text().splitlines()[0])["turns"][0]
+    rows = [{"prompt": p} for p in PROMPTS] + [
+        {"prompt": "  " + bench.upper().replace(" ", "   ") + " "},  # an MT-bench question: dropped
+        {"conversations": [{"from": "human", "value": f"please answer: {bench}"}]},  # contains one: dropped
+        {"messages": [{"role": "user", "content": PROMPTS[0].lower()}]},  # a duplicate: dropped
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, target, data
+
+
+def _config(tiny, out: Path, algorithm: str = EAGLE3, **kw) -> TrainConfig:
+    _, target, data = tiny
+    base = dict(model=str(target), algorithm=algorithm, output=out, dataset=str(data), num_prompts=8,
+                max_new_tokens=24, max_seq_len=128, draft_vocab_size=128, ttt_steps=3, max_steps=80,
+                lr=3e-3, batch_tokens=2048, device="cpu", save_every=1000)
+    return TrainConfig(**(base | kw))
+
+
+def _copy_answers(src: Path, dst: Path) -> Path:
+    """Reuse a run's regenerated answers (they do not depend on the algorithm)."""
+    dst.mkdir(parents=True)
+    for name in ("regen.json", "prompts.jsonl"):
+        shutil.copy(src / name, dst / name)
+    shutil.copytree(src / "shards", dst / "shards")
+    return dst
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def eagle3_run(tiny):
+    root, target, _ = tiny
+    out = root / "eagle3"
+    result = train_draft(_config(tiny, out))
+    prompts = [json.loads(line)["ids"] for line in (out / "prompts.jsonl").read_text().splitlines()]
+    plain = Engine(str(target), device="cpu", log_level="warning").generate(input_ids=prompts,
+                                                                              sampling_params=GREEDY)
+    return out, result, prompts, [o["output_ids"] for o in plain]
+
+
+def _drafted(target: Path, algorithm: str, head: Path, prompts: list[list[int]]) -> tuple[list, list[float]]:
+    engine = Engine(str(target), device="cpu", log_level="warning", speculative_algorithm=algorithm,
+                    speculative_draft_model_path=str(head), **SPEC)
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    return [o["output_ids"] for o in outs], [o["meta_info"]["spec_accept_length"] for o in outs]
+
+
+# -- the training forward is the inference forward ------------------------------------------
+
+def _head(target_dir: Path, algorithm: str, seed: int = 1):
+    """A head with every parameter perturbed (so a misplaced tensor shows), and its parts."""
+    target = load_model(target_dir, F32, CPU)
+    counts = torch.bincount(torch.arange(VOCAB) % 97, minlength=VOCAB)
+    vocab = build_draft_vocab(counts, 128, [2]) if algorithm == EAGLE3 else None
+    aux = default_aux_layers(target.config.num_layers) if algorithm == EAGLE3 else ()
+    cfg = head_config(read_hf_config(target_dir), algorithm, vocab, aux, torch.float32)
+    draft = build_draft(cfg, algorithm, target, vocab, aux, 256, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    teacher = Teacher(target, "aux" if algorithm == EAGLE3 else "final", aux,
+                      vocab.ids if vocab is not None else None)
+    return target, draft, vocab, cfg, teacher
+
+
+class _DraftRunner:
+    """The draft's inference forward on one request row, with its own KV pool."""
+
+    def __init__(self, draft) -> None:
+        c = draft.config
+        self.draft, self.used = draft, 0
+        self.pool = KVPool(256, c.num_layers, c.num_kv_heads, c.head_dim, F32, CPU)
+        self.table = ReqToTokenTable(1, 256, CPU)
+        self.backend = TorchRefBackend()
+
+    @torch.no_grad()
+    def __call__(self, tokens: list[int], hidden: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, ...]:
+        n = len(tokens)
+        slots = torch.arange(1 + self.used, 1 + self.used + n)
+        self.table.write(0, self.used, slots)
+        mode = ForwardMode.DECODE if self.used else ForwardMode.DRAFT_EXTEND
+        fb = ForwardBatch(mode, torch.tensor(tokens), torch.tensor(positions), slots, torch.tensor([0]),
+                          [self.used], [n], self.table.table, self.pool, self.backend)
+        self.used += n
+        self.backend.init_forward_metadata(fb)
+        h_logits, h_next = self.draft(fb, hidden)
+        return h_logits, h_next, self.draft.compute_logits(h_logits)
+
+
+def _sequence(n: int = 20, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("algorithm", [EAGLE3, EAGLE2])
+def test_step0_equals_the_inference_forward(tiny, tmp_path, algorithm):
+    _, target_dir, _ = tiny
+    target, draft, vocab, cfg, teacher = _head(target_dir, algorithm)
+    ids = _sequence()
+    n = ids.shape[1]
+    taught = teacher(ids, torch.tensor([n]), answer_rows(torch.tensor([n]), torch.tensor([4]), n))
+    with torch.no_grad():
+        h_logits, h_next = unroll(draft, taught.features, ids, steps=1)[0]
+        logits = draft.compute_logits(h_logits[0])
+    # draft position p consumes (feature p, token p + 1): the extend over positions 0..n-2
+    ref = _DraftRunner(draft)(ids[0, 1:].tolist(), taught.features[0, :n - 1], list(range(n - 1)))
+    torch.testing.assert_close(h_logits[0, :n - 1], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h_next[0, :n - 1], ref[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[:n - 1], ref[2], rtol=1e-5, atol=1e-5)
+    # the same through the written checkpoint, as the engine loads it
+    save_head(tmp_path / "head", draft, vocab, cfg, torch.float32)
+    loaded = load_draft(tmp_path / "head", target, algorithm, F32, CPU)
+    assert loaded.aux_layers == draft.aux_layers
+    ref2 = _DraftRunner(loaded)(ids[0, 1:].tolist(), taught.features[0, :n - 1], list(range(n - 1)))
+    torch.testing.assert_close(logits[:n - 1], ref2[2], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", [EAGLE3, EAGLE2])
+def test_ttt_steps_equal_chain_drafting(tiny, algorithm):
+    """Step j at index i == the depth-j draft forward of a chain rooted at position i:
+    token i+1+j at position i+j, the previous depth's hidden, attention over the
+    true-feature draft KV of positions <= i plus the chain's own earlier depths."""
+    _, target_dir, _ = tiny
+    _, draft, _, _, teacher = _head(target_dir, algorithm, seed=2)
+    ids, steps = _sequence(16, seed=3), 4
+    n = ids.shape[1]
+    taught = teacher(ids, torch.tensor([n]), answer_rows(torch.tensor([n]), torch.tensor([2]), n))
+    with torch.no_grad():
+        outs = unroll(draft, taught.features, ids, steps)
+    tokens = ids[0].tolist()
+    for root in (0, 5, n - 2 - steps):
+        run = _DraftRunner(draft)
+        h_logits, hidden, _ = run(tokens[1:root + 2], taught.features[0, :root + 1], list(range(root + 1)))
+        torch.testing.assert_close(outs[0][0][0, root], h_logits[-1], rtol=1e-5, atol=1e-5)
+        hidden = hidden[-1:]
+        for j in range(1, steps):
+            h_logits, hidden, _ = run([tokens[root + 1 + j]], hidden, [root + j])
+            torch.testing.assert_close(outs[j][0][0, root], h_logits[0], rtol=1e-5, atol=1e-5, msg=f"step {j}")
+            torch.testing.assert_close(outs[j][1][0, root], hidden[0], rtol=1e-5, atol=1e-5)
+
+
+def test_teacher_pads_batches_exactly(tiny):
+    """Features and distributions of a padded batch equal each sequence's own forward."""
+    _, target_dir, _ = tiny
+    _, _, vocab, _, teacher = _head(target_dir, EAGLE3)
+    seqs = [_sequence(9, seed=4)[0], _sequence(14, seed=5)[0]]
+    ids = torch.zeros(2, 14, dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        ids[b, :s.numel()] = s
+    lengths, prompts = torch.tensor([9, 14]), torch.tensor([3, 5])
+    both = teacher(ids, lengths, answer_rows(lengths, prompts, 14))
+    for b, s in enumerate(seqs):
+        n = s.numel()
+        one = teacher(s[None], torch.tensor([n]), answer_rows(torch.tensor([n]), prompts[b:b + 1], n))
+        torch.testing.assert_close(both.features[b, :n], one.features[0], rtol=1e-5, atol=1e-5)
+        assert not both.features[b, n:].any()
+        rows = both.row_index[b][both.row_index[b] >= 0]
+        torch.testing.assert_close(both.probs[rows], one.probs, rtol=1e-5, atol=1e-6)
+        assert torch.equal(both.top[rows], one.top)
+    assert both.probs.shape[-1] == vocab.size
+
+
+# -- end to end --------------------------------------------------------------------------------
+
+def test_eagle3_head_trains_loads_and_is_accepted(tiny, eagle3_run, tmp_path):
+    _, target, _ = tiny
+    out, result, prompts, plain = eagle3_run
+    log = _log(out)
+    assert [r["step"] for r in log] == list(range(1, 81))
+    first, last = log[0], log[-1]
+    assert last["loss"] < 0.5 * first["loss"], (first["loss"], last["loss"])
+    assert min(last["acc_j"]) > 0.6 > max(first["acc_j"]), (first["acc_j"], last["acc_j"])
+    assert result.steps == 80 and len(result.acc) == 3
+    # the published layout, exactly: the names, shapes and dtypes of save_eagle3's heads
+    reference = read_tensors(save_eagle3(tmp_path / "random", target, draft_vocab=128))
+    written = read_tensors(out)
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in reference.items()}
+    assert written["d2t"].dtype == torch.int64 and written["t2d"].dtype == torch.bool
+    assert written["fc.weight"].dtype == torch.bfloat16
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 128
+    # lossless, and accepted far more often than a random head of the same layout
+    drafted, trained = _drafted(target, "EAGLE3", out, prompts)
+    assert drafted == plain
+    _, random_head = _drafted(target, "EAGLE3", tmp_path / "random", prompts)
+    assert sum(trained) / len(trained) > 2.5 > 1.5 > sum(random_head) / len(random_head), (trained, random_head)
+
+
+def test_eagle3_vocab_is_the_answers_most_frequent_tokens(tiny, eagle3_run):
+    _, target, _ = tiny
+    out, result, _, _ = eagle3_run
+    seqs = load_sequences(out)
+    counts = answer_token_counts(seqs, VOCAB)
+    d2t = read_tensors(out)["d2t"]
+    ids = d2t + torch.arange(d2t.numel())
+    assert torch.equal(ids, build_draft_vocab(counts, 128, [2]).ids)
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(ids.tolist())  # every answer token
+    assert result.vocab_coverage == 1.0
+    loaded = load_draft(out, load_model(target, F32, CPU), "EAGLE3", F32, CPU)
+    assert torch.equal(loaded.token_map, ids)
+    assert torch.equal(read_tensors(out)["t2d"].nonzero().flatten(), ids)
+
+
+def test_draft_vocab_ranks_by_frequency():
+    counts = torch.tensor([0, 5, 9, 5, 0, 1, 7, 0])
+    vocab = build_draft_vocab(counts, 4, always=[7])  # 7 (EOS) forced in despite a zero count
+    assert vocab.ids.tolist() == [1, 2, 6, 7]  # 2 (9), 6 (7), then 1 beats 3 on the tie (lower id)
+    assert (vocab.d2t + torch.arange(4)).tolist() == vocab.ids.tolist()
+    assert vocab.t2d.nonzero().flatten().tolist() == [1, 2, 6, 7]
+    assert build_draft_vocab(counts, 100).ids.tolist() == list(range(8))  # capped at V, zeros fill
+    assert vocab.coverage(counts) == pytest.approx(21 / 27)
+
+
+def test_eagle2_head_trains_loads_and_drafts_losslessly(tiny, eagle3_run, tmp_path):
+    _, target, _ = tiny
+    out = _copy_answers(eagle3_run[0], tmp_path / "eagle2")
+    result = train_draft(_config(tiny, out, EAGLE2, draft_vocab_size=None, max_steps=40, ttt_steps=2,
+                                 val_size=1))
+    log = _log(out)
+    assert log[-1]["loss"] < 0.7 * log[0]["loss"] and log[-1]["acc_j"][0] > log[0]["acc_j"][0]
+    assert result.vocab_coverage is None
+    val = [json.loads(line) for line in (out / trainer.VAL_LOG).read_text().splitlines()]
+    assert [r["step"] for r in val] == [40] and len(result.val_acc) == 2
+    # one batch holds the 7 training answers; the 8th is scored only in validation
+    answers = sum(s.answer_len for s in load_sequences(out))
+    assert all(r["rows_j"][0] + val[0]["val_rows"] == answers for r in log) and val[0]["val_rows"] > 0
+    reference = read_tensors(save_eagle2(tmp_path / "random", target, bias=True))
+    assert {k: v.shape for k, v in read_tensors(out).items()} == {k: v.shape for k, v in reference.items()}
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    drafted, accept = _drafted(target, "EAGLE", out, eagle3_run[2])
+    assert drafted == eagle3_run[3]
+    assert sum(accept) / len(accept) > 1.8, accept
+
+
+# -- resuming and re-running -------------------------------------------------------------------
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_resume_continues_exactly_from_the_saved_step(tiny, eagle3_run, tmp_path, monkeypatch):
+    straight = _copy_answers(eagle3_run[0], tmp_path / "straight")
+    cut = _copy_answers(eagle3_run[0], tmp_path / "cut")
+    monkeypatch.setattr(trainer, "_engine", lambda *a: pytest.fail("answers exist: no engine needed"))
+    train_draft(_config(tiny, straight, max_steps=6, save_every=2))
+    real_step, calls = trainer.train_step, []
+
+    def stop_at_fifth(run, batch):
+        calls.append(1)
+        if len(calls) == 5:
+            raise _Interrupted
+        return real_step(run, batch)
+
+    monkeypatch.setattr(trainer, "train_step", stop_at_fifth)
+    with pytest.raises(_Interrupted):
+        train_draft(_config(tiny, cut, max_steps=6, save_every=2))
+    assert torch.load(cut / trainer.STATE, weights_only=True)["step"] == 4  # the last save
+    monkeypatch.setattr(trainer, "train_step", real_step)
+    with pytest.raises(ValueError, match="--resume"):
+        train_draft(_config(tiny, cut, max_steps=6, save_every=2))
+    with pytest.raises(ValueError, match="ttt_steps"):
+        train_draft(_config(tiny, cut, max_steps=6, save_every=2, ttt_steps=2, resume=True))
+    result = train_draft(_config(tiny, cut, max_steps=6, save_every=2, resume=True))
+    assert result.steps == 6
+    a, b = _log(straight), _log(cut)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]  # resumed steps equal uninterrupted ones
+    for name, tensor in read_tensors(straight).items():
+        assert torch.equal(tensor, read_tensors(cut)[name]), name
+
+
+def test_other_settings_in_the_same_output_are_refused(tiny, eagle3_run, tmp_path):
+    out = _copy_answers(eagle3_run[0], tmp_path / "other")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        train_draft(_config(tiny, out, max_new_tokens=12))
+
+
+# -- data and command line ---------------------------------------------------------------------
+
+def test_prompts_skip_benchmark_questions_and_duplicates(tiny):
+    _, _, data = tiny
+    assert load_prompts(str(data)) == PROMPTS
+    truncated = '[{"a": 1}, {"b": [2, 3]},\n {"c": "cut here'
+    assert decode_truncated_array(truncated) == [{"a": 1}, {"b": [2, 3]}]
+    assert decode_truncated_array('[{"a": 1} ]') == [{"a": 1}]
+
+
+def test_cli(tiny, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        specserve_main(["train-draft", "--help"])
+    assert e.value.code == 0 and "--ttt-steps" in capsys.readouterr().out
+    base = ["train-draft", "--model", str(tiny[1]), "--output", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as e:
+        specserve_main(base + ["--algorithm", "MEDUSA"])
+    assert e.value.code == 2 and "unsupported algorithm 'MEDUSA'" in capsys.readouterr().err
+    assert specserve_main(base + ["--algorithm", "EAGLE", "--draft-vocab-size", "64"]) == 2
+    assert "EAGLE3 only" in capsys.readouterr().err
+    assert specserve_main(base + ["--resume", "--device", "cpu"]) == 2
+    assert "no train_state.pt" in capsys.readouterr().err
