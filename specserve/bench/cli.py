@@ -5,14 +5,14 @@ import sys
 
 BENCHES = {"compare": "specserve.bench.compare", "spec": "specserve.bench.spec_compare",
            "ngram-cost": "specserve.bench.ngram_cost", "limit": "specserve.bench.limit",
-           "speculative": "specserve.bench.speculative", "serving": "specserve.bench.serving"}
+           "speculative": "specserve.bench.speculative", "serving": "specserve.bench.serving",
+           "mtbench": "specserve.bench.mtbench"}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHES:
         names = ", ".join(BENCHES)
-        print(f"usage: specserve bench {{{names}}} [args]  (mtbench: "
-              "not implemented yet)", file=sys.stderr)
+        print(f"usage: specserve bench {{{names}}} [args]", file=sys.stderr)
         return 2
     import importlib
 

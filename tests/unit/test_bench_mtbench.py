@@ -1,0 +1,197 @@
+"""`specserve bench mtbench` end to end on CPU, with a tiny random Llama target.
+
+The target gets a small byte-level BPE tokenizer (trained here on the built-in repetitive
+prompt set, never on MT-bench) and the default ChatML template, so the benchmark runs
+exactly as on a real model: chat-templated MT-bench prompts, every method in its own engine,
+greedy. Checks: a row per method and batch size, speculative answers token-identical to
+plain for every question (fp32, lossless speculation), parseable JSON lines, second-turn
+prompts built from the model's own first answers, transformers rows, loud failures for a bad
+draft, and the plot (or its note without matplotlib).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from specserve.bench import mtbench
+from specserve.bench.repetitive import repetitive_prompts
+from specserve.models.draft_layouts import save_eagle3
+from tests.unit.model_utils import save_tiny_hf
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _save_tokenizer(path: Path, vocab_size: int) -> int:
+    """A byte-level BPE tokenizer in `path` (EOS <|im_end|>); returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(repetitive_prompts(), trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random Llama target with a tokenizer, and a random EAGLE-3 head for it."""
+    root = tmp_path_factory.mktemp("mtbench")
+    vocab = _save_tokenizer(root / "tok", 512)
+    target = save_tiny_hf("llama", root / "target", vocab_size=vocab, max_position_embeddings=2048,
+                          num_hidden_layers=4)  # EAGLE-3's default aux layers need 4
+    for f in (root / "tok").iterdir():
+        f.rename(target / f.name)
+    return {"target": target, "eagle3": save_eagle3(root / "eagle3", target, draft_vocab=128), "root": root}
+
+
+def _argv(tiny, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(tiny["target"]), "--device", "cpu", "--dtype", "float32",
+            "--output", str(out / "rows.jsonl"), "--plot", str(out / "chart.png"), *extra]
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_turn(tiny, tmp_path_factory):
+    """plain, EAGLE-3 and NGRAM at bs 1 and 2, first turns, no transformers."""
+    out = tmp_path_factory.mktemp("one_turn")
+    argv = _argv(tiny, out, "--eagle3-draft", str(tiny["eagle3"]), "--ngram", "--no-hf",
+                 "--num-questions", "3", "--max-new-tokens", "6", "--batch-sizes", "1,2",
+                 "--spec-args", "speculative_num_steps=2,speculative_eagle_topk=1,speculative_num_draft_tokens=3")
+    assert mtbench.main(argv) == 0
+    return out
+
+
+def test_rows_for_every_method_and_batch_size(one_turn):
+    rows = _rows(one_turn)
+    assert [(r["method"], r["batch_size"]) for r in rows] == [
+        (m, bs) for bs in (1, 2) for m in ("plain", "EAGLE-3", "NGRAM")]
+    for r in rows:
+        assert r["bench"] == "mtbench" and r["num_questions"] == 3 and r["turns"] == 1
+        assert r["identical_outputs"] == 3, r  # greedy fp32: speculation is lossless
+        assert r["tok_s"] > 0 and r["seconds"] > 0 and 3 <= r["tokens"] <= 3 * 6
+        assert r["accept_length"] >= 1.0
+        assert r["device"] == "cpu" and r["dtype"] == "float32"
+    plain = {r["batch_size"]: r for r in rows if r["method"] == "plain"}
+    for r in rows:
+        assert r["tokens"] == plain[r["batch_size"]]["tokens"]
+        assert r["speedup"] == pytest.approx(r["tok_s"] / plain[r["batch_size"]]["tok_s"])
+    assert all(r["speedup"] == 1.0 and r["accept_length"] == 1.0 for r in plain.values())
+    eagle3 = [r for r in rows if r["method"] == "EAGLE-3"]
+    assert all(r["draft"] and r["spec_args"].startswith("speculative_num_steps=2") for r in eagle3)
+
+
+def test_table_summary_and_plot(one_turn, capsys):
+    rows = _rows(one_turn)
+    width = max(len(r["method"]) for r in rows)
+    header, line = mtbench.table_header(width), mtbench.table_line(rows[1], width)
+    assert header.split(" | ")[0].strip() == "method" and len(header) == len(line)
+    assert line.startswith("EAGLE-3") and "3/3" in line and f"{rows[1]['speedup']:.2f}x" in line
+    text = mtbench.summary(rows)
+    assert "\n" not in text and "bs=1" in text and "bs=2" in text
+    assert "identical to plain: 12/12" in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pytest.skip("matplotlib is not installed")
+    assert (one_turn / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_prints_a_note(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    row = {"method": "plain", "batch_size": 1, "tok_s": 1.0, "model": "m", "device": "cpu"}
+    mtbench.plot([row], str(tmp_path / "x.png"))
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_second_turn_prompts_hold_the_first_answer(tiny):
+    from specserve.server.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None, tiny["target"])
+    questions = mtbench.mt_bench_questions(2)
+    first = mtbench.turn_prompts(tok, questions, [[], []], 0)
+    assert first == [tok.encode_chat([{"role": "user", "content": q[0]}]) for q in questions]
+    answers = [[tok.encode(text, add_special_tokens=False)] for text in (" Paris is the capital.", " Tokyo!")]
+    second = mtbench.turn_prompts(tok, questions, answers, 1)
+    for q, ans, one, two in zip(questions, answers, first, second):
+        text = tok.decode(two, skip_special_tokens=False)
+        assert text.startswith(tok.decode(one, skip_special_tokens=False))  # the first turn, then
+        assert text.index(q[0]) < text.index(tok.decode(ans[0])) < text.index(q[1])  # its answer, then q2
+        assert text.endswith("<|im_start|>assistant\n")
+    assert len(mtbench.mt_bench_questions()) == 80 and all(len(q) == 2 for q in mtbench.mt_bench_questions())
+
+
+def test_two_turns(tiny, tmp_path):
+    argv = _argv(tiny, tmp_path, "--ngram", "--no-hf", "--turns", "2", "--num-questions", "2",
+                 "--max-new-tokens", "5", "--batch-sizes", "2")
+    assert mtbench.main(argv) == 0
+    rows = _rows(tmp_path)
+    assert [r["method"] for r in rows] == ["plain", "NGRAM"]
+    for r in rows:
+        assert r["turns"] == 2 and r["identical_outputs"] == 2
+        assert 4 <= r["tokens"] <= 2 * 2 * 5  # two questions, two answers each
+
+
+def test_run_turns_feeds_each_answer_into_the_next_prompt(tiny):
+    """The second turn's prompt holds the answer the same generator gave to the first."""
+    from specserve.server.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None, tiny["target"])
+    questions = mtbench.mt_bench_questions(3)
+    seen: list[list[list[int]]] = []
+
+    def fake(prompts):  # answer i of a turn: the token ids of "answer-<turn>-<i>"
+        seen.append(prompts)
+        return 0.5, [tok.encode(f" answer-{len(seen)}-{i}", add_special_tokens=False)
+                     for i in range(len(prompts))], 0
+
+    answers = mtbench.run_turns(fake, tok, questions, 2)
+    assert answers.seconds == 1.0 and answers.requests == 6 and len(seen) == 2
+    for i, prompt in enumerate(seen[1]):
+        assert f"answer-1-{i}" in tok.decode(prompt) and "answer-2" not in tok.decode(prompt)
+    assert [tok.decode(a[1]) for a in answers.ids] == [f" answer-2-{i}" for i in range(3)]
+
+
+def test_transformers_rows(tiny, tmp_path):
+    argv = _argv(tiny, tmp_path, "--num-questions", "2", "--max-new-tokens", "4", "--batch-sizes", "1,2")
+    assert mtbench.main(argv) == 0
+    rows = _rows(tmp_path)
+    assert [(r["method"], r["batch_size"]) for r in rows] == [
+        ("plain", 1), ("HF transformers", 1), ("plain", 2), ("HF transformers", 2)]
+    for r in rows[1::2]:
+        assert r["accept_length"] is None and r["algorithm"] is None and r["tok_s"] > 0
+        # same prompt ids, same greedy answers: also at bs=2, where transformers left-pads
+        assert r["identical_outputs"] == 2, r
+
+
+def test_bad_draft_fails_loudly(tiny, tmp_path):
+    with pytest.raises(ValueError, match="EAGLE-3: no draft model path"):
+        mtbench.main(_argv(tiny, tmp_path, "--eagle3-draft", "", "--no-hf", "--num-questions", "1"))
+    with pytest.raises(RuntimeError, match="the EAGLE-2 engine failed to start"):
+        mtbench.main(_argv(tiny, tmp_path, "--eagle-draft", str(tmp_path), "--no-hf", "--num-questions", "1",
+                           "--max-new-tokens", "2", "--batch-sizes", "1"))
+    with pytest.raises(ValueError, match="no draft model path"):
+        mtbench.engine_kwargs(mtbench._parser().parse_args([]), mtbench.Method("EAGLE-3", "EAGLE3", None))
+
+
+def test_registered_with_specserve_bench(capsys):
+    from specserve.bench import cli
+
+    assert cli.BENCHES["mtbench"] == "specserve.bench.mtbench"
+    assert cli.main([]) == 2
+    assert "mtbench" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["mtbench", "--help"])
+    assert e.value.code == 0
+    assert "--eagle3-draft" in capsys.readouterr().out
