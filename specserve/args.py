@@ -188,6 +188,9 @@ def _add_draft_tree(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--speculative-accept-threshold-acc", type=float,
                    default=_P.accept_threshold_acc,
                    help="accumulated acceptance threshold (< 1.0 is lossy)")
+    g.add_argument("--speculative-adaptive", default=_P.adaptive, choices=("auto", "on", "off"),
+                   help="measure speculative and plain steps per batch size and run the faster "
+                        "(both are exact); auto: on for CUDA devices (specserve's own flag)")
     g.add_argument("--speculative-attention-mode", default=_P.attention_mode,
                    choices=("prefill", "decode"),
                    help="attention mode for speculative operations (the torch backend runs verify "

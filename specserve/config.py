@@ -82,6 +82,7 @@ class SpecConfig:
     enable_multi_layer_eagle: bool = False
     enable_spec_v2: bool = False  # from SPECSERVE_ENABLE_SPEC_V2 / SGLANG_ENABLE_SPEC_V2
     ngram_force_greedy_verify: bool = False  # from *_NGRAM_FORCE_GREEDY_VERIFY
+    adaptive: str = "auto"  # auto (on for CUDA) | on | off: turn speculation down when it does not pay
 
     @property
     def enabled(self) -> bool:

@@ -56,7 +56,9 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.feature_mode = feature_mode
-        self.static = {ForwardMode.DECODE: self._buffers(1, vocab_size, None)}
+        # DECODE keeps features too: a speculative step turned down to plain decoding is a
+        # decode whose features the draft still needs (spec/governor.py).
+        self.static = {ForwardMode.DECODE: self._buffers(1, vocab_size, feature_mode)}
         backend.init_cuda_graph_state(self.max_bs, 1)
         if verify_tokens > 1:
             self.static[ForwardMode.VERIFY] = self._buffers(verify_tokens, vocab_size, feature_mode)

@@ -58,26 +58,38 @@ class Proposer(Protocol):
 
 
 class NgramAdapter:
-    """NgramProposer (keyed by request id) behind the Proposer protocol."""
+    """NgramProposer (keyed by request id) behind the Proposer protocol.
+
+    Committed tokens are indexed lazily: they wait in `_pending` until the request next
+    drafts. While the governor runs plain steps nothing drafts, so plain decoding pays
+    no trie updates (the dominant NGRAM cost at large batch); the trie catches up, in
+    order, before the next proposal."""
 
     scratch_per_req = 0
 
     def __init__(self, ngram) -> None:
         self.ngram = ngram
         self.max_nodes = ngram.num_draft_tokens
+        self._pending: dict[str, list[int]] = {}
 
     def add_request(self, req: Req) -> None:
         self.ngram.add_request(req.rid, req.all_ids)
 
     def remove_request(self, req: Req) -> None:
+        self._pending.pop(req.rid, None)
         self.ngram.remove_request(req.rid)
 
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
         pass  # the trie indexes the prompt in add_request
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
+        if max(budgets) == 1:  # a plain step: no lookup, no catching up
+            return Drafts.roots([r.all_ids[-1] for r in reqs])
+        for req in reqs:
+            if req.rid in self._pending:
+                self.ngram.on_tokens(req.rid, self._pending.pop(req.rid))
         return self.ngram.propose([r.rid for r in reqs], [r.all_ids[-1] for r in reqs], budgets)
 
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
         for req, tokens in zip(reqs, verified.committed):
-            self.ngram.on_tokens(req.rid, tokens)
+            self._pending.setdefault(req.rid, []).extend(tokens)

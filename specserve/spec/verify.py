@@ -44,6 +44,15 @@ def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor], ful
                          positions=pos, custom_masks=custom, all_logits=True)
 
 
+def decode_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor]) -> ScheduleBatch:
+    """Root-only drafts as a DECODE batch: the root at position kv_len of each request,
+    which is exactly plain decoding (and runs on the DECODE graphs). Each root takes the
+    first of its request's verify slots; commit frees the others."""
+    assert drafts.num_nodes == 1, "a decode batch verifies roots only"
+    return ScheduleBatch(ForwardMode.DECODE, reqs, drafts.tokens.reshape(-1), torch.cat([s[:1] for s in slots]),
+                         [r.kv_len for r in reqs], [1] * len(reqs), [True] * len(reqs))
+
+
 def pad_rows(packed: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
     """[sum(counts), X] packed per-node rows (logits, features) -> [B, n, X]; padding
     rows repeat the request's row 0."""

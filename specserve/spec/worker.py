@@ -19,7 +19,8 @@ from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import apply_penalties, uniform_noise
 from specserve.spec.accept import AcceptResult, accept, gumbel_targets
 from specserve.spec.proposer import Proposer, Verified
-from specserve.spec.verify import commit_kv, pad_rows, verify_batch
+from specserve.spec.governor import SpecGovernor
+from specserve.spec.verify import commit_kv, decode_batch, pad_rows, verify_batch
 
 SPEC_NOISE_SALT = 1 << 40  # keeps the coin walk's uniforms apart from plain sampling noise
 
@@ -56,6 +57,8 @@ class SpecWorker:
         self.spec, self.runner, self.kv, self.proposer = spec, runner, kv, proposer
         self.eos_ids, self.context_length = eos_ids, context_length
         self.stats = SpecStats()
+        adaptive = spec.adaptive == "on" or (spec.adaptive == "auto" and runner.device.type == "cuda")
+        self.governor = SpecGovernor(adaptive)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -75,15 +78,20 @@ class SpecWorker:
         self.proposer.on_extend(batch, features)
 
     def step(self, reqs: list[Req]) -> None:
-        """Advance every request by one verify; the caller checked sum(budgets) slots are free."""
-        budgets = self.budgets(reqs)
+        """Advance every request by one verify (a plain decode when the governor turns
+        speculation down); the caller checked sum(budgets) slots are free."""
+        speculate = self.governor.speculate(len(reqs))
+        start = self.governor.clock()
+        budgets = self.budgets(reqs) if speculate else [1] * len(reqs)
         slots = [self.kv.alloc_slots(n) for n in budgets]
         self.kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], slots)
         drafts = self.proposer.propose(reqs, budgets)
-        full = self.runner.verify_graph_tokens == self.proposer.max_nodes  # verify runs as a captured graph
-        if full:
-            drafts = drafts.padded(self.proposer.max_nodes)
-        batch = verify_batch(reqs, drafts, slots, full=full)
+        if drafts.num_nodes == 1:  # nothing drafted: the verify is a decode (DECODE graphs)
+            batch = decode_batch(reqs, drafts, slots)
+        else:
+            if self.runner.verify_graph_tokens == self.proposer.max_nodes:  # verify runs as a captured graph
+                drafts = drafts.padded(self.proposer.max_nodes)
+            batch = verify_batch(reqs, drafts, slots, full=drafts.num_nodes == self.proposer.max_nodes)
         fb = self.runner.forward_batch(batch, self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
         logits = pad_rows(logits, batch.extend_lens, drafts.num_nodes)
@@ -91,6 +99,7 @@ class SpecWorker:
         if features is not None:
             features = pad_rows(features, batch.extend_lens, drafts.num_nodes)
         self.proposer.on_verified(reqs, Verified(committed, paths, features, kept))
+        self.governor.record(len(reqs), speculate, sum(map(len, committed)), self.governor.clock() - start)
 
     def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor]
                            ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:

@@ -1,0 +1,110 @@
+"""The speculation governor: it runs the faster mode per batch size, probes the other,
+and switching modes never changes the output.
+
+Unit level with a fake clock; engine level with a governor that alternates speculative
+and plain steps, for NGRAM and EAGLE-3 (random head), greedy and seeded sampling, at
+batch 1 and 4: outputs equal plain decoding's and no KV slot leaks.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve import Engine
+from specserve.models.draft_layouts import save_eagle3
+from specserve.spec.governor import SpecGovernor
+from tests.unit.model_utils import save_tiny_hf
+
+
+def _measure(gov: SpecGovernor, bs: int, spec_rate: float, plain_rate: float, steps: int) -> list[bool]:
+    """Run `steps` decisions, recording each mode at its given tokens/s; return the modes."""
+    modes = []
+    for _ in range(steps):
+        spec = gov.speculate(bs)
+        modes.append(spec)
+        gov.record(bs, spec, 100, 100 / (spec_rate if spec else plain_rate))
+    return modes
+
+
+def test_slow_speculation_is_turned_down_and_probed():
+    gov = SpecGovernor(True, probe_every=8)
+    modes = _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=64)
+    assert modes[:2] == [True, False]  # measure speculation, then plain
+    assert sum(modes) == 64 // 8  # the first step, then plain with a speculative probe at steps 8, 16, .., 56
+    spec, plain = gov.rates(64)
+    assert spec == pytest.approx(500.0) and plain == pytest.approx(1000.0)
+
+
+def test_fast_speculation_stays_on_and_buckets_are_separate():
+    gov = SpecGovernor(True, probe_every=8)
+    _measure(gov, 1, spec_rate=2000.0, plain_rate=500.0, steps=32)
+    modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=500.0, steps=32)
+    assert sum(modes) == 32 - 32 // 8  # speculative except the plain probes
+    assert gov.speculate(64)  # another batch size is measured on its own
+    assert gov.rates(3) == gov.rates(4)  # 3 and 4 share the capture bucket 4
+
+
+def test_traffic_change_flips_the_choice():
+    gov = SpecGovernor(True, probe_every=4, alpha=0.5)
+    _measure(gov, 8, spec_rate=400.0, plain_rate=1000.0, steps=16)
+    modes = _measure(gov, 8, spec_rate=4000.0, plain_rate=1000.0, steps=16)  # drafts start to hit
+    assert sum(modes[-8:]) == 6  # speculative again, but for the plain probes at steps 24 and 28
+
+
+def test_disabled_governor_always_speculates():
+    gov = SpecGovernor(False)
+    assert _measure(gov, 64, spec_rate=1.0, plain_rate=1000.0, steps=10) == [True] * 10
+    assert gov.rates(64) == (None, None)
+
+
+class _Alternating(SpecGovernor):
+    def __init__(self) -> None:
+        super().__init__(True)
+        self.modes: list[bool] = []
+
+    def speculate(self, bs: int) -> bool:
+        self.modes.append(len(self.modes) % 3 != 2)  # spec, spec, plain, ...
+        return self.modes[-1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_dir):
+    root = tmp_path_factory.mktemp("governor")
+    target = save_tiny_hf("llama", root / "target", vocab_size=49152, max_position_embeddings=1024,
+                          num_hidden_layers=4)
+    rng = random.Random(1)
+    # Repetitive prompts so NGRAM drafts get accepted sometimes.
+    prompts = [[rng.randrange(3, 200) for _ in range(6)] * 4 for _ in range(4)]
+    return target, prompts, save_eagle3(root / "eagle3", target, draft_vocab=4096)
+
+
+def _engine(target, smollm2_dir, **flags) -> Engine:
+    return Engine(str(target), tokenizer_path=str(smollm2_dir), log_level="warning", **flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3"])
+def test_switching_modes_keeps_outputs_exact(tiny, smollm2_dir, algo):
+    target, prompts, head = tiny
+    greedy = {"temperature": 0, "max_new_tokens": 20}
+    sampled = [{"temperature": 1.0, "max_new_tokens": 12, "seed": 10 + i} for i in range(len(prompts))]
+    plain = _engine(target, smollm2_dir)
+    want_greedy = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=greedy)]
+    want_sampled = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=sampled)]
+    flags = {"speculative_algorithm": algo, "speculative_adaptive": "on"}
+    if algo == "EAGLE3":
+        flags |= {"speculative_draft_model_path": str(head), "speculative_num_steps": 3,
+                  "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}
+    engine = _engine(target, smollm2_dir, **flags)
+    gov = engine.scheduler.spec.governor = _Alternating()
+    single = engine.generate(input_ids=prompts[0], sampling_params=greedy)
+    assert single["output_ids"] == want_greedy[0]
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+    assert [o["output_ids"] for o in outs] == want_greedy
+    outs = engine.generate(input_ids=prompts, sampling_params=sampled)
+    assert [o["output_ids"] for o in outs] == want_sampled
+    assert True in gov.modes and False in gov.modes
+    assert not engine.scheduler.has_work
+    engine.scheduler.kv.flush_cache()
+    engine.scheduler.kv.assert_no_leak()
