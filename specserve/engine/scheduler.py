@@ -67,6 +67,7 @@ class Scheduler:
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.spec = make_spec_worker(cfg.spec, self.runner, self.kv, self.eos_ids, self.context_length,
                                      self.runner.model.config.architecture, self.max_running)
+        self.runner.warm_up_kernels(self.kv.table.table)
         self.runner.capture_cuda_graphs(self.kv.table.table, self.max_running,
                                         self.spec.num_draft_tokens if self.spec is not None else 0)
 

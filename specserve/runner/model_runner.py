@@ -84,6 +84,34 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.runner_cfg = runner_cfg
 
+    # Extend lengths whose query blocks cover every extend-kernel variant (BLOCK_M 16, 32, 64).
+    WARM_EXTEND_LENS = (8, 24, 48)
+
+    @torch.inference_mode()
+    def warm_up_kernels(self, req_to_token: torch.Tensor) -> None:
+        """Compile the Triton extend kernel's variants now, not while serving.
+
+        Its query block follows the longest extend in a batch, so a request that borrows
+        a long cached prefix and extends a few tokens meets a variant no earlier prefill
+        used, and pays a ~2 s compile mid-traffic (likewise an eager verify's tree-mask
+        variants). One dummy EXTEND (and tree VERIFY) per variant over a
+        fresh request (prefix 0, table row 0, every K/V into the scratch slot 0, which
+        the table's zeros point to) compiles them at start-up. Drafts with the target's
+        head layout reuse the same compiled variants."""
+        if self.device.type != "cuda" or not self.attn_backend.supports_cuda_graph:
+            return
+        for n in self.WARM_EXTEND_LENS:
+            zeros = torch.zeros(n, dtype=torch.int64, device=self.device)
+            full = torch.ones(n, n, dtype=torch.bool, device=self.device)
+            for mode, masks in ((ForwardMode.EXTEND, None), (ForwardMode.VERIFY, [full])):  # causal, tree
+                fb = ForwardBatch(mode, zeros, torch.arange(n, device=self.device), zeros,
+                                  torch.zeros(1, dtype=torch.int64, device=self.device), [0], [n], req_to_token,
+                                  self.kv_pool, self.attn_backend, custom_masks=masks,
+                                  logit_rows=torch.tensor([n - 1], device=self.device))
+                fb.attn_backend.init_forward_metadata(fb)
+                self.model(fb)
+        torch.cuda.synchronize(self.device)
+
     def capture_cuda_graphs(self, req_to_token: torch.Tensor, max_running: int, verify_tokens: int = 0) -> None:
         """Capture decode graphs, and verify graphs of `verify_tokens` nodes per request when
         speculating (CUDA, unless --disable-cuda-graph), once the table and draft exist."""
@@ -108,7 +136,11 @@ class ModelRunner:
         if cache_cfg.max_total_tokens:
             n = cache_cfg.max_total_tokens
         elif self.device.type == "cuda":
-            n = self._gpu_budget(cache_cfg, per_slot)
+            # An EAGLE-family head keeps a KV pool of its own over the same slots: one more
+            # layer of the target's KV shape per slot (the published heads), sized in here
+            # rather than left to the fixed headroom, which a large pool outgrows.
+            draft_layers = 1 if self.spec_algorithm in ("EAGLE", "EAGLE3") else 0
+            n = self._gpu_budget(cache_cfg, per_slot * (cfg.num_layers + draft_layers) // cfg.num_layers)
         else:
             n = min(CPU_KV_BUDGET_BYTES // per_slot, 4 * self.context_length)
         if n < self.context_length + 1:
