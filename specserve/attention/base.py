@@ -34,7 +34,7 @@ class AttentionBackend(ABC):
         """Write k, v at fb.out_slots of layer `layer_id`, then attend; return [T, H*D]."""
 
     # -- CUDA graph hooks (backends with supports_cuda_graph = True) ------------------
-    def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int) -> None:
+    def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int, causal: bool = False) -> None:
         raise RuntimeError(f"{type(self).__name__} cannot run inside CUDA graphs")
 
     def init_metadata_for_capture(self, fb: ForwardBatch) -> None:
@@ -42,3 +42,8 @@ class AttentionBackend(ABC):
 
     def init_metadata_for_replay(self, fb: ForwardBatch) -> None:
         raise RuntimeError(f"{type(self).__name__} cannot run inside CUDA graphs")
+
+    def init_tail_metadata(self, fb: ForwardBatch, tail_start: torch.Tensor) -> None:
+        """DECODE metadata with fb.draft_tail from device tensors alone (tail_start [B] =
+        fb.prefix_lens on the device), for tree drafting inside a captured graph."""
+        raise RuntimeError(f"{type(self).__name__} cannot build metadata inside CUDA graphs")

@@ -6,6 +6,8 @@ against. Each forward pads the batch to [B, max_new] queries over [B, max_kv] ke
     j < prefix_b                                   (the cached prefix), or
     j - prefix_b <= i (causal) / custom_mask_b[i, j - prefix_b]   (the new tokens),
   and j < prefix_b + n_b. Padded query rows see key 0 only (their output is dropped).
+A DECODE batch with a `draft_tail` reads keys [0, prefix_b) through the row and then the
+tail's d slots: kv_index = row[:max_prefix] ++ tail, with row columns >= prefix_b masked.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend
-from specserve.runner.forward_batch import ForwardBatch
+from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass
@@ -28,6 +30,9 @@ class _Meta:
 
 class TorchRefBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.draft_tail is not None:
+            fb.attn_meta = self._tail_meta(fb)
+            return
         dev = fb.input_ids.device
         prefix = torch.tensor(fb.prefix_lens, device=dev)
         new = torch.tensor(fb.extend_lens, device=dev)
@@ -42,6 +47,25 @@ class TorchRefBackend(AttentionBackend):
         if not uniform_decode:
             mask = self._build_mask(fb, prefix, new, q_valid, max_new, max_kv)
         fb.attn_meta = _Meta(kv_index, q_index, q_valid.reshape(-1), mask)
+
+    def init_tail_metadata(self, fb: ForwardBatch, tail_start: torch.Tensor) -> None:
+        """The reference reads the lengths back (a sync): it never runs inside a graph."""
+        fb.prefix_lens = tail_start.tolist()
+        fb.attn_meta = self._tail_meta(fb)
+
+    @staticmethod
+    def _tail_meta(fb: ForwardBatch) -> _Meta:
+        dev, bsz = fb.input_ids.device, fb.batch_size
+        assert fb.mode == ForwardMode.DECODE and all(n == 1 for n in fb.extend_lens), "a tail is for decode"
+        width = max(fb.prefix_lens)
+        kv_index = torch.cat([fb.req_to_token[fb.req_rows, :width], fb.draft_tail.to(dev)], dim=1)
+        q_index = torch.arange(bsz, device=dev)[:, None]
+        mask = None
+        if min(fb.prefix_lens) != width:  # ragged prefixes: hide row columns past each prefix
+            j = torch.arange(kv_index.shape[1], device=dev)
+            prefix = torch.tensor(fb.prefix_lens, device=dev)
+            mask = ((j[None, :] < prefix[:, None]) | (j[None, :] >= width))[:, None, None, :]
+        return _Meta(kv_index, q_index, torch.ones(bsz, dtype=torch.bool, device=dev), mask)
 
     @staticmethod
     def _build_mask(fb: ForwardBatch, prefix: torch.Tensor, new: torch.Tensor,

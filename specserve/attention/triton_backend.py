@@ -10,7 +10,7 @@ Which kernel: the decode kernel whenever every request has exactly one new token
 custom mask (DECODE, and one-token EXTEND / DRAFT_EXTEND batches); the extend kernel
 otherwise (EXTEND, DRAFT_EXTEND, VERIFY).
 
-CUDA graphs (DECODE; VERIFY is described at `_VerifyBuffers`). `init_cuda_graph_state(max_bs, 1)` allocates the static
+CUDA graphs (DECODE; VERIFY and DRAFT_EXTEND are described at `_VerifyBuffers`). `init_cuda_graph_state(max_bs, 1)` allocates the static
 seq_lens [max_bs] int32; capture and replay point `fb.attn_meta` at its first `bs`
 entries and read req_rows straight from the caller's static `fb.req_rows`. Padding
 convention: the caller pads the batch to the captured size with rows of prefix_len 0
@@ -41,6 +41,9 @@ class TritonMeta:
     max_extend: int = 1
     mask: torch.Tensor | None = None  # flat uint8 custom masks, row-major [n_b, n_b] each
     mask_indptr: torch.Tensor | None = None  # [B] int64 offset of request b's mask
+    # decode with a draft tail (tree drafting): keys >= tail_start[b] come from tail[b]
+    tail: torch.Tensor | None = None  # [B, d] int64
+    tail_start: torch.Tensor | None = None  # [B] int32
 
     @property
     def is_decode(self) -> bool:
@@ -68,6 +71,9 @@ class TritonBackend(AttentionBackend):
     # -- per forward ------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         dev = fb.input_ids.device
+        if fb.draft_tail is not None:
+            self.init_tail_metadata(fb, _to_device([fb.prefix_lens], dev)[0])
+            return
         rows = fb.req_rows.to(dev, non_blocking=True)
         if fb.custom_masks is None and all(n == 1 for n in fb.extend_lens):
             seq = _to_device([[p + 1 for p in fb.prefix_lens]], dev)[0]
@@ -80,6 +86,15 @@ class TritonBackend(AttentionBackend):
         mask, indptr = _pack_masks(fb, dev) if fb.custom_masks is not None else (None, None)
         fb.attn_meta = TritonMeta(rows, None, 1, prefix, extend, q_starts, max(fb.extend_lens), mask, indptr)
 
+    def init_tail_metadata(self, fb: ForwardBatch, tail_start: torch.Tensor) -> None:
+        """Metadata for a DECODE batch with a draft tail from device tensors only (no host
+        list is read), so tree drafting can build it inside a captured graph; tail_start
+        [B] is fb.prefix_lens on the device."""
+        tail_start = tail_start.to(torch.int32)
+        seq = tail_start + fb.draft_tail.shape[1]
+        fb.attn_meta = TritonMeta(fb.req_rows, seq, self._num_splits(fb), tail=fb.draft_tail.contiguous(),
+                                  tail_start=tail_start)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
         fb.kv_pool.write(layer_id, fb.out_slots, k, v)
@@ -91,7 +106,7 @@ class TritonBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
         if m.is_decode:
             self._decode.decode_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
-                                          m.seq_lens, scale, m.num_splits)
+                                          m.seq_lens, scale, m.num_splits, m.tail, m.tail_start)
         else:
             self._extend.extend_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
                                           m.prefix_lens, m.extend_lens, m.q_starts, m.max_extend,
@@ -109,9 +124,10 @@ class TritonBackend(AttentionBackend):
         return max(1, min(self._decode.MAX_SPLITS, -(-2 * self._num_sms // programs)))
 
     # -- CUDA graphs (DECODE; VERIFY with N tokens per request) ---------------------------
-    def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int) -> None:
+    def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int, causal: bool = False) -> None:
         """Static buffers for graphs of up to max_bs requests. max_tokens_per_req 1: DECODE;
-        N > 1: VERIFY, every request padded to exactly N tree nodes with an [N, N] mask."""
+        N > 1: every request padded to exactly N new tokens: VERIFY with an [N, N] tree mask
+        rewritten per replay, or with `causal` a DRAFT_EXTEND (a chain: no mask)."""
         dev, n = self.device, max_tokens_per_req
         if n == 1:
             self._graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
@@ -120,8 +136,9 @@ class TritonBackend(AttentionBackend):
         self._verify = _VerifyBuffers(
             n=n, prefix_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             extend_lens=torch.full((max_bs,), n, dtype=torch.int32, device=dev),
-            q_starts=(idx * n).to(torch.int32), mask=torch.ones(max_bs * n * n, dtype=torch.uint8, device=dev),
-            mask_indptr=idx * n * n)
+            q_starts=(idx * n).to(torch.int32),
+            mask=None if causal else torch.ones(max_bs * n * n, dtype=torch.uint8, device=dev),
+            mask_indptr=None if causal else idx * n * n)
 
     def init_metadata_for_capture(self, fb: ForwardBatch) -> None:
         self._check_graph_batch(fb)
@@ -131,44 +148,51 @@ class TritonBackend(AttentionBackend):
         """Write lengths (and VERIFY masks) in place; fb.req_rows is already static. Runs
         outside the captured region (it copies from host memory)."""
         bs = fb.batch_size
-        if fb.mode == ForwardMode.VERIFY:
+        if fb.mode in _FIXED_N_MODES:
             vb = self._verify
             prefix = vb.prefix_lens[:bs]
             prefix.copy_(torch.tensor(fb.prefix_lens, dtype=torch.int32), non_blocking=True)
-            if fb.custom_masks is not None:  # capture runs with full masks (all ones)
+            if fb.custom_masks is not None and vb.mask is not None:  # capture runs with full masks (all ones)
                 flat = torch.stack([m.reshape(-1) for m in fb.custom_masks]).to(torch.uint8).reshape(-1)
                 vb.mask[:flat.numel()].copy_(flat, non_blocking=True)
             fb.attn_meta = TritonMeta(fb.req_rows, None, 1, prefix, vb.extend_lens[:bs], vb.q_starts[:bs], vb.n,
-                                      vb.mask, vb.mask_indptr[:bs])
+                                      vb.mask, vb.mask_indptr[:bs] if vb.mask_indptr is not None else None)
             return
         seq = self._graph_seq_lens[:bs]
         seq.copy_(torch.tensor([p + 1 for p in fb.prefix_lens], dtype=torch.int32, device="cpu"), non_blocking=True)
         fb.attn_meta = TritonMeta(fb.req_rows, seq, self._num_splits(fb))
 
     def _check_graph_batch(self, fb: ForwardBatch) -> None:
-        if fb.mode == ForwardMode.VERIFY:
+        if fb.mode in _FIXED_N_MODES:
             if self._verify is None or any(n != self._verify.n for n in fb.extend_lens):
-                raise RuntimeError("VERIFY graphs need init_cuda_graph_state(max_bs, N) and N nodes per request")
+                raise RuntimeError(f"{fb.mode.value} graphs need init_cuda_graph_state(max_bs, N) and N tokens "
+                                   "per request")
+            if (self._verify.mask is None) != (fb.mode == ForwardMode.DRAFT_EXTEND):
+                raise RuntimeError("VERIFY graphs need a tree mask, DRAFT_EXTEND graphs a causal state")
             return
         if self._graph_seq_lens is None:
             raise RuntimeError("call init_cuda_graph_state before capturing")
         if fb.mode != ForwardMode.DECODE or fb.custom_masks is not None or any(n != 1 for n in fb.extend_lens):
-            raise ValueError(f"TritonBackend captures DECODE and VERIFY graphs, not {fb.mode.value}")
+            raise ValueError(f"TritonBackend captures DECODE, VERIFY and DRAFT_EXTEND graphs, not {fb.mode.value}")
         if fb.batch_size > self._graph_seq_lens.numel():
             raise ValueError(f"batch {fb.batch_size} exceeds the graph state's max_bs {self._graph_seq_lens.numel()}")
 
 
+_FIXED_N_MODES = (ForwardMode.VERIFY, ForwardMode.DRAFT_EXTEND)
+
+
 @dataclass
 class _VerifyBuffers:
-    """Static extend-kernel metadata for VERIFY graphs: request b owns query rows
-    [b*n, (b+1)*n) and mask bytes [b*n*n, (b+1)*n*n)."""
+    """Static extend-kernel metadata for graphs of n new tokens per request (VERIFY, or a
+    causal DRAFT_EXTEND): request b owns query rows [b*n, (b+1)*n) and, with a tree mask,
+    mask bytes [b*n*n, (b+1)*n*n)."""
 
     n: int
     prefix_lens: torch.Tensor  # [max_bs] int32, rewritten per replay
     extend_lens: torch.Tensor  # [max_bs] int32, all n
     q_starts: torch.Tensor  # [max_bs] int32
-    mask: torch.Tensor  # [max_bs * n * n] uint8, rewritten per replay
-    mask_indptr: torch.Tensor  # [max_bs] int64
+    mask: torch.Tensor | None  # [max_bs * n * n] uint8, rewritten per replay; None: causal
+    mask_indptr: torch.Tensor | None  # [max_bs] int64
 
 
 def _to_device(lists: list[list[int]], dev: torch.device) -> torch.Tensor:

@@ -7,6 +7,11 @@ one split the kernel writes the normalised output directly; with more, each spli
 its normalised partial output and log-sum-exp and `_reduce_kernel` merges them. Lengths
 are read from a device `seq_lens` tensor, so one compiled kernel serves every length and
 the launch grid depends only on (batch, kv heads, splits): safe to capture in a CUDA graph.
+
+Tree drafting adds a *tail*: row b reads positions [0, tail_start[b]) through its table
+row and positions [tail_start[b], seq_len[b]) from tail[b, :] (a branch's draft-tree
+ancestors, then the node itself), so branches of one request share the prefix without
+copying table rows (HAS_TAIL; one compiled variant more).
 """
 from __future__ import annotations
 
@@ -22,12 +27,12 @@ MAX_SPLITS = 16
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Out, Lse, qk_scale,
-                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
+def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, Out, Lse, qk_scale,
+                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_tail,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   STORE_LSE: tl.constexpr, PREC: tl.constexpr):
+                   STORE_LSE: tl.constexpr, PREC: tl.constexpr, HAS_TAIL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,10 +55,17 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Out, Lse, qk_scale,
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     table = ReqToToken + row * stride_tr
+    tail_start = seq_len  # no tail: every key comes through the table row
+    if HAS_TAIL:
+        tail_start = tl.load(TailStart + b)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        slots = tl.load(table + offs_n, mask=valid, other=0)
+        slots = tl.load(table + offs_n, mask=valid & (offs_n < tail_start), other=0)
+        if HAS_TAIL:
+            in_tail = valid & (offs_n >= tail_start)
+            tail_slots = tl.load(Tail + b * stride_tail + (offs_n - tail_start), mask=in_tail, other=0)
+            slots = tl.where(in_tail, tail_slots, slots)
         k = load_kv_block(K, slots, valid, stride_ks, kvh * stride_kh, offs_d, mask_d)
         v = load_kv_block(V, slots, valid, stride_vs, kvh * stride_vh, offs_d, mask_d)
         acc, m_i, l_i = online_softmax_step(q, k, v, valid[None, :], acc, m_i, l_i, qk_scale, PREC)
@@ -87,11 +99,14 @@ def _reduce_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, num_splits: int) -> None:
-    """out[b] = attention of q[b] over slots req_to_token[req_rows[b], :seq_lens[b]].
+                     scale: float, num_splits: int, tail: torch.Tensor | None = None,
+                     tail_start: torch.Tensor | None = None) -> None:
+    """out[b] = attention of q[b] over slots req_to_token[req_rows[b], :seq_lens[b]], or
+    with a tail, over req_to_token[req_rows[b], :tail_start[b]] ++ tail[b, :seq_lens[b] - tail_start[b]].
 
     q, out [B, H, D] (last dim contiguous); k_pool, v_pool [slots, kvH, D]; req_rows [B]
-    int64, seq_lens [B] int32 on q's device. Launches without reading any device value.
+    int64, seq_lens and tail_start [B] int32, tail [B, W] int64 (W >= the longest tail),
+    all on q's device. Launches without reading any device value.
     """
     bsz, heads, dim = q.shape
     group = heads // k_pool.shape[1]
@@ -103,13 +118,16 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         dst = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
         dst_strides, lse_strides = dst.stride()[:3], lse.stride()[:2]
+    has_tail = tail is not None
+    assert not has_tail or (tail.stride(1) == 1 and tail_start is not None)
     _decode_kernel[(bsz, k_pool.shape[1], num_splits)](
-        q, k_pool, v_pool, req_to_token, req_rows, seq_lens, dst, lse, scale * LOG2E,
+        q, k_pool, v_pool, req_to_token, req_rows, seq_lens, tail if has_tail else req_rows,
+        tail_start if has_tail else seq_lens, dst, lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        req_to_token.stride(0), *dst_strides, *lse_strides,
+        req_to_token.stride(0), tail.stride(0) if has_tail else 0, *dst_strides, *lse_strides,
         GROUP=group, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         BLOCK_D=bd, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, PREC=dot_precision(k_pool.dtype),
-        num_warps=4, num_stages=2)
+        HAS_TAIL=has_tail, num_warps=4, num_stages=2)
     if num_splits > 1:
         _reduce_kernel[(bsz, heads)](
             dst, lse, out, *dst_strides, *lse_strides, out.stride(0), out.stride(1),

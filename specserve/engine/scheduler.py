@@ -29,7 +29,7 @@ from specserve.runner.memory import OOM_ADVICE
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import SampleOutput, sample
 from specserve.server.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from specserve.spec.factory import extra_table_rows, make_spec_worker, prefix_backoff
+from specserve.spec.factory import make_spec_worker, prefix_backoff
 
 DECODE_RESERVE_CLIP = 256  # future tokens per request counted when admitting new work
 DECODE_RESERVE_RATIO = 0.3
@@ -60,7 +60,7 @@ class Scheduler:
         self.chunk_budget = chunk if chunk > 0 else sc.max_prefill_tokens
         self.chunking = chunk > 0
         tree_room = (cfg.spec.num_draft_tokens or 16) + 8  # verify writes N slots past kv_len
-        rows = self.max_running + 8 + extra_table_rows(cfg.spec, self.max_running)
+        rows = self.max_running + 8
         self.kv = KVManager(self.runner.num_slots, rows, self.context_length + tree_room,
                             self.runner.device, not cfg.cache.disable_radix_cache,
                             prefix_backoff=prefix_backoff(cfg.spec))

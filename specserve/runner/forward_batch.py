@@ -41,6 +41,10 @@ class ForwardBatch:
     # tree verify. None means causal. Attention to the cached prefix is always allowed.
     custom_masks: list[torch.Tensor] | None = None
     logit_rows: torch.Tensor | None = None  # [R] rows of T whose logits are wanted
+    # DECODE only (tree drafting): [B, d] slots of positions [prefix_b, prefix_b + d), a
+    # branch's draft ancestors then the new token itself; positions below prefix_b come
+    # from the table row as usual, so the branches of one request share it uncopied.
+    draft_tail: torch.Tensor | None = None
     attn_meta: object = field(default=None, repr=False)  # the backend's, per forward
 
     @property
@@ -49,4 +53,5 @@ class ForwardBatch:
 
     @property
     def seq_lens(self) -> list[int]:
-        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+        extra = self.draft_tail.shape[1] if self.draft_tail is not None else 1
+        return [p + e - 1 + extra for p, e in zip(self.prefix_lens, self.extend_lens)]

@@ -27,7 +27,6 @@ deterministic top-k, so verification stays lossless for sampling.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -41,23 +40,37 @@ from specserve.models.mtp import has_mtp_layers
 from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
-from specserve.runner.h2d import h2d
+from specserve.runner.h2d import h2d, h2d_many
 from specserve.runner.model_runner import ModelRunner, make_backend
-from specserve.spec.draft_graphs import DraftDecodeGraphs
 from specserve.spec.drafts import Drafts
+from specserve.spec.extend_graphs import DraftExtendGraphs
 from specserve.spec.proposer import Verified
-from specserve.spec.tree_draft import TreeDrafter, top_children
+from specserve.spec.tree_draft import TreeDrafter, TreeStep, frontier_batch, top_children
+from specserve.spec.tree_graphs import TreeDraftGraphs
 
 logger = logging.getLogger("specserve")
 
 
-@dataclass
-class RootState:
-    """A request's draft output at its last draft-KV position (kv_len - 1)."""
+class RootStates:
+    """Per table row, the draft's output at the row's last draft-KV position (kv_len - 1):
+    the root's top-k children and the hidden their depth-1 forwards take. Device buffers
+    indexed by row, written and read for a whole batch in one index op each."""
 
-    logp: torch.Tensor  # [k] log-probabilities of the root's best children
-    ids: torch.Tensor  # [k] their target token ids
-    hidden: torch.Tensor  # [H] the draft hidden the depth-1 forwards take
+    def __init__(self, rows: int, topk: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.logp = torch.zeros(rows, topk, dtype=torch.float32, device=device)  # log-probabilities
+        self.ids = torch.zeros(rows, topk, dtype=torch.int64, device=device)  # target token ids
+        self.hidden = torch.zeros(rows, width, dtype=dtype, device=device)
+        self.ready: set[str] = set()  # request ids whose row holds a state
+
+    def set(self, reqs: list[Req], logp: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        rows = h2d([r.row for r in reqs], self.logp.device)
+        for buf, value in ((self.logp, logp), (self.ids, ids), (self.hidden, hidden)):
+            buf.index_copy_(0, rows, value.to(buf.dtype))
+        self.ready.update(r.rid for r in reqs)
+
+    def get(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp [B, k], ids [B, k], hidden [B, H]) of table rows `rows` [B] (device)."""
+        return self.logp[rows], self.ids[rows], self.hidden[rows]
 
 
 def extend_tokens(all_ids: list[int], start: int, end: int) -> list[int]:
@@ -78,16 +91,21 @@ class EagleProposer:
         self.scratch_per_req = spec.eagle_topk * (spec.num_steps - 1)
         token_map = self.model.token_map
         self.token_map = token_map.to(runner.device) if token_map is not None else None
-        self.tree = TreeDrafter(kv, self._step, spec.eagle_topk, spec.num_steps, shift=1, token_map=self.token_map)
-        self.roots: dict[str, RootState] = {}
-        self.graphs = self._capture(runner, max_running) if spec.num_steps > 1 else None
+        self.tree = TreeDrafter(kv, self._tree_step, spec.eagle_topk, spec.num_steps, shift=1,
+                                token_map=self.token_map)
+        self.roots = RootStates(kv.table.table.shape[0], spec.eagle_topk, c.hidden_size, runner.dtype, runner.device)
+        self.extend_len = spec.num_steps + 1  # the most tokens one verify commits
+        self.extend_graphs = None
+        if self._can_capture(runner):
+            self.tree.graphs = self._capture_tree(runner, max_running) if spec.num_steps > 1 else None
+            self.extend_graphs = self._capture_extend(runner, max_running)
 
     # -- request life cycle -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        assert req.rid in self.roots, "on_extend runs for a request's final prefill chunk first"
+        assert req.rid in self.roots.ready, "on_extend runs for a request's final prefill chunk first"
 
     def remove_request(self, req: Req) -> None:
-        self.roots.pop(req.rid, None)
+        self.roots.ready.discard(req.rid)
 
     # -- keeping the draft KV in sync -----------------------------------------------------
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
@@ -101,6 +119,8 @@ class EagleProposer:
 
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
         """Draft-extend each request's committed positions with the target's features there."""
+        if self.extend_graphs is not None and self.extend_graphs.can_run(len(reqs)):
+            return self._extend_graphed(reqs, verified)
         ids, starts, lens, nodes = [], [], [], []
         n = verified.features.shape[1]
         for b, (req, tokens) in enumerate(zip(reqs, verified.committed)):
@@ -115,10 +135,25 @@ class EagleProposer:
                               [True] * len(reqs))
         self._set_roots(reqs, *self._step(draft, feats))
 
+    def _extend_graphed(self, reqs: list[Req], verified: Verified) -> None:
+        """on_verified through the draft-extend graph: every request padded to L tokens."""
+        L, n = self.extend_len, verified.features.shape[1]
+        ids, pos, slots, feat_rows, last, starts = [], [], [], [], [], []
+        for b, (req, tokens) in enumerate(zip(reqs, verified.committed)):
+            c, pad = len(tokens), L - len(tokens)
+            start = req.kv_len - c
+            ids += extend_tokens(req.all_ids, start, req.kv_len) + [0] * pad
+            pos += range(start, start + L)
+            slots += verified.kv_slots[b].tolist() + [0] * pad  # padding K/V: the scratch slot
+            feat_rows += [b * n + i for i in verified.paths[b][:c]] + [b * n] * pad
+            last.append(b * L + c - 1)
+            starts.append(start)
+        index = h2d_many([ids, pos, slots, feat_rows, [r.row for r in reqs], last], self.runner.device)
+        features = verified.features.reshape(-1, verified.features.shape[-1])
+        self.roots.set(reqs, *self.extend_graphs.replay(index, features, starts))
+
     def _set_roots(self, reqs: list[Req], logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        logp, ids = top_children(logits, self.topk, self.token_map)
-        for b, req in enumerate(reqs):
-            self.roots[req.rid] = RootState(logp[b], ids[b], hidden[b])
+        self.roots.set(reqs, *top_children(logits, self.topk, self.token_map), hidden)
 
     # -- drafting -------------------------------------------------------------------------
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
@@ -126,35 +161,53 @@ class EagleProposer:
         if not active:
             return Drafts.roots([r.all_ids[-1] for r in reqs], self.runner.device)
         act = [reqs[b] for b in active]
-        roots = [self.roots[r.rid] for r in act]
-        first = (torch.stack([s.logp for s in roots]), torch.stack([s.ids for s in roots]))
-        tree = self.tree.draft(act, first, self.max_nodes, torch.stack([s.hidden for s in roots]))
+        logp, ids, hidden = self.roots.get(h2d([r.row for r in act], self.runner.device))
+        tree = self.tree.draft(act, (logp, ids), self.max_nodes, hidden)
         if len(act) == len(reqs):
             return tree
         return Drafts.roots([r.all_ids[-1] for r in reqs], self.runner.device).with_rows(active, tree)
 
-    def _capture(self, runner: ModelRunner, max_running: int) -> DraftDecodeGraphs | None:
-        """Draft decode graphs on CUDA (unless --disable-cuda-graph) when the backend can."""
-        if runner.device.type != "cuda" or runner.runner_cfg.disable_cuda_graph \
-                or not self.backend.supports_cuda_graph:
-            return None
-        vocab = self.token_map.numel() if self.token_map is not None else runner.vocab_size
+    def _can_capture(self, runner: ModelRunner) -> bool:
+        """Graphs on CUDA (unless --disable-cuda-graph) when the draft's backend can run in them."""
+        return runner.device.type == "cuda" and not runner.runner_cfg.disable_cuda_graph \
+            and self.backend.supports_cuda_graph
+
+    @staticmethod
+    def _graph_max_bs(runner: ModelRunner, max_running: int) -> int:
+        return min(runner.runner_cfg.cuda_graph_max_bs or 256, max_running)
+
+    def _capture_tree(self, runner: ModelRunner, max_running: int) -> TreeDraftGraphs:
+        """One graph per batch size for the whole tree-drafting pass."""
         with torch.inference_mode():
-            return DraftDecodeGraphs(self.model, self.backend, self.pool, self.kv.table.table,
-                                     max_running * self.topk, vocab)
+            return TreeDraftGraphs(self.tree, self._graph_max_bs(runner, max_running), self.max_nodes,
+                                   self.model.config.hidden_size, runner.dtype, runner.device)
+
+    def _capture_extend(self, runner: ModelRunner, max_running: int) -> DraftExtendGraphs:
+        """One graph per batch size for the draft extend after verify (and the root states)."""
+        hidden = runner.model.config.hidden_size
+        width = hidden * len(self.model.aux_layers) if self.model.feature_mode == "aux" else hidden
+        with torch.inference_mode():
+            return DraftExtendGraphs(self.model, self.backend, self.pool, self.kv.table.table,
+                                     self._graph_max_bs(runner, max_running), self.extend_len, width,
+                                     self.topk, self.token_map)
 
     @torch.inference_mode()
     def _step(self, batch: ScheduleBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft forward: (logits [R, V_draft], next hidden [R, H]) at the batch's
-        logit rows (the last token of each sampled request, or every decode row)."""
+        """One eager draft forward (DRAFT_EXTEND): (logits [R, V_draft], next hidden [R, H])
+        at the batch's logit rows (the last token of each sampled request)."""
         fb = self.runner.forward_batch(batch, self.kv.table.table, kv_pool=self.pool)
         fb.attn_backend = self.backend
-        if self.graphs is not None and self.graphs.can_run(fb):
-            return self.graphs.replay(fb, hidden)
         self.backend.init_forward_metadata(fb)
         h_logits, h_next = self.model(fb, hidden)
         rows = fb.logit_rows
         return self.model.compute_logits(h_logits[rows]), h_next[rows]
+
+    @torch.inference_mode()
+    def _tree_step(self, frame: TreeStep, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One tree-drafting forward over a frontier (eager, or inside the tree graph)."""
+        fb = frontier_batch(frame, self.kv.table.table, self.pool, self.backend)
+        h_logits, h_next = self.model(fb, hidden)
+        return self.model.compute_logits(h_logits), h_next
 
 
 def _draft_dir(spec: SpecConfig, runner: ModelRunner):

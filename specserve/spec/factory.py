@@ -12,16 +12,6 @@ from specserve.spec.worker import SpecWorker
 EAGLE_FAMILY = frozenset({"EAGLE", "EAGLE3"})  # NEXTN is normalised to EAGLE at parse time
 
 
-def extra_table_rows(spec: SpecConfig, max_running: int) -> int:
-    """Scratch table rows tree drafting needs: one per branch, double-buffered across steps.
-    EAGLE always drafts through TreeDrafter (a chain is a tree with topk 1); STANDALONE only
-    for topk > 1. An omitted (auto) topk is at most 4."""
-    topk = spec.eagle_topk or 4
-    if spec.algorithm in EAGLE_FAMILY or (spec.algorithm == "STANDALONE" and topk > 1):
-        return 2 * max_running * topk
-    return 0
-
-
 def prefix_backoff(spec: SpecConfig) -> int:
     """Cached-prefix positions EAGLE recomputes: the last one's draft KV may pair with
     another request's next token (spec/eagle.py)."""

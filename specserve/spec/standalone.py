@@ -9,7 +9,8 @@ valid draft KV. Each step:
      their KV into the verify slots of chain nodes 1, 2, ... (already in the table).
 After verify the first min(committed, fed) chain nodes keep valid draft KV, because
 accepted chain nodes stay at their positions. With topk > 1, `tree_draft.TreeDrafter`
-expands the root's children on scratch rows and slots; only the root's draft KV is kept. Drafting is greedy (argmax): verification
+expands the root's children on scratch slots (each branch attends to the request's row plus
+its own ancestors); only the root's draft KV is kept. Drafting is greedy (argmax): verification
 treats drafts as one-hot, which is what makes sampling lossless.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.model_runner import ModelRunner
 from specserve.spec.drafts import Drafts
 from specserve.spec.proposer import Verified
-from specserve.spec.tree_draft import TreeDrafter, top_children
+from specserve.spec.tree_draft import TreeDrafter, TreeStep, frontier_batch, top_children
 
 
 class StandaloneProposer:
@@ -46,7 +47,7 @@ class StandaloneProposer:
         self.runner, self.kv = runner, kv
         self.num_steps = spec.num_steps
         self.max_nodes = spec.num_draft_tokens
-        self.tree = TreeDrafter(kv, self._step, spec.eagle_topk, spec.num_steps) if spec.eagle_topk > 1 else None
+        self.tree = TreeDrafter(kv, self._tree_step, spec.eagle_topk, spec.num_steps) if spec.eagle_topk > 1 else None
         self.scratch_per_req = spec.eagle_topk * (spec.num_steps - 1) if self.tree else 0
         self.draft_kv_len: dict[str, int] = {}
         self._fed: dict[str, tuple[int, int]] = {}  # rid -> (kv_len at propose, chain nodes fed)
@@ -117,8 +118,11 @@ class StandaloneProposer:
         batch = ScheduleBatch(ForwardMode.DECODE, reqs, tokens, slots, pos, [1] * len(reqs), [True] * len(reqs))
         return self._logits(batch).argmax(-1).tolist()
 
-    def _step(self, batch: ScheduleBatch, states: None) -> tuple[torch.Tensor, None]:
-        return self._logits(batch), None
+    @torch.inference_mode()
+    def _tree_step(self, frame: TreeStep, states: None) -> tuple[torch.Tensor, None]:
+        fb = frontier_batch(frame, self.kv.table.table, self.pool, self.runner.attn_backend)
+        hidden, _ = self.model(fb)
+        return self.model.compute_logits(hidden), None
 
     def _logits(self, batch: ScheduleBatch) -> torch.Tensor:
         fb = self.runner.forward_batch(batch, self.kv.table.table, kv_pool=self.pool)

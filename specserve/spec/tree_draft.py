@@ -1,15 +1,15 @@
 """EAGLE-2 tree drafting on the device, shared by STANDALONE (topk > 1) and EAGLE / EAGLE-3 / MTP.
 
 The caller gives the root's top-k children (from its own first forward) and a `step`
-function that runs the draft on a decode batch. Each later step runs the draft on the
+function that runs the draft on the frontier. Each later step runs the draft on the
 current frontier (k branches per request) and scores every child by its path
 log-probability (SGLang multiplies probabilities: same ranking); the global top-k of the
 k*k children becomes the next frontier. At the end the best N-1 candidates from all
 depths are kept; no forward runs for the last depth.
 
-Everything that depends on draft outputs (tokens, scores, parents, which branch a child
-extends) stays in device tensors: a drafting pass never reads the GPU back. Only
-positions, slots and table rows, which the host knows in advance, come from the host.
+Everything lives in device tensors of fixed shapes (tokens, scores, parents, which branch
+a child extends, slots): a drafting pass reads nothing back and launches the same kernels
+for every request length, so `tree_graphs.py` captures the whole pass in one CUDA graph.
 
 Candidates are numbered depth-major per request: the root's k children are 0..k-1, then
 each step appends its k*k children, so a parent's index is always below its children's.
@@ -17,14 +17,16 @@ Parents outscore their children (log-probabilities are <= 0), so the best N-1 ar
 ancestor-closed except for exact ties; a child whose parent lost a tie hangs off the root
 instead (verification is lossless for any tree, and ties are rare).
 
-Each branch gets a scratch table row holding prefix + its real ancestors + itself, so a
-branch's draft attention sees exactly its own ancestors (SGLang issue 7523 is the bug this
-avoids), and every draft step is a plain decode batch. A frontier node of depth d sits at
-position kv_len + d - shift: shift 0 for a draft LLM (the root's draft KV is at kv_len),
-shift 1 for EAGLE (draft position p holds the pair (feature p, token p+1), so the root
-pairs with position kv_len - 1 and depth-1 nodes sit at kv_len; SGLang PR 25015).
-Branch states (EAGLE: the draft's hidden) follow their parents. Scratch slots and rows
-are freed before verify; verify recomputes the chosen nodes with the target.
+Attention: a branch's draft forward must see exactly its own ancestors (SGLang issue 7523
+is the bug this avoids). Each branch reads the request's committed positions through the
+request's own table row and its draft ancestors, then itself, from a *tail* of scratch
+slots (`ForwardBatch.draft_tail`): nothing is copied into table rows. When a child is
+chosen its tail is its parent branch's tail (a gather) plus its own new slot. A node of
+depth d sits at position tail_start + d - 1 with tail_start = kv_len + 1 - shift: shift 0
+for a draft LLM (its root KV is at kv_len), shift 1 for EAGLE (draft position p holds the
+pair (feature p, token p+1), so the root pairs with kv_len - 1 and depth-1 nodes sit at
+kv_len; SGLang PR 25015). Branch states (EAGLE: the draft's hidden) follow their parents.
+Scratch slots are freed before verify; verify recomputes the chosen nodes with the target.
 """
 from __future__ import annotations
 
@@ -33,15 +35,54 @@ from typing import Callable
 
 import torch
 
-from specserve.engine.batch import ScheduleBatch
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
-from specserve.runner.forward_batch import ForwardMode
-from specserve.runner.h2d import h2d, h2d_many
+from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.runner.h2d import h2d_many
 from specserve.spec.drafts import Drafts
 
-# step(batch, states [R, H] or None) -> (logits [R, V_draft], next states [R, H] or None)
-DraftStep = Callable[[ScheduleBatch, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+@dataclass
+class TreeStep:
+    """One draft forward over the R = B*k frontier nodes of one depth (device tensors);
+    branch j of request b is row b*k + j."""
+
+    ids: torch.Tensor  # [R] token ids
+    positions: torch.Tensor  # [R] tail_start + depth - 1
+    out_slots: torch.Tensor  # [R] each node's scratch slot (the tail's last column)
+    rows: torch.Tensor  # [R] the request's table row (positions < tail_start)
+    tail_start: torch.Tensor  # [R] first position read from the tail
+    tail: torch.Tensor  # [R, depth] slots of positions tail_start .. tail_start + depth - 1
+    host_tail_start: list[int] | None  # the same on the host; None inside a captured graph
+
+
+# step(frontier, states [R, H] or None) -> (logits [R, V_draft], next states [R, H] or None)
+DraftStep = Callable[[TreeStep, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+@dataclass
+class TreeInputs:
+    """Everything one drafting pass over B requests reads, on the device."""
+
+    first_logp: torch.Tensor  # [B, k] log-probabilities of the root's children
+    first_ids: torch.Tensor  # [B, k] their target ids
+    states: torch.Tensor | None  # [B, H] the input state of every depth-1 node
+    roots: torch.Tensor  # [B] root token ids (node 0)
+    rows: torch.Tensor  # [B] table rows
+    tail_start: torch.Tensor  # [B] kv_len + 1 - shift
+    scratch: torch.Tensor  # [num_steps - 1, B*k] the slot of depth d's branch b*k + j
+    host_tail_start: list[int] | None = None
+
+
+def frontier_batch(frame: TreeStep, req_to_token: torch.Tensor, kv_pool, backend) -> ForwardBatch:
+    """The frontier as a DECODE ForwardBatch with its attention metadata built from the
+    device tensors (eager or inside a graph)."""
+    r = frame.ids.shape[0]
+    fb = ForwardBatch(ForwardMode.DECODE, frame.ids, frame.positions, frame.out_slots, frame.rows,
+                      frame.host_tail_start or [0] * r, [1] * r, req_to_token, kv_pool, backend,
+                      draft_tail=frame.tail)
+    backend.init_tail_metadata(fb, frame.tail_start)
+    return fb
 
 
 def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,127 +93,88 @@ def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None) -
     return logp, idx
 
 
-@dataclass
-class _Candidates:
-    """Per request, every candidate so far: [B, M] each, M growing by k*k per step."""
-
-    scores: list[torch.Tensor]  # path log-probabilities
-    tokens: list[torch.Tensor]  # target token ids
-    parents: list[torch.Tensor]  # candidate index of the parent, -1 = the root
-    size: int
-
-    def add(self, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> int:
-        """Append [B, m] candidates; return the index of the first."""
-        self.scores.append(scores)
-        self.tokens.append(tokens)
-        self.parents.append(parents)
-        first, self.size = self.size, self.size + scores.shape[1]
-        return first
-
-
 class TreeDrafter:
     def __init__(self, kv: KVManager, step: DraftStep, topk: int, num_steps: int, shift: int = 0,
                  token_map: torch.Tensor | None = None) -> None:
         self.kv, self.step, self.topk, self.num_steps = kv, step, topk, num_steps
         self.shift, self.token_map = shift, token_map
+        self.graphs = None  # a TreeDraftGraphs, set by a proposer that captured one
 
     @property
     def max_candidates(self) -> int:
         return self.topk + (self.num_steps - 1) * self.topk * self.topk
 
+    def num_selected(self, num_nodes: int) -> int:
+        """Drafted nodes per tree (the root excluded)."""
+        return min(num_nodes - 1, self.max_candidates)
+
     def draft(self, reqs: list[Req], first: tuple[torch.Tensor, torch.Tensor], num_nodes: int,
               states: torch.Tensor | None = None) -> Drafts:
-        """Trees of root + the best min(num_nodes - 1, candidates) nodes per request, on the
-        device of `first` = (logp [B, k], ids [B, k]), the root's children; `states` [B, H]
-        is the input state of every depth-1 node (None for a draft LLM)."""
-        bsz, k = len(reqs), self.topk
-        dev = first[0].device
-        score, token = first
-        cands = _Candidates([], [], [], 0)
-        frontier = cands.add(score, token, torch.full((bsz, k), -1, dtype=torch.int64, device=dev)) \
-            + torch.arange(k, device=dev).expand(bsz, k)  # [B, k] candidate indices
-        if states is not None:
-            states = states.repeat_interleave(k, dim=0)  # [B*k, H]: branch j of request b at b*k+j
-        rows, slots = self._first_rows(reqs) if self.num_steps > 1 else ([], None), []
+        """Trees of root + the best num_selected(num_nodes) nodes per request, on the device
+        of `first` = (logp [B, k], ids [B, k]), the root's children; `states` [B, H] is the
+        input state of every depth-1 node (None for a draft LLM)."""
+        bsz, dev = len(reqs), first[0].device
+        scratch = self.kv.alloc_slots(bsz * self.topk * (self.num_steps - 1))
+        assert scratch is not None, "tree scratch slots were not reserved"
         try:
-            for depth in range(1, self.num_steps):
-                step_slots = self.kv.alloc_slots(bsz * k)
-                assert step_slots is not None, "tree scratch slots were not reserved"
-                slots.append(step_slots)
-                logits, out_states = self._forward(reqs, token.reshape(-1), rows, step_slots, depth, states)
-                logp, kid = top_children(logits, k, self.token_map)  # [B*k, k]
-                kid_score = (score[:, :, None] + logp.view(bsz, k, k)).view(bsz, k * k)
-                start = cands.add(kid_score, kid.view(bsz, k * k),
-                                  frontier[:, :, None].expand(bsz, k, k).reshape(bsz, k * k))
-                score, pick = kid_score.topk(k, dim=1)  # the next frontier: [B, k] of the k*k
-                token, frontier = kid.view(bsz, k * k).gather(1, pick), start + pick
-                # flat index (b*k + j) of the branch each new frontier node extends
-                src = (torch.arange(bsz, device=dev)[:, None] * k + pick // k).reshape(-1)
-                states = out_states[src] if out_states is not None else None
-                if depth + 1 < self.num_steps:  # double-buffered: at most 2*B*k scratch rows
-                    rows, old = self._next_rows(reqs, src, rows, depth), rows
-                    self._free_rows(old)
+            start = [r.kv_len + 1 - self.shift for r in reqs]
+            roots, rows, tail_start, slots = h2d_many(
+                [[r.all_ids[-1] for r in reqs], [r.row for r in reqs], start, scratch], dev)
+            x = TreeInputs(first[0], first[1], states, roots, rows, tail_start,
+                           slots.view(self.num_steps - 1, bsz * self.topk), start)
+            if self.graphs is not None and self.graphs.can_run(bsz):
+                tokens, parents = self.graphs.replay(x)
+            else:
+                tokens, parents = self.expand(x, self.step, num_nodes)
         finally:
-            for s in slots:
-                self.kv.allocator.free(s)
-            self._free_rows(rows)
-        return self._select(reqs, cands, num_nodes, dev)
+            self.kv.allocator.free(scratch)
+        n = tokens.shape[1]
+        return Drafts(tokens, parents, torch.ones(bsz, n, dtype=torch.bool, device=dev), [n] * bsz)
 
-    def _select(self, reqs: list[Req], cands: _Candidates, num_nodes: int, dev: torch.device) -> Drafts:
-        """Root + the best candidates by score, in candidate order (parents first)."""
-        bsz, m = len(reqs), cands.size
-        scores, tokens, parents = (torch.cat(x, dim=1) for x in (cands.scores, cands.tokens, cands.parents))
-        n_sel = min(num_nodes - 1, m)
-        sel = scores.topk(n_sel, dim=1).indices.sort(dim=1).values  # [B, n_sel]
-        node_of = torch.zeros(bsz, m, dtype=torch.int64, device=dev)  # unselected -> the root
-        node_of.scatter_(1, sel, torch.arange(1, n_sel + 1, device=dev).expand(bsz, n_sel))
-        par = parents.gather(1, sel)
-        par = torch.where(par < 0, 0, node_of.gather(1, par.clamp_min(0)))
-        root = h2d([r.all_ids[-1] for r in reqs], dev)[:, None]
-        node_tokens = torch.cat([root, tokens.gather(1, sel)], dim=1)
-        node_parents = torch.cat([torch.full((bsz, 1), -1, dtype=torch.int64, device=dev), par], dim=1)
-        valid = torch.ones(bsz, n_sel + 1, dtype=torch.bool, device=dev)
-        return Drafts(node_tokens, node_parents, valid, [n_sel + 1] * bsz)
-
-    # -- scratch rows: (host ids for alloc/free, device tensor for indexing) ----------------
-    def _first_rows(self, reqs: list[Req]) -> tuple[list[int], torch.Tensor]:
-        """k scratch rows per request holding the positions below the depth-1 nodes."""
-        rows = [self._alloc_row() for _ in range(len(reqs) * self.topk)]
-        width = max(r.kv_len for r in reqs) + 1 - self.shift
-        table = self.kv.table.table
-        dst, src = h2d_many([rows, [r.row for r in reqs for _ in range(self.topk)]], table.device)
-        table[dst, :width] = table[src, :width]
-        return rows, dst
-
-    def _free_rows(self, rows: tuple[list[int], torch.Tensor | None] | list) -> None:
-        for r in (rows[0] if isinstance(rows, tuple) else rows):
-            self.kv.table.free(r)
-
-    def _alloc_row(self) -> int:
-        row = self.kv.table.alloc()
-        if row is None:
-            raise RuntimeError("no scratch table row for tree drafting (raise --max-running-requests' room)")
-        return row
-
-    def _forward(self, reqs: list[Req], ids: torch.Tensor, rows: tuple[list[int], torch.Tensor],
-                 slots: torch.Tensor, depth: int, states: torch.Tensor | None):
-        """Decode every frontier node (depth `depth`, token ids [B*k] on the device) on its branch row."""
+    def expand(self, x: TreeInputs, step: DraftStep, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, parents), each [B, 1 + num_selected]: the trees, with device ops only."""
         k = self.topk
-        pos = [r.kv_len + depth - self.shift for r in reqs for _ in range(k)]
-        table = self.kv.table.table
-        dev_pos, dev_slots = h2d_many([pos, slots], table.device)
-        table[rows[1], dev_pos] = dev_slots  # each branch row ends with its own node
-        batch = ScheduleBatch(ForwardMode.DECODE, [r for r in reqs for _ in range(k)], ids, slots, pos,
-                              [1] * len(pos), [True] * len(pos), rows=rows[0])
-        return self.step(batch, states)
+        bsz, dev = x.first_logp.shape[0], x.first_logp.device
+        score, token = x.first_logp, x.first_ids
+        scores, tokens, parents = [score], [token], [torch.full((bsz, k), -1, dtype=torch.int64, device=dev)]
+        frontier = torch.arange(k, device=dev).expand(bsz, k)  # [B, k] candidate indices
+        states = x.states.repeat_interleave(k, dim=0) if x.states is not None else None  # [B*k, H]
+        rows, tail_start = x.rows.repeat_interleave(k), x.tail_start.repeat_interleave(k)
+        host_start = [s for s in x.host_tail_start for _ in range(k)] if x.host_tail_start is not None else None
+        tail = x.scratch[:0].t()  # [B*k, 0]
+        size = k
+        for depth in range(1, self.num_steps):
+            slots = x.scratch[depth - 1]
+            tail = torch.cat([tail, slots[:, None]], dim=1)  # [B*k, depth]: ancestors, then the node
+            frame = TreeStep(token.reshape(-1), tail_start + (depth - 1), slots, rows, tail_start, tail, host_start)
+            logits, out_states = step(frame, states)
+            logp, kid = top_children(logits, k, self.token_map)  # [B*k, k]
+            kid_score = (score[:, :, None] + logp.view(bsz, k, k)).view(bsz, k * k)
+            scores.append(kid_score)
+            tokens.append(kid.view(bsz, k * k))
+            parents.append(frontier[:, :, None].expand(bsz, k, k).reshape(bsz, k * k))
+            score, pick = kid_score.topk(k, dim=1)  # the next frontier: [B, k] of the k*k
+            token, frontier = tokens[-1].gather(1, pick), size + pick
+            size += k * k
+            # flat index (b*k + j) of the branch each new frontier node extends
+            src = (torch.arange(bsz, device=dev)[:, None] * k + pick // k).reshape(-1)
+            states = out_states[src] if out_states is not None else None
+            tail = tail[src]
+        return _select(x.roots, torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
+                       self.num_selected(num_nodes))
 
-    def _next_rows(self, reqs: list[Req], src: torch.Tensor, rows: tuple[list[int], torch.Tensor],
-                   depth: int) -> tuple[list[int], torch.Tensor]:
-        """Branch rows for the new frontier: a copy of the parent branch's row through the
-        parent's own slot; the next forward appends the child. `src` [B*k] on the device."""
-        new = [self._alloc_row() for _ in range(len(reqs) * self.topk)]
-        width = max(r.kv_len for r in reqs) + depth + 1 - self.shift
-        table = self.kv.table.table
-        dst = h2d(new, table.device)
-        table[dst, :width] = table[rows[1][src], :width]
-        return new, dst
+
+def _select(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+            n_sel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Root + the best n_sel candidates by score, in candidate order (parents first):
+    (tokens, parents) [B, 1 + n_sel] with node indices for parents (-1 for the root)."""
+    bsz, m = scores.shape
+    dev = scores.device
+    sel = scores.topk(n_sel, dim=1).indices.sort(dim=1).values  # [B, n_sel]
+    node_of = torch.zeros(bsz, m, dtype=torch.int64, device=dev)  # unselected -> the root
+    node_of.scatter_(1, sel, torch.arange(1, n_sel + 1, device=dev).expand(bsz, n_sel))
+    par = parents.gather(1, sel)
+    par = torch.where(par < 0, 0, node_of.gather(1, par.clamp_min(0)))
+    node_tokens = torch.cat([roots[:, None], tokens.gather(1, sel)], dim=1)
+    node_parents = torch.cat([torch.full((bsz, 1), -1, dtype=torch.int64, device=dev), par], dim=1)
+    return node_tokens, node_parents

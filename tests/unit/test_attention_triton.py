@@ -71,7 +71,7 @@ def _layout(prefix_lens: list[int], extend_lens: list[int], g: torch.Generator):
 
 
 def _run(backend, pool0: KVPool, table, rows, out_slots, prefix_lens, extend_lens, qkv, masks=None,
-         mode=ForwardMode.EXTEND):
+         mode=ForwardMode.EXTEND, tail=None):
     """(output [T, H*D], pool after the forward) of one layer's attention on a copy of pool0."""
     q, k, v = qkv
     pool = KVPool(NUM_SLOTS, 2, k.shape[1], k.shape[2], k.dtype, DEV)
@@ -80,7 +80,7 @@ def _run(backend, pool0: KVPool, table, rows, out_slots, prefix_lens, extend_len
         pool.v[layer].copy_(pool0.v[layer])
     zeros = torch.zeros(q.shape[0], dtype=torch.int64, device=DEV)
     fb = ForwardBatch(mode, zeros, zeros, out_slots, rows, prefix_lens, extend_lens, table, pool, backend,
-                      custom_masks=masks)
+                      custom_masks=masks, draft_tail=tail)
     backend.init_forward_metadata(fb)
     return backend.forward(q, k, v, LAYER, fb, q.shape[2] ** -0.5), pool
 
@@ -140,18 +140,33 @@ def test_verify_tree_masks(heads, kv_heads, dim, dtype):
     _check([12, 70, 0, 5], sizes + [70], heads, kv_heads, dim, dtype, masks=masks, mode=ForwardMode.VERIFY)
 
 
-def test_draft_decode_on_scratch_rows_sharing_prefix_slots():
-    """Drafting reads a request's prefix through scratch rows that copy its first slots."""
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_with_draft_tail_equals_copied_rows(dtype, splits):
+    """Tree drafting reads a request's prefix through its own row and the branch's draft
+    ancestors from a tail: the same as a scratch row holding prefix ++ tail, on both
+    backends, with ragged prefixes (shorter, equal to and longer than a key block)."""
+    heads, kv_heads, dim, depth = 4, 2, 32, 3
     g = torch.Generator().manual_seed(5)
-    table, _, _ = _layout([90], [0], g)
-    prefix = 90
-    rows, out, extra = [5, 6, 7], [], (torch.randperm(NUM_SLOTS - 100, generator=g) + 101).to(DEV)
-    for i, row in enumerate(rows):  # scratch row i: shared prefix + i earlier drafts + 1 new token
-        table[row, :prefix] = table[0, :prefix]
-        table[row, prefix:prefix + i + 1] = extra[4 * i:4 * i + i + 1]
-        out.append(extra[4 * i + i:4 * i + i + 1])
-    layout = (table, torch.tensor(rows, device=DEV), torch.cat(out))
-    _check([prefix, prefix + 1, prefix + 2], [1, 1, 1], 4, 2, 32, mode=ForwardMode.DECODE, layout=layout, splits=2)
+    prefixes = [90, 7, 64, 90]
+    table, _, _ = _layout(prefixes, [0] * 4, g)
+    rows = torch.tensor([0, 1, 2, 0], device=DEV)  # rows 0 and 3 are two branches of one request
+    tail = (torch.randperm(NUM_SLOTS - 300, generator=g)[:4 * depth] + 301).view(4, depth).to(DEV)
+    copied = table.clone()
+    for i, (row, p) in enumerate(zip(rows.tolist(), prefixes)):  # scratch rows 4..7 = row ++ tail
+        copied[4 + i, :p] = table[row, :p]
+        copied[4 + i, p:p + depth] = tail[i]
+    pool0 = KVPool(NUM_SLOTS, 2, kv_heads, dim, dtype, DEV)
+    for t in pool0.k + pool0.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    qkv = [torch.randn(4, h, dim, generator=g).to(DEV, dtype) for h in (heads, kv_heads, kv_heads)]
+    out_slots = tail[:, -1]
+    want, _ = _run(TorchRefBackend(), pool0, copied, torch.arange(4, 8, device=DEV), out_slots,
+                   [p + depth - 1 for p in prefixes], [1] * 4, qkv, mode=ForwardMode.DECODE)
+    for backend in (TorchRefBackend(), TritonBackend(DEV, splits)):
+        got, _ = _run(backend, pool0, table, rows, out_slots, prefixes, [1] * 4, qkv, mode=ForwardMode.DECODE,
+                      tail=tail)
+        torch.testing.assert_close(got, want, **_tol(dtype))
 
 
 def test_cuda_graph_hooks_replay_equals_eager():

@@ -160,19 +160,21 @@ def test_draft_inputs_follow_the_training_convention(tiny, smollm2_dir, head, mo
     engine = _engine(target, smollm2_dir, chunked_prefill_size=7, **_spec_flags(head, heads[head], "tree"))
     proposer = engine.scheduler.spec.proposer
     extends, decodes = [], {}  # extends: (positions, ids, features); decodes: kv_len -> positions
-    real_step = proposer._step
+    real_step, real_tree_step = proposer._step, proposer.tree.step
 
     def spy(batch, hidden):
-        if batch.mode.name == "DRAFT_EXTEND":
-            fb = engine.scheduler.runner.forward_batch(batch, engine.scheduler.kv.table.table)
-            extends.append((fb.positions.tolist(), list(batch.input_ids), hidden.clone()))
-        else:
-            for req, pos in zip(batch.reqs, batch.prefix_lens):
-                decodes.setdefault(req.kv_len, set()).add(pos)
+        assert batch.mode.name == "DRAFT_EXTEND"
+        fb = engine.scheduler.runner.forward_batch(batch, engine.scheduler.kv.table.table)
+        extends.append((fb.positions.tolist(), list(batch.input_ids), hidden.clone()))
         return real_step(batch, hidden)
 
+    def tree_spy(frame, hidden):
+        for kv_len, pos in zip(frame.tail_start.tolist(), frame.positions.tolist()):  # EAGLE: tail_start = kv_len
+            decodes.setdefault(kv_len, set()).add(pos)
+        return real_tree_step(frame, hidden)
+
     monkeypatch.setattr(proposer, "_step", spy)
-    monkeypatch.setattr(proposer.tree, "step", spy)
+    monkeypatch.setattr(proposer.tree, "step", tree_spy)
     out = _run(engine, prompts[1:2])[0]
     seq = prompts[1] + out["output_ids"]
     expected = _target_features(engine, seq, head)
@@ -214,3 +216,43 @@ def test_seeded_sampling_with_eagle_reproduces_plain_sampling(tmp_path, smollm2_
     got = _run(engine, prompts, params)
     assert [o["output_ids"] for o in got] == want
     assert min(o["meta_info"]["spec_accept_length"] for o in got) > 2.0  # peaked: drafts mostly right
+
+
+# ---- the graph-shaped paths, run eagerly on the CPU -------------------------------------------
+
+def _use_static_paths(engine: Engine, max_bs: int) -> None:
+    """Give the proposer the padded, fixed-shape drafting and draft-extend paths that CUDA
+    graphs capture, uncaptured (the same static buffers, padding and indexing)."""
+    from specserve.spec.extend_graphs import DraftExtendGraphs
+    from specserve.spec.tree_graphs import TreeDraftGraphs
+
+    p = engine.scheduler.spec.proposer
+    runner = engine.scheduler.runner
+    hidden = runner.model.config.hidden_size
+    width = hidden * len(p.model.aux_layers) if p.model.feature_mode == "aux" else hidden
+    p.tree.graphs = TreeDraftGraphs(p.tree, max_bs, p.max_nodes, p.model.config.hidden_size, runner.dtype,
+                                    runner.device, capture=False)
+    p.extend_graphs = DraftExtendGraphs(p.model, p.backend, p.pool, engine.scheduler.kv.table.table, max_bs,
+                                        p.extend_len, width, p.topk, p.token_map, capture=False)
+
+
+@pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])
+def test_graph_shaped_paths_are_lossless_and_padded_right(tiny, smollm2_dir, head):
+    """Batch 8 padded to the captured size 8 and batch 3 to 4; every request's extend is
+    padded to num_steps + 1 tokens. Same tokens as plain decoding."""
+    target, prompts, ref, heads = tiny
+    engine = _engine(target, smollm2_dir, **_spec_flags(head, heads[head], "tree"))
+    _use_static_paths(engine, max_bs=8)
+    assert [o["output_ids"] for o in _run(engine, prompts)] == ref
+    assert [o["output_ids"] for o in _run(engine, prompts[:3])] == ref[:3]
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3", "MTP-mimo"])
+def test_graph_shaped_paths_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, kind):
+    """The padded extend must feed the right features and roots: a perfect draft stays
+    accepted to full depth (a padding or pairing slip would collapse it)."""
+    engine = _perfect_engine(kind, tmp_path, smollm2_dir, "tree")
+    _use_static_paths(engine, max_bs=4)
+    params = {"temperature": 0, "max_new_tokens": 33}
+    outs = _run(engine, _prompts(3, seed=2), params) + _run(engine, _prompts(1, seed=3), params)
+    assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.6

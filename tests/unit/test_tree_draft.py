@@ -2,8 +2,8 @@
 
 A fake draft step makes each node's children encode the node's own scratch slot in their
 token ids (child j of the node in slot s is token 7*s + j), so from any forward row we can
-walk the true ancestry back to the root and compare it with the slots the row's table
-actually holds. Checked for a draft LLM (shift 0) and EAGLE (shift 1), with ragged
+walk the true ancestry back to the root and compare it with the slots the row reads: its
+request's table row below tail_start, then its tail. Checked for a draft LLM (shift 0) and EAGLE (shift 1), with ragged
 request lengths, and with varying scores so expansion picks children across parents.
 """
 from __future__ import annotations
@@ -38,19 +38,19 @@ def test_each_branch_attends_to_exactly_its_ancestors(shift, topk, steps):
     token_of_slot: dict[int, int] = {}
     checked, mixed, branch_of_slot = [], {"yes": False}, {}
 
-    def step(batch, states):
-        table = kv.table.table
-        logits = torch.full((len(batch.input_ids), V), -30.0)
-        ids = torch.as_tensor(batch.input_ids).tolist()  # drafted on the device: a tensor
-        for i, (row, pos, tok, slot) in enumerate(zip(batch.rows, batch.prefix_lens, ids,
-                                                     batch.out_slots.tolist())):
-            req = batch.reqs[i]
+    by_row = {r.row: r for r in reqs}
+
+    def step(frame, states):
+        logits = torch.full((len(frame.ids), V), -30.0)
+        depth = frame.tail.shape[1]
+        for i, (row, pos, start, tok, slot, tail) in enumerate(zip(
+                frame.rows.tolist(), frame.positions.tolist(), frame.tail_start.tolist(), frame.ids.tolist(),
+                frame.out_slots.tolist(), frame.tail.tolist())):
+            req = by_row[row]
             token_of_slot[slot] = tok
-            base = req.kv_len + 1 - shift  # positions below the depth-1 nodes
-            depth = pos - base + 1
-            assert pos == req.kv_len + depth - shift
-            assert table[row, :base].tolist() == table[req.row, :base].tolist()
-            assert table[row, base:pos + 1].tolist() == _ancestry(slot, token_of_slot)
+            assert start == frame.host_tail_start[i] == req.kv_len + 1 - shift  # below the depth-1 nodes
+            assert pos == req.kv_len + depth - shift == start + depth - 1
+            assert tail == _ancestry(slot, token_of_slot) and tail[-1] == slot
             assert states is not None and torch.equal(states[i], torch.full((4,), float(_parent_slot(tok))))
             for j in range(topk):  # children of this node, more or less peaked per node, so
                 logits[i, 7 * slot + j] = -j * (0.05 + (slot % 4) * 1.5)  # winners mix parents
@@ -60,7 +60,7 @@ def test_each_branch_attends_to_exactly_its_ancestors(shift, topk, steps):
             if parent != -1 and branch_of_slot[parent] != i:
                 mixed["yes"] = True  # this node's parent ran as another branch index
         # the next states: each node's own slot, so a child's incoming state names its parent
-        return logits, batch.out_slots.float()[:, None].repeat(1, 4)
+        return logits, frame.out_slots.float()[:, None].repeat(1, 4)
 
     drafter = TreeDrafter(kv, step, topk, steps, shift=shift)
     first_ids = torch.tensor([[ROOT_KID + j for j in range(topk)]] * len(reqs))
@@ -70,7 +70,7 @@ def test_each_branch_attends_to_exactly_its_ancestors(shift, topk, steps):
                            states=torch.full((len(reqs), 4), -1.0))
     assert sorted(set(checked)) == list(range(1, steps))  # every depth but the last ran
     assert topk == 1 or mixed["yes"], "the test must make some branch's parent differ from its row"
-    assert (kv.table.available, kv.allocator.available) == (free_rows, free_slots)  # scratch returned
+    assert (kv.table.available, kv.allocator.available) == (free_rows, free_slots)  # scratch returned, no rows taken
     assert drafts.counts == [min(1 + topk * steps, 1 + drafter.max_candidates)] * len(reqs)
     for req, tokens, parents in zip(reqs, drafts.tokens.tolist(), drafts.parents.tolist()):
         assert (parents[0], tokens[0]) == (-1, req.all_ids[-1])

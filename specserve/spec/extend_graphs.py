@@ -1,0 +1,96 @@
+"""CUDA graphs for EAGLE's draft extend after verify, and the root state it leaves.
+
+After each verify the draft runs over the positions the step committed (1 to
+num_steps + 1 per request), pairing each with the target's feature there (eagle.py), and
+its output at the last one is the next step's root state: the root's top-k children and
+the hidden their depth-1 forwards take. Eagerly that is one small forward with its
+metadata, gathers and top-k: dozens of launches and their Python, every step.
+
+Captured per batch size with exactly L = num_steps + 1 tokens per request: request b's
+committed tokens first, then padding tokens (token 0, K/V into the scratch slot 0). The
+extend is causal and padding comes last, so no committed token attends to padding;
+padding rows' outputs are never read. The features are gathered inside the graph from the
+verify's per-node features; the root rows are picked by a static index. Padding requests
+read through the first real request's table row and write only the scratch slot.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from specserve.runner.cuda_graph import capture_sizes
+from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.spec.tree_draft import top_children
+
+
+class DraftExtendGraphs:
+    def __init__(self, model, backend, kv_pool, req_to_token: torch.Tensor, max_bs: int, tokens_per_req: int,
+                 feature_width: int, topk: int, token_map: torch.Tensor | None, capture: bool = True) -> None:
+        """`capture` False runs the same padded batches eagerly (any backend, CPU tests)."""
+        self.model, self.backend, self.kv_pool, self.table = model, backend, kv_pool, req_to_token
+        self.L, self.topk, self.token_map = tokens_per_req, topk, token_map
+        self.sizes = capture_sizes(max_bs)
+        n, dev = self.sizes[-1], req_to_token.device
+        dtype = next(p for p in model.parameters()).dtype
+        self.capture = capture
+        if capture:
+            backend.init_cuda_graph_state(n, self.L, causal=True)
+        zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        self.ids, self.pos, self.slots = zeros(n * self.L), zeros(n * self.L), zeros(n * self.L)
+        self.rows, self.last = zeros(n), zeros(n)  # last[b]: flat row of b's last committed token
+        self.features = zeros(n * self.L, feature_width, dtype=dtype)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        for bs in sorted(self.sizes, reverse=True) if capture else ():
+            fb = self._batch(bs, [0] * bs)
+            backend.init_metadata_for_capture(fb)
+            for _ in range(2):
+                self._run(fb, bs)
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = self._run(fb, bs)
+            self.graphs[bs] = graph
+
+    def can_run(self, bsz: int) -> bool:
+        return bsz <= self.sizes[-1]
+
+    def replay(self, index: list[torch.Tensor], features: torch.Tensor, prefix_lens: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Root states (logp [B, k], ids [B, k], hidden [B, H]) after extending B requests.
+
+        `index` = [ids, positions, slots, feature rows] (each [B*L]), [rows, last] (each [B]),
+        on the device; `features` [B*N, F] the verify's per-node features; `prefix_lens` the
+        positions each request's extend starts at. Outputs are valid until the next replay."""
+        ids, pos, slots, feat_rows, rows, last = index
+        b, L = rows.shape[0], self.L
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        for static, value in ((self.ids, ids), (self.pos, pos), (self.slots, slots)):
+            static[:b * L].copy_(value)
+            static[b * L:bs * L].zero_()
+        torch.index_select(features, 0, feat_rows, out=self.features[:b * L])
+        self.rows[:b].copy_(rows)
+        self.last[:b].copy_(last)
+        if bs > b:  # padding requests: the first real row, their own first token as "last"
+            self.rows[b:bs].copy_(rows[:1].expand(bs - b))
+            self.last[b:bs].copy_(torch.arange(b, bs, device=last.device) * L)
+        fb = self._batch(bs, prefix_lens + [0] * (bs - b))
+        if not self.capture:
+            self.backend.init_forward_metadata(fb)
+            return tuple(t[:b] for t in self._run(fb, bs))
+        self.backend.init_metadata_for_replay(fb)
+        self.graphs[bs].replay()
+        return tuple(t[:b] for t in self.outputs[bs])
+
+    def _batch(self, bs: int, prefix_lens: list[int]) -> ForwardBatch:
+        t = bs * self.L
+        return ForwardBatch(ForwardMode.DRAFT_EXTEND, self.ids[:t], self.pos[:t], self.slots[:t], self.rows[:bs],
+                            prefix_lens, [self.L] * bs, self.table, self.kv_pool, self.backend)
+
+    def _run(self, fb: ForwardBatch, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h_logits, h_next = self.model(fb, self.features[:bs * self.L])
+        last = self.last[:bs]
+        logp, ids = top_children(self.model.compute_logits(h_logits[last]), self.topk, self.token_map)
+        return logp, ids, h_next[last]
