@@ -6,9 +6,12 @@ free at batch 1 and costs ~N decode steps once the GPU is compute-bound) and on 
 traffic (how often drafts are accepted). So the governor measures instead of modelling:
 per batch-size bucket it keeps an exponential moving average of committed tokens per
 second for speculative steps and for plain steps (a root-only verify, which is a
-decode), runs the better mode, and probes the other one every `probe_every` steps so
-the estimate follows the traffic. Timings come from the host clock around a step,
-which ends in the step's one read-back, so they cover the GPU work.
+decode), runs the better mode, and probes the other one so the estimate follows the
+traffic. Probes back off: a probe that confirms the choice doubles the wait before the
+next one (from `probe_every` up to `max_backoff` times it), a probe that flips it resets
+the wait, so a settled bucket spends well under 1% of its steps in the slower mode.
+Timings come from the host clock around a step, which ends in the step's one
+read-back, so they cover the GPU work.
 
 Both modes are exact (a plain step is a verify of the root alone), so switching never
 changes the output, only the speed.
@@ -22,11 +25,15 @@ from specserve.runner.cuda_graph import capture_sizes
 
 
 class SpecGovernor:
-    def __init__(self, enabled: bool, probe_every: int = 32, alpha: float = 0.25,
+    def __init__(self, enabled: bool, probe_every: int = 32, alpha: float = 0.25, max_backoff: int = 8,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.enabled, self.probe_every, self.alpha, self.clock = enabled, probe_every, alpha, clock
+        self.max_wait = probe_every * max_backoff
         self._rate: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens/s EMA
         self._steps: dict[int, int] = {}
+        self._wait: dict[int, int] = {}  # bucket -> steps between probes
+        self._next_probe: dict[int, int] = {}  # bucket -> step number of the next probe
+        self._probing: dict[int, bool] = {}  # bucket -> the choice a probe in flight tests
         self._ladder = capture_sizes(4096)
 
     def _bucket(self, bs: int) -> int:
@@ -45,16 +52,26 @@ class SpecGovernor:
         if plain is None:
             return False
         best = spec >= plain
-        return (not best) if n % self.probe_every == 0 else best
+        if n < self._next_probe.setdefault(b, n + self.probe_every):
+            return best
+        self._probing[b] = best
+        return not best
 
     def record(self, bs: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One step over `bs` requests committed `tokens` in `seconds`."""
         if not self.enabled or seconds <= 0:
             return
-        key = (self._bucket(bs), speculated)
+        b = self._bucket(bs)
         rate = tokens / seconds
-        old = self._rate.get(key)
-        self._rate[key] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
+        old = self._rate.get((b, speculated))
+        self._rate[(b, speculated)] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
+        if b in self._probing:  # this was a probe: back off if it confirmed the choice
+            chose = self._probing.pop(b)
+            spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
+            confirmed = plain is not None and (spec >= plain) == chose
+            wait = min(2 * self._wait.get(b, self.probe_every), self.max_wait) if confirmed else self.probe_every
+            self._wait[b] = wait
+            self._next_probe[b] = self._steps[b] - 1 + wait  # counted from the probe step
 
     def rates(self, bs: int) -> tuple[float | None, float | None]:
         """(speculative, plain) tokens/s estimates for a batch of `bs` (None: not measured)."""
