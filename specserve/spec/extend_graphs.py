@@ -57,6 +57,7 @@ class DraftExtendGraphs:
     def can_run(self, bsz: int) -> bool:
         return bsz <= self.sizes[-1]
 
+    @torch.inference_mode()
     def replay(self, index: list[torch.Tensor], features: torch.Tensor, prefix_lens: list[int]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Root states (logp [B, k], ids [B, k], hidden [B, H]) after extending B requests.

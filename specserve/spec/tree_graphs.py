@@ -53,6 +53,7 @@ class TreeDraftGraphs:
     def can_run(self, bsz: int) -> bool:
         return bsz <= self.sizes[-1]
 
+    @torch.inference_mode()
     def replay(self, x: TreeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, parents) [B, 1 + num_selected] of `x`'s B trees; valid until the next replay."""
         b, k = x.roots.shape[0], self.drafter.topk
