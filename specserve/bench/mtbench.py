@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from specserve.server.tokenizer import Tokenizer
 
 PLAIN, HF = "plain", "HF transformers"
-# prompts -> (seconds, output ids per prompt, verify steps summed over prompts)
-Generate = Callable[[list[list[int]]], tuple[float, list[list[int]], int]]
+# prompts -> (seconds, output ids per prompt, (drafted verifies, accepted drafts) summed over prompts)
+Generate = Callable[[list[list[int]]], tuple[float, list[list[int]], tuple[int, int]]]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class Answers:
 
     seconds: float
     ids: list[list[list[int]]]  # [question][turn] -> output token ids
-    verifies: int
+    verifies: int  # verifies that carried drafts
+    accepted: int = 0  # drafts they accepted
 
     @property
     def tokens(self) -> int:
@@ -125,13 +126,13 @@ def turn_prompts(tok: Tokenizer, questions: list[list[str]], answers: list[list[
 def run_turns(generate: Generate, tok: Tokenizer, questions: list[list[str]], turns: int) -> Answers:
     """Every question turn by turn; turn t+1 is built from turn t's answers, then generated."""
     ids: list[list[list[int]]] = [[] for _ in questions]
-    seconds, verifies = 0.0, 0
+    seconds, verifies, accepted = 0.0, 0, 0
     for turn in range(turns):
-        s, outs, v = generate(turn_prompts(tok, questions, ids, turn))
-        seconds, verifies = seconds + s, verifies + v
+        s, outs, (v, a) = generate(turn_prompts(tok, questions, ids, turn))
+        seconds, verifies, accepted = seconds + s, verifies + v, accepted + a
         for answers, out in zip(ids, outs):
             answers.append(list(out))
-    return Answers(seconds, ids, verifies)
+    return Answers(seconds, ids, verifies, accepted)
 
 
 # ---- methods ---------------------------------------------------------------------------------
@@ -189,8 +190,9 @@ def ours(engine: Engine, max_new: int, bs: int) -> Generate:
     """Our engine: warm-up on reversed prompts, then timed greedy batches of bs (spec_compare.timed_run)."""
     def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], int]:
         seconds, outs = timed_run(engine, prompts, max_new, bs)
-        return (seconds, [o["output_ids"] for o in outs],
-                sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs))
+        verifies = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+        return seconds, [o["output_ids"] for o in outs], (
+            verifies, sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs))
     return generate
 
 
@@ -224,7 +226,7 @@ def hf(model: torch.nn.Module, max_new: int, bs: int, eos: list[int]) -> Generat
             hf_batches(model, [p[::-1] for p in prompts], 2, bs, eos)
             start = time.perf_counter()
             outs = hf_batches(model, prompts, max_new, bs, eos)
-        return time.perf_counter() - start, outs, 0
+        return time.perf_counter() - start, outs, (0, 0)
     return generate
 
 
@@ -275,12 +277,13 @@ def batch_sizes(args: argparse.Namespace) -> list[int]:
 
 
 def accept_length(method: Method, answers: Answers) -> float | None:
-    """Tokens per verify step (the first token of a request comes from prefill); 1 without speculation."""
+    """Tokens per verify that carried drafts (accepted drafts + 1; steps the governor ran
+    plainly do not count); 1 without speculation."""
     if method.hf:
         return None
     if method.algorithm is None or not answers.verifies:
         return 1.0
-    return (answers.tokens - answers.requests) / answers.verifies
+    return (answers.accepted + answers.verifies) / answers.verifies
 
 
 def identical(a: Answers, b: Answers) -> int:

@@ -60,6 +60,17 @@ def timed_run(engine, prompts: list[list[int]], max_new: int, bs: int) -> tuple[
     return time.perf_counter() - start, outs
 
 
+def spec_counts(outs: list[dict]) -> tuple[int, int, float]:
+    """(verifies that carried drafts, steps run plainly, accept length) over requests' meta:
+    the accept length is tokens per drafted verify (accepted drafts + 1), so steps the
+    governor ran without drafts do not dilute it; 1.0 when nothing was drafted."""
+    meta = [o["meta_info"] for o in outs]
+    verifies = sum(m.get("spec_verify_ct", 0) for m in meta)
+    plain = sum(m.get("spec_plain_ct", 0) for m in meta)
+    accepted = sum(m.get("spec_accept_token_num", 0) for m in meta)
+    return verifies, plain, (accepted + verifies) / verifies if verifies else 1.0
+
+
 def random_head(args, out_dir: str) -> str:
     from pathlib import Path
 
@@ -102,16 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         spec_s, spec_out = timed_run(spec, prompts, args.max_new_tokens, args.batch_size)
         n_plain = sum(len(o["output_ids"]) for o in plain_out)
         n_spec = sum(len(o["output_ids"]) for o in spec_out)
-        verifies = sum(o["meta_info"].get("spec_verify_ct", 0) for o in spec_out)
+        verifies, plain_steps, accept = spec_counts(spec_out)
         same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(plain_out, spec_out))
         row = {"bench": "spec", "set": name, "algorithm": args.algorithm, "model": args.model,
                "device": str(plain.scheduler.runner.device), "batch_size": args.batch_size,
                "num_prompts": len(prompts), "plain_tok_s": n_plain / plain_s, "spec_tok_s": n_spec / spec_s,
                "speedup": (n_spec / spec_s) / (n_plain / plain_s),
-               "accept_length": (n_spec - len(prompts)) / max(verifies, 1),
+               "accept_length": accept, "plain_steps_fraction": plain_steps / max(verifies + plain_steps, 1),
                # per batch step, prefill included: decode-step cost vs draft + verify cost
                "plain_step_ms": 1e3 * plain_s / max(n_plain / args.batch_size, 1),
-               "spec_step_ms": 1e3 * spec_s / max(verifies / args.batch_size, 1),
+               "spec_step_ms": 1e3 * spec_s / max((verifies + plain_steps) / args.batch_size, 1),
                "identical_outputs": same, "spec_args": args.spec_args, "random_head": args.random_head}
         report(f"spec[{name}] {args.algorithm}: plain {row['plain_tok_s']:.1f} tok/s, spec "
                f"{row['spec_tok_s']:.1f} tok/s, speedup {row['speedup']:.2f}x, accept len "

@@ -13,7 +13,7 @@ import tempfile
 
 from specserve.bench.prompts import mt_bench_first_turns
 from specserve.bench.report import report
-from specserve.bench.spec_compare import random_head, timed_run
+from specserve.bench.spec_compare import random_head, spec_counts, timed_run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,9 +49,10 @@ def _engine_kwargs(args, setting: tuple[int, int, int] | None, draft: str | None
 
 
 def _measure(engine, prompts: list[list[int]], bs: int, max_new: int) -> tuple[float, int, int]:
-    """(seconds, output tokens, verify steps summed over requests)."""
+    """(seconds, output tokens, decode steps summed over requests, accept length)."""
     seconds, outs = timed_run(engine, prompts, max_new, bs)
-    return seconds, sum(len(o["output_ids"]) for o in outs), sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    verifies, plain, accept = spec_counts(outs)
+    return seconds, sum(len(o["output_ids"]) for o in outs), verifies + plain, accept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,9 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _row(args, engine, prompts, bs: int, setting) -> dict:
-    seconds, tokens, verifies = _measure(engine, prompts, bs, args.max_new_tokens)
+    seconds, tokens, verifies, accept = _measure(engine, prompts, bs, args.max_new_tokens)
     name = "plain" if setting is None else f"{args.algorithm} {setting[0]},{setting[1]},{setting[2]}"
-    accept = (tokens - len(prompts)) / verifies if verifies else 1.0
     steps = verifies / bs if verifies else tokens / bs
     row = {"bench": "speculative", "model": args.model, "setting": name, "batch_size": bs,
            "device": str(engine.scheduler.runner.device), "tok_s": tokens / seconds, "accept_length": accept,

@@ -95,14 +95,15 @@ class SpecWorker:
         fb = self.runner.forward_batch(batch, self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
         logits = pad_rows(logits, batch.extend_lens, drafts.num_nodes)
-        committed, paths, kept = self._accept_and_commit(reqs, drafts, logits, slots)
+        committed, paths, kept = self._accept_and_commit(reqs, drafts, logits, slots, [n > 1 for n in budgets])
         if features is not None:
             features = pad_rows(features, batch.extend_lens, drafts.num_nodes)
         self.proposer.on_verified(reqs, Verified(committed, paths, features, kept))
         self.governor.record(len(reqs), speculate, sum(map(len, committed)), self.governor.clock() - start)
 
-    def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor]
-                           ) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor],
+                           drafted: list[bool]) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+        """drafted[b]: request b was given a draft budget (a speculative step, no penalties)."""
         sb = sampling_batch(reqs, self.runner.vocab_size, logits.device)
         if sb.has_penalties:  # only root rows carry penalties (budget 1 for those requests)
             logits = logits.clone()  # may be a view of a graph's output or an inference tensor
@@ -112,7 +113,7 @@ class SpecWorker:
         for b, req in enumerate(reqs):
             done = self._commit_tokens(req, result.tokens[b], result.paths[b], logits[b])
             committed.append(done)
-            self._record(req, len(done), len(result.tokens[b]))
+            self._record(req, len(done), drafted[b])
         kept = commit_kv(self.kv, reqs, slots, result.paths, [len(c) for c in committed])
         return committed, result.paths, kept
 
@@ -144,12 +145,18 @@ class SpecWorker:
                 break
         return done
 
-    def _record(self, req: Req, committed: int, offered: int) -> None:
+    def _record(self, req: Req, committed: int, drafted: bool) -> None:
+        """Per-request counters in SGLang's names. Only verifies that carried drafts count
+        (spec_verify_ct); steps the governor ran plainly, or root-only trees (penalties),
+        are counted apart (spec_plain_ct), so the accept length is that of speculation."""
         meta = req.meta
+        if not drafted:
+            meta["spec_plain_ct"] = meta.get("spec_plain_ct", 0) + 1
+            return
         meta["spec_verify_ct"] = meta.get("spec_verify_ct", 0) + 1
         meta["spec_accept_token_num"] = meta.get("spec_accept_token_num", 0) + committed - 1
         meta["spec_draft_token_num"] = meta.get("spec_draft_token_num", 0) + self.proposer.max_nodes - 1
-        meta["spec_accept_length"] = len(req.output_ids) / meta["spec_verify_ct"]
+        meta["spec_accept_length"] = (meta["spec_accept_token_num"] + meta["spec_verify_ct"]) / meta["spec_verify_ct"]
         meta["spec_accept_rate"] = meta["spec_accept_token_num"] / max(meta["spec_draft_token_num"], 1)
         self.stats.add(1, committed)
 

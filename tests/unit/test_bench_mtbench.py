@@ -154,7 +154,7 @@ def test_run_turns_feeds_each_answer_into_the_next_prompt(tiny):
     def fake(prompts):  # answer i of a turn: the token ids of "answer-<turn>-<i>"
         seen.append(prompts)
         return 0.5, [tok.encode(f" answer-{len(seen)}-{i}", add_special_tokens=False)
-                     for i in range(len(prompts))], 0
+                     for i in range(len(prompts))], (0, 0)
 
     answers = mtbench.run_turns(fake, tok, questions, 2)
     assert answers.seconds == 1.0 and answers.requests == 6 and len(seen) == 2

@@ -38,7 +38,9 @@ def _engine(target, smollm2_dir, **flags) -> Engine:
 
 def _spec_flags(algo: str, draft, tree: str) -> dict:
     steps, topk, n = TREES[tree]
-    flags = {"speculative_algorithm": algo, "speculative_num_steps": steps,
+    # the governor stays off: these tests check drafting, and on a GPU it may turn a tiny
+    # model's speculation down (plain steps would then hide the acceptance under test)
+    flags = {"speculative_algorithm": algo, "speculative_num_steps": steps, "speculative_adaptive": "off",
              "speculative_eagle_topk": topk, "speculative_num_draft_tokens": n}
     if draft is not None:
         flags["speculative_draft_model_path"] = str(draft)

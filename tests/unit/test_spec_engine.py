@@ -87,7 +87,7 @@ def test_standalone_with_the_target_as_draft_accepts_everything(smollm2_dir, ref
                     speculative_draft_model_path=str(smollm2_dir), **tree)
     results = _check(engine, reference)
     lengths = [r["meta_info"]["spec_accept_length"] for r in results]
-    assert min(lengths) > 3.0, lengths
+    assert min(lengths) >= 3.0, lengths  # a short answer's last verify may be cut by max_tokens
     assert engine.scheduler.spec.stats.avg_accept_length > 3.0
 
 
@@ -143,7 +143,8 @@ def test_seeded_sampling_with_speculation_reproduces_plain_sampling(smollm2_engi
     assert a["output_ids"] == b["output_ids"] == plain["output_ids"]
     assert a["meta_info"]["spec_accept_length"] > 1.0
     pen = engine.generate(input_ids=ids, sampling_params={**p, "frequency_penalty": 0.5})
-    assert pen["meta_info"]["spec_accept_length"] == pytest.approx(1.0, abs=0.05)  # root-only trees
+    # root-only trees: counted as plain steps, not as verifies of drafts
+    assert "spec_verify_ct" not in pen["meta_info"] and pen["meta_info"]["spec_plain_ct"] > 0
     _clean(engine)
 
 
