@@ -16,10 +16,14 @@ from specserve.train.trainer import TrainConfig, TrainResult, train_draft
 _ALGORITHMS = {"EAGLE3": "EAGLE3", "EAGLE": "EAGLE", "EAGLE2": "EAGLE"}  # EAGLE2 spells EAGLE-2
 _DEFAULT_DRAFT_VOCAB = 32000
 
-EXAMPLE = """example (SmolLM2-135M, about 10 minutes on one H100: ~3 min to regenerate 8000 answers at
-~13k tok/s, then ~3 steps/s of 16k tokens, ~36 GiB peak):
+EXAMPLE = """example (SmolLM2-135M on one H100: ~8 min to regenerate 13.9k answers, 4.0M tokens, at
+~8k tok/s, then 1600 steps of 16k tokens, ~4 epochs, at ~77k tok/s in 5 min 11 s, 17 GiB peak;
+held-out acc per TTT step 0.77 0.74 0.72 0.69 0.67, the 16k draft vocab covering 99.4%):
   specserve train-draft --model smollm2-135m --algorithm EAGLE3 --output heads/smollm2-eagle3 \\
-      --num-prompts 8000 --max-new-tokens 384 --batch-tokens 16384 --max-steps 1200
+      --num-prompts 14000 --max-new-tokens 384 --max-seq-len 1024 --shard-size 1024 \\
+      --max-running-requests 512 --draft-vocab-size 16384 --ttt-steps 5 --batch-tokens 16384 \\
+      --max-steps 1600 --save-every 100
+(on a machine lent for a few minutes at a time add --time-limit SECONDS, rerun with --resume)
 then serve with:
   specserve serve --model smollm2-135m --speculative-algorithm EAGLE3 \\
       --speculative-draft-model-path heads/smollm2-eagle3"""
@@ -53,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shard-size", type=_positive, default=256, help="prompts per regeneration shard")
     g.add_argument("--mem-fraction-static", type=float, default=None,
                    help="GPU memory fraction for the regeneration engine (default: its own)")
+    g.add_argument("--max-running-requests", type=_positive, default=None,
+                   help="concurrent answers while regenerating (default: the engine's; raise it together "
+                        "with --shard-size, the prompts handed to the engine at once)")
     g = p.add_argument_group("head and objective")
     g.add_argument("--draft-vocab-size", type=_positive, default=None,
                    help=f"EAGLE3 draft vocabulary (default {_DEFAULT_DRAFT_VOCAB}, capped at the target's)")
@@ -71,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--val-size", type=int, default=None,
                    help="sequences held out for validation (default: 2%%, at most 64)")
     g.add_argument("--resume", action="store_true", help="continue the run in --output")
+    g.add_argument("--time-limit", type=float, default=None,
+                   help="seconds for this invocation, regeneration included: then save and stop "
+                        "(continue with --resume; --max-steps may change on resume)")
     g.add_argument("--seed", type=int, default=0)
     return p
 
@@ -101,7 +111,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.batch_tokens < args.max_seq_len:
         raise ValueError(f"--batch-tokens ({args.batch_tokens}) must hold one sequence of --max-seq-len "
                          f"({args.max_seq_len})")
-    engine_args = {"mem_fraction_static": args.mem_fraction_static} if args.mem_fraction_static else {}
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
+    engine_args = {k: v for k, v in (("mem_fraction_static", args.mem_fraction_static),
+                                     ("max_running_requests", args.max_running_requests)) if v}
     return TrainConfig(
         model=args.model, algorithm=args.algorithm, output=args.output, dataset=args.dataset,
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
@@ -111,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         batch_tokens=args.batch_tokens, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
         save_dtype=args.save_dtype, tokenizer_path=args.tokenizer_path, shard_size=args.shard_size,
         save_every=args.save_every, val_size=args.val_size, resume=args.resume, seed=args.seed,
-        engine_args=engine_args)
+        engine_args=engine_args, time_limit=args.time_limit)
 
 
 def summary(result: TrainResult, algorithm: str) -> str:

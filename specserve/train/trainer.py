@@ -15,6 +15,9 @@ warm-up then cosine decay to zero over the run's steps, gradient clipping, bf16 
 on CUDA and plain fp32 on CPU. The run's length is `max_steps` if given, else `epochs`
 passes over the data. A resumed run rebuilds the same epoch plans and continues at the
 next batch; its steps equal an uninterrupted run's (the tests check this on CPU).
+`time_limit` bounds one invocation's wall clock (regeneration included): when it is up the
+loop saves and returns, so a run on a time-limited machine ends at a checkpoint and
+continues with `resume`. `max_steps` may change on resume (the cosine follows the new total).
 """
 from __future__ import annotations
 
@@ -82,6 +85,7 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)  # extra Engine flags for regeneration
+    time_limit: float | None = None  # seconds for this invocation; then save and stop (None: no limit)
 
 
 @dataclass
@@ -104,6 +108,7 @@ class _Progress:
 
 
 def train_draft(cfg: TrainConfig) -> TrainResult:
+    deadline = time.monotonic() + cfg.time_limit if cfg.time_limit is not None else math.inf
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     _check_resume(out, cfg)
@@ -119,7 +124,7 @@ def train_draft(cfg: TrainConfig) -> TrainResult:
     logger.info("%d sequences, %d answer tokens", len(seqs), sum(s.answer_len for s in seqs))
     target = load_model(model_dir, pick_dtype(cfg.dtype, device, hf), device)
     run = _Run(cfg, out, hf, target, seqs, eos)
-    return run.train()
+    return run.train(deadline)
 
 
 def _check_resume(out: Path, cfg: TrainConfig) -> None:
@@ -204,14 +209,15 @@ class _Run:
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     # -- the loop -----------------------------------------------------------------------------
-    def train(self) -> TrainResult:
+    def train(self, deadline: float = math.inf) -> TrainResult:
+        """Steps until the run's total or `deadline` (time.monotonic()), then save."""
         p, start, tokens = self.progress, time.perf_counter(), 0
         bar = tqdm(total=self.total, initial=p.step, desc=f"train {self.cfg.algorithm}", unit="step",
                    mininterval=1.0)
         with open(self.out / LOG, "a") as log:
-            while p.step < self.total:
+            while p.step < self.total and time.monotonic() < deadline:
                 plan = self._plan(p.epoch)
-                while p.batch < len(plan) and p.step < self.total:
+                while p.batch < len(plan) and p.step < self.total and time.monotonic() < deadline:
                     batch = [self.train_seqs[i] for i in plan[p.batch]]
                     loss, stats, grad_norm = train_step(self, batch)
                     n = sum(s.ids.numel() for s in batch)
@@ -226,6 +232,8 @@ class _Run:
                 if p.batch >= len(plan):
                     p.epoch, p.batch = p.epoch + 1, 0
         bar.close()
+        if p.step < self.total:
+            logger.info("time limit reached at step %d of %d: saving; continue with --resume", p.step, self.total)
         self.save()
         return self._result(tokens)
 

@@ -32,6 +32,7 @@ from specserve.models.draft_loader import load_draft
 from specserve.models.loader import load_model, read_hf_config
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.train import trainer
+from specserve.train.cli import build_parser, config_from_args
 from specserve.train.data import decode_truncated_array, load_prompts
 from specserve.train.draft import (EAGLE2, EAGLE3, build_draft, default_aux_layers, head_config, save_head,
                                    unroll)
@@ -355,6 +356,16 @@ def test_resume_continues_exactly_from_the_saved_step(tiny, eagle3_run, tmp_path
         assert torch.equal(tensor, read_tensors(cut)[name]), name
 
 
+def test_time_limit_saves_and_a_resume_finishes(tiny, eagle3_run, tmp_path, monkeypatch):
+    out = _copy_answers(eagle3_run[0], tmp_path / "timed")
+    monkeypatch.setattr(trainer, "_engine", lambda *a: pytest.fail("answers exist: no engine needed"))
+    cut = train_draft(_config(tiny, out, max_steps=4, save_every=100, time_limit=1e-9))
+    assert cut.steps == 0 and torch.load(out / trainer.STATE, weights_only=True)["step"] == 0
+    assert (out / "model.safetensors").is_file()  # the head is written when time is up
+    done = train_draft(_config(tiny, out, max_steps=4, save_every=100, resume=True))
+    assert done.steps == 4 and [r["step"] for r in _log(out)] == [1, 2, 3, 4]
+
+
 def test_other_settings_in_the_same_output_are_refused(tiny, eagle3_run, tmp_path):
     out = _copy_answers(eagle3_run[0], tmp_path / "other")
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -383,3 +394,8 @@ def test_cli(tiny, tmp_path, capsys):
     assert "EAGLE3 only" in capsys.readouterr().err
     assert specserve_main(base + ["--resume", "--device", "cpu"]) == 2
     assert "no train_state.pt" in capsys.readouterr().err
+    assert specserve_main(base + ["--time-limit", "0"]) == 2
+    assert "--time-limit must be positive" in capsys.readouterr().err
+    args = ["--model", "m", "--output", "o", "--max-running-requests", "512", "--time-limit", "60"]
+    cfg = config_from_args(build_parser().parse_args(args))
+    assert cfg.engine_args == {"max_running_requests": 512} and cfg.time_limit == 60
