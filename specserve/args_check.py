@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from specserve.config import Config, SpecConfig
+from specserve.models.shipped_heads import has_shipped_head
 
 logger = logging.getLogger("specserve")
 
@@ -195,6 +196,10 @@ def check_step_triple(cfg: Config, ctx: CheckContext) -> Config:
 
 def require_draft_model(cfg: Config, ctx: CheckContext) -> Config:
     s = cfg.spec
+    if s.draft_model_path is None and has_shipped_head(cfg.model.model_path, s.algorithm):
+        logger.info("No --speculative-draft-model-path: drafting with the %s head shipped for %s",
+                    s.algorithm, cfg.model.model_path)
+        return cfg
     if s.draft_model_path is None and s.algorithm in ("EAGLE3", "STANDALONE"):
         raise ConfigError(f"--speculative-algorithm {s.algorithm} requires "
                           "--speculative-draft-model-path")

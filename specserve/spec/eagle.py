@@ -37,6 +37,7 @@ from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
 from specserve.models.draft_loader import load_draft
 from specserve.models.mtp import has_mtp_layers
+from specserve.models.shipped_heads import shipped_head
 from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
@@ -213,6 +214,10 @@ class EagleProposer:
 def _draft_dir(spec: SpecConfig, runner: ModelRunner):
     if spec.draft_model_path is not None:
         return resolve_model_dir(spec.draft_model_path, spec.draft_model_revision, spec.draft_load_format or "auto")
+    head = shipped_head(runner.model_dir, spec.algorithm)
+    if head is not None:
+        logger.info("Drafting with the %s head shipped for this model (%s)", spec.algorithm, head.name)
+        return head
     if not has_mtp_layers(runner.model_dir):
         raise ValueError(f"--speculative-algorithm {spec.algorithm} needs --speculative-draft-model-path: "
                          f"the target model has no MTP layers to draft with")

@@ -240,7 +240,7 @@ NEEDS_ALGO = "requires --speculative-algorithm"
     (["--enable-multi-layer-eagle"], f"--enable-multi-layer-eagle {NEEDS_ALGO}"),
     (EAGLE + ["--speculative-num-steps", "3"], "set all three of --speculative-num-steps, "
      "--speculative-eagle-topk, --speculative-num-draft-tokens, or none for auto-tuning"),
-    (["--speculative-algorithm", "EAGLE3"],
+    (["--model", "org/some-model", "--speculative-algorithm", "EAGLE3"],  # the default model ships a head
      "--speculative-algorithm EAGLE3 requires --speculative-draft-model-path"),
     (["--speculative-algorithm", "STANDALONE"],
      "--speculative-algorithm STANDALONE requires --speculative-draft-model-path"),

@@ -1,0 +1,39 @@
+"""The EAGLE-3 head shipped for the default model (specserve/heads/smollm2-135m-eagle3).
+
+`--speculative-algorithm EAGLE3` with no draft path on the default model drafts with it:
+greedy output stays token-identical to plain decoding, and the head is a trained one
+(well above a random head's accept length of ~1.0). Other models still need a draft path.
+"""
+from __future__ import annotations
+
+import pytest
+
+from specserve import Engine
+from specserve.bench.mtbench import mt_bench_questions
+from specserve.models.shipped_heads import has_shipped_head, shipped_head
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_default_model_drafts_with_its_shipped_head(smollm2_dir, smollm2_engine):
+    engine = Engine("smollm2-135m", log_level="warning", speculative_algorithm="EAGLE3", speculative_num_steps=3,
+                    speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    assert engine.scheduler.spec.proposer.model.config.hidden_size == 576
+    tok = engine.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": q[0]}]) for q in mt_bench_questions(16)[-2:]]
+    params = {"temperature": 0, "max_new_tokens": 48}
+    want = [o["output_ids"] for o in smollm2_engine.generate(input_ids=prompts, sampling_params=params)]
+    outs = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+    assert [o["output_ids"] for o in outs] == want
+    meta = [o["meta_info"] for o in outs]
+    accept = sum(m["spec_accept_token_num"] + m["spec_verify_ct"] for m in meta) / sum(m["spec_verify_ct"] for m in meta)
+    assert accept > 1.4, accept  # a random head accepts ~nothing (1.0)
+    engine.scheduler.kv.flush_cache()
+    engine.scheduler.kv.assert_no_leak()
+
+
+def test_only_the_catalogue_model_has_a_head(tmp_path, smollm2_dir):
+    assert has_shipped_head("smollm2-135m", "EAGLE3") and not has_shipped_head("smollm2-135m", "EAGLE")
+    assert not has_shipped_head(str(smollm2_dir), "EAGLE3")  # a path is not matched by name
+    assert shipped_head(smollm2_dir, "EAGLE3") is not None  # ... but its conversion marker is
+    assert shipped_head(tmp_path, "EAGLE3") is None
