@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -34,6 +35,31 @@ def capture_sizes(max_bs: int) -> list[int]:
     """SGLang's ladder: 1, 2, 4, 8, then steps of 8 to 256, then of 16 (capped at max_bs)."""
     sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16))
     return [s for s in sizes if s < max_bs] + [max_bs]
+
+
+T = TypeVar("T")
+
+
+def capture_each(sizes: list[int], body: Callable[[int], T], device: torch.device,
+                 prepare: Callable[[int], None] | None = None
+                 ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, T]]:
+    """One graph per size, largest first, in one memory pool: `prepare(bs)` (outside the
+    capture: metadata copies), `body(bs)` twice (compile kernels, settle the allocator),
+    then `body(bs)` captured. Returns the graphs and what each captured call returned
+    (its outputs: static tensors that every replay rewrites)."""
+    graphs, outputs = {}, {}
+    pool = torch.cuda.graph_pool_handle()
+    for bs in sorted(sizes, reverse=True):
+        if prepare is not None:
+            prepare(bs)
+        for _ in range(2):
+            body(bs)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[bs] = body(bs)
+        graphs[bs] = graph
+    return graphs, outputs
 
 
 @dataclass

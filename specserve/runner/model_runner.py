@@ -122,13 +122,17 @@ class ModelRunner:
             logger.warning("attention backend %s cannot run in CUDA graphs: decoding runs eagerly",
                            type(self.attn_backend).__name__)
             return
-        max_bs = min(cfg.cuda_graph_max_bs or 256, max_running)
+        max_bs = self.graph_max_bs(max_running)
         self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.vocab_size, self.device, max_bs,
                                       verify_tokens, self.feature_mode)
         template = ForwardBatch(ForwardMode.DECODE, *(torch.zeros(1, dtype=torch.int64, device=self.device),) * 4,
                                 [0], [1], req_to_token, self.kv_pool, self.attn_backend)
         with torch.inference_mode():
             self.graphs.capture(template)
+
+    def graph_max_bs(self, max_running: int) -> int:
+        """The largest batch a captured graph serves (--cuda-graph-max-bs, default 256)."""
+        return min(self.runner_cfg.cuda_graph_max_bs or 256, max_running)
 
     def _kv_budget(self, cache_cfg: CacheConfig) -> int:
         cfg = self.model.config

@@ -63,8 +63,11 @@ class RootStates:
         self.hidden = torch.zeros(rows, width, dtype=dtype, device=device)
         self.ready: set[str] = set()  # request ids whose row holds a state
 
-    def set(self, reqs: list[Req], logp: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        rows = h2d([r.row for r in reqs], self.logp.device)
+    def set(self, reqs: list[Req], logp: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor,
+            rows: torch.Tensor | None = None) -> None:
+        """Store the states of `reqs` (rows: their table rows on the device, if at hand)."""
+        if rows is None:
+            rows = h2d([r.row for r in reqs], self.logp.device)
         for buf, value in ((self.logp, logp), (self.ids, ids), (self.hidden, hidden)):
             buf.index_copy_(0, rows, value.to(buf.dtype))
         self.ready.update(r.rid for r in reqs)
@@ -151,7 +154,7 @@ class EagleProposer:
             starts.append(start)
         index = h2d_many([ids, pos, slots, feat_rows, [r.row for r in reqs], last], self.runner.device)
         features = verified.features.reshape(-1, verified.features.shape[-1])
-        self.roots.set(reqs, *self.extend_graphs.replay(index, features, starts))
+        self.roots.set(reqs, *self.extend_graphs.replay(index, features, starts), rows=index[4])
 
     def _set_roots(self, reqs: list[Req], logits: torch.Tensor, hidden: torch.Tensor) -> None:
         self.roots.set(reqs, *top_children(logits, self.topk, self.token_map), hidden)
@@ -173,14 +176,10 @@ class EagleProposer:
         return runner.device.type == "cuda" and not runner.runner_cfg.disable_cuda_graph \
             and self.backend.supports_cuda_graph
 
-    @staticmethod
-    def _graph_max_bs(runner: ModelRunner, max_running: int) -> int:
-        return min(runner.runner_cfg.cuda_graph_max_bs or 256, max_running)
-
     def _capture_tree(self, runner: ModelRunner, max_running: int) -> TreeDraftGraphs:
         """One graph per batch size for the whole tree-drafting pass."""
         with torch.inference_mode():
-            return TreeDraftGraphs(self.tree, self._graph_max_bs(runner, max_running), self.max_nodes,
+            return TreeDraftGraphs(self.tree, runner.graph_max_bs(max_running), self.max_nodes,
                                    self.model.config.hidden_size, runner.dtype, runner.device)
 
     def _capture_extend(self, runner: ModelRunner, max_running: int) -> DraftExtendGraphs:
@@ -189,7 +188,7 @@ class EagleProposer:
         width = hidden * len(self.model.aux_layers) if self.model.feature_mode == "aux" else hidden
         with torch.inference_mode():
             return DraftExtendGraphs(self.model, self.backend, self.pool, self.kv.table.table,
-                                     self._graph_max_bs(runner, max_running), self.extend_len, width,
+                                     runner.graph_max_bs(max_running), self.extend_len, width,
                                      self.topk, self.token_map)
 
     @torch.inference_mode()

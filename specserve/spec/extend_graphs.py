@@ -19,7 +19,7 @@ import bisect
 
 import torch
 
-from specserve.runner.cuda_graph import capture_sizes
+from specserve.runner.cuda_graph import capture_each, capture_sizes
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.spec.tree_draft import top_children
 
@@ -40,19 +40,12 @@ class DraftExtendGraphs:
         self.ids, self.pos, self.slots = zeros(n * self.L), zeros(n * self.L), zeros(n * self.L)
         self.rows, self.last = zeros(n), zeros(n)  # last[b]: flat row of b's last committed token
         self.features = zeros(n * self.L, feature_width, dtype=dtype)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle() if capture else None
-        for bs in sorted(self.sizes, reverse=True) if capture else ():
-            fb = self._batch(bs, [0] * bs)
-            backend.init_metadata_for_capture(fb)
-            for _ in range(2):
-                self._run(fb, bs)
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._run(fb, bs)
-            self.graphs[bs] = graph
+        self.graphs, self.outputs = {}, {}
+        if capture:
+            batches = {bs: self._batch(bs, [0] * bs) for bs in self.sizes}
+            self.graphs, self.outputs = capture_each(
+                self.sizes, lambda bs: self._run(batches[bs], bs), dev,
+                prepare=lambda bs: backend.init_metadata_for_capture(batches[bs]))
 
     def can_run(self, bsz: int) -> bool:
         return bsz <= self.sizes[-1]

@@ -20,7 +20,7 @@ import bisect
 
 import torch
 
-from specserve.runner.cuda_graph import capture_sizes
+from specserve.runner.cuda_graph import capture_each, capture_sizes
 from specserve.spec.tree_draft import TreeDrafter, TreeInputs
 
 
@@ -36,19 +36,8 @@ class TreeDraftGraphs:
             first_logp=zeros(n, k, dtype=torch.float32), first_ids=zeros(n, k),
             states=zeros(n, state_width, dtype=state_dtype) if state_width else None,
             roots=zeros(n), rows=zeros(n), tail_start=zeros(n), scratch=zeros(steps - 1, n * k))
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.capture = capture
-        pool = torch.cuda.graph_pool_handle() if capture else None
-        for bs in sorted(self.sizes, reverse=True) if capture else ():
-            x = self._view(bs)
-            for _ in range(2):  # warm up: compile kernels, settle the allocator
-                drafter.expand(x, drafter.step, num_nodes)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = drafter.expand(x, drafter.step, num_nodes)
-            self.graphs[bs] = graph
+        self.graphs, self.outputs = capture_each(self.sizes, self._pass, device) if capture else ({}, {})
 
     def can_run(self, bsz: int) -> bool:
         return bsz <= self.sizes[-1]
@@ -73,8 +62,11 @@ class TreeDraftGraphs:
             self.graphs[bs].replay()
             tokens, parents = self.outputs[bs]
         else:
-            tokens, parents = self.drafter.expand(self._view(bs), self.drafter.step, self.num_nodes)
+            tokens, parents = self._pass(bs)
         return tokens[:b], parents[:b]
+
+    def _pass(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.drafter.expand(self._view(bs), self.drafter.step, self.num_nodes)
 
     def _view(self, bs: int) -> TreeInputs:
         st, k = self.static, self.drafter.topk
