@@ -44,6 +44,11 @@ class ReqToTokenTable:
         dev_r, dev_c, dev_s = h2d_many([r, c, torch.cat(slots)], self.table.device)
         self.table[dev_r, dev_c] = dev_s
 
+    def write_each(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
+        """table[rows[i], cols[i]] = slots[i]: one position per row (a decode step), one copy."""
+        dev_r, dev_c, dev_s = h2d_many([rows, cols, slots], self.table.device)
+        self.table[dev_r, dev_c] = dev_s
+
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """The slots of positions [start, end) of a row, as a CPU int64 tensor."""
         return self.table[row, start:end].to("cpu")

@@ -67,6 +67,22 @@ class KVManager:
         req.kv_len += n
         return slots
 
+    def alloc_each(self, counts: list[int]) -> list[torch.Tensor] | None:
+        """counts[i] fresh slots for each i, from one allocation (None: not enough, nothing taken)."""
+        slots = self.alloc_slots(sum(counts))
+        return None if slots is None else list(slots.split(counts))
+
+    def extend_each(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One new position per request (a decode step): slots for positions kv_len, one
+        allocation and one table write for the whole batch, kv_len advanced. [B] slots."""
+        slots = self.alloc_slots(len(reqs))
+        if slots is None:
+            return None
+        self.table.write_each([r.row for r in reqs], [r.kv_len for r in reqs], slots)
+        for req in reqs:
+            req.kv_len += 1
+        return slots
+
     def release(self, req: Req) -> None:
         """Hand the request's KV to the prefix cache (or free it) and free its row."""
         if req.row is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from specserve.engine.messages import TokenLogprob, TokenOut
 from specserve.engine.request import Req
+from specserve.runner.sampler import SampleOutput
 
 
 def commit_token(req: Req, token_id: int, eos_ids: frozenset[int], context_length: int,
@@ -27,6 +28,20 @@ def commit_token(req: Req, token_id: int, eos_ids: frozenset[int], context_lengt
         req.finish_reason = {"type": "stop", "matched": matched}  # text after it is dropped
     elif len(req.output_ids) >= req.max_new_tokens or req.seq_len >= context_length:
         _finish(req, {"type": "length"})
+
+
+def commit_sampled(reqs: list[Req], so: SampleOutput, eos_ids: frozenset[int], context_length: int) -> None:
+    """Commit one sampled token per request (a plain decode step), with its logprobs when asked."""
+    ids = so.next_ids.tolist()  # the one device->host sync of a step
+    lps = so.logprobs.tolist() if so.logprobs is not None else None
+    tops = (so.top_ids.tolist(), so.top_logprobs.tolist()) if so.top_ids is not None else None
+    for b, (req, tid) in enumerate(zip(reqs, ids)):
+        entry = None
+        if lps is not None and req.params.logprobs:
+            k = req.params.top_logprobs
+            top = list(zip(tops[0][b][:k], tops[1][b][:k])) if tops and k else []
+            entry = TokenLogprob(tid, lps[b], top)
+        commit_token(req, tid, eos_ids, context_length, entry)
 
 
 def _finish(req: Req, reason: dict) -> None:

@@ -20,9 +20,9 @@ import torch
 from specserve.config import Config
 from specserve.engine.batch import ScheduleBatch, sampling_batch
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.messages import GenerateReq, TokenLogprob, TokenOut
+from specserve.engine.messages import GenerateReq, TokenOut
 from specserve.engine.metrics import SchedulerStats
-from specserve.engine.output import commit_token, finish_abort, take_output
+from specserve.engine.output import commit_sampled, finish_abort, take_output
 from specserve.engine.request import Req
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.memory import OOM_ADVICE
@@ -135,17 +135,8 @@ class Scheduler:
         return self._collect(batch)
 
     def _commit(self, reqs: list[Req], so: SampleOutput) -> None:
-        ids = so.next_ids.tolist()  # the one device->host sync of a step
-        lps = so.logprobs.tolist() if so.logprobs is not None else None
-        tops = (so.top_ids.tolist(), so.top_logprobs.tolist()) if so.top_ids is not None else None
-        for b, (req, tid) in enumerate(zip(reqs, ids)):
-            entry = None
-            if lps is not None and req.params.logprobs:
-                k = req.params.top_logprobs
-                top = list(zip(tops[0][b][:k], tops[1][b][:k])) if tops and k else []
-                entry = TokenLogprob(tid, lps[b], top)
-            commit_token(req, tid, self.eos_ids, self.context_length, entry)
-            self.stats.generation_tokens_total += 1
+        commit_sampled(reqs, so, self.eos_ids, self.context_length)
+        self.stats.generation_tokens_total += len(reqs)
 
     def _collect(self, batch: ScheduleBatch) -> list[TokenOut]:
         sampled = batch.sampled_reqs
@@ -251,7 +242,7 @@ class Scheduler:
             return None
         reqs = list(self.running)
         prefix = [r.kv_len for r in reqs]
-        slots = torch.cat([self.kv.extend(r, 1) for r in reqs])
+        slots = self.kv.extend_each(reqs)  # available() >= len(reqs): cannot fail
         self._log_decode(reqs, len(reqs))
         return ScheduleBatch(ForwardMode.DECODE, reqs, [r.all_ids[-1] for r in reqs], slots,
                              prefix, [1] * len(reqs), [True] * len(reqs))

@@ -99,10 +99,11 @@ class EagleProposer:
                                 token_map=self.token_map)
         self.roots = RootStates(kv.table.table.shape[0], spec.eagle_topk, c.hidden_size, runner.dtype, runner.device)
         self.extend_len = spec.num_steps + 1  # the most tokens one verify commits
-        self.extend_graphs = None
+        self.extend_graphs = self.decoded_graphs = None  # after a verify; after a plain step (1 token)
         if self._can_capture(runner):
             self.tree.graphs = self._capture_tree(runner, max_running) if spec.num_steps > 1 else None
-            self.extend_graphs = self._capture_extend(runner, max_running)
+            self.extend_graphs = self._capture_extend(runner, max_running, self.extend_len)
+            self.decoded_graphs = self._capture_extend(runner, max_running, 1)
 
     # -- request life cycle -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -138,6 +139,19 @@ class EagleProposer:
         draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, ids, torch.cat(verified.kv_slots), starts, lens,
                               [True] * len(reqs))
         self._set_roots(reqs, *self._step(draft, feats))
+
+    def on_decoded(self, reqs: list[Req], slots: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Draft-extend the one position a plain decode step committed (kv_len - 1, paired
+        with the new token), so the draft KV invariant holds when speculation resumes."""
+        starts = [r.kv_len - 1 for r in reqs]
+        ids = [r.all_ids[-1] for r in reqs]
+        if self.decoded_graphs is not None and self.decoded_graphs.can_run(len(reqs)):
+            b = list(range(len(reqs)))
+            index = h2d_many([ids, starts, slots, b, [r.row for r in reqs], b], self.runner.device)
+            self.roots.set(reqs, *self.decoded_graphs.replay(index, features, starts), rows=index[4])
+            return
+        draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, ids, slots, starts, [1] * len(reqs), [True] * len(reqs))
+        self._set_roots(reqs, *self._step(draft, features))
 
     def _extend_graphed(self, reqs: list[Req], verified: Verified) -> None:
         """on_verified through the draft-extend graph: every request padded to L tokens."""
@@ -182,13 +196,14 @@ class EagleProposer:
             return TreeDraftGraphs(self.tree, runner.graph_max_bs(max_running), self.max_nodes,
                                    self.model.config.hidden_size, runner.dtype, runner.device)
 
-    def _capture_extend(self, runner: ModelRunner, max_running: int) -> DraftExtendGraphs:
-        """One graph per batch size for the draft extend after verify (and the root states)."""
+    def _capture_extend(self, runner: ModelRunner, max_running: int, tokens_per_req: int) -> DraftExtendGraphs:
+        """One graph per batch size for the draft extend of `tokens_per_req` tokens per request
+        (and the root states it leaves)."""
         hidden = runner.model.config.hidden_size
         width = hidden * len(self.model.aux_layers) if self.model.feature_mode == "aux" else hidden
         with torch.inference_mode():
             return DraftExtendGraphs(self.model, self.backend, self.pool, self.kv.table.table,
-                                     runner.graph_max_bs(max_running), self.extend_len, width,
+                                     runner.graph_max_bs(max_running), tokens_per_req, width,
                                      self.topk, self.token_map)
 
     @torch.inference_mode()

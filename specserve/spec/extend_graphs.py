@@ -12,6 +12,10 @@ extend is causal and padding comes last, so no committed token attends to paddin
 padding rows' outputs are never read. The features are gathered inside the graph from the
 verify's per-node features; the root rows are picked by a static index. Padding requests
 read through the first real request's table row and write only the scratch slot.
+
+With L = 1 (the draft's catch-up after a plain decode step: one committed token per
+request) the extend is a decode at position kv_len - 1 and runs on the decode kernel's
+graph state, which the L > 1 graphs do not use, so both can live on one backend.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class DraftExtendGraphs:
         n, dev = self.sizes[-1], req_to_token.device
         dtype = next(p for p in model.parameters()).dtype
         self.capture = capture
+        self.mode = ForwardMode.DECODE if self.L == 1 else ForwardMode.DRAFT_EXTEND
         if capture:
             backend.init_cuda_graph_state(n, self.L, causal=True)
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
@@ -80,7 +85,7 @@ class DraftExtendGraphs:
 
     def _batch(self, bs: int, prefix_lens: list[int]) -> ForwardBatch:
         t = bs * self.L
-        return ForwardBatch(ForwardMode.DRAFT_EXTEND, self.ids[:t], self.pos[:t], self.slots[:t], self.rows[:bs],
+        return ForwardBatch(self.mode, self.ids[:t], self.pos[:t], self.slots[:t], self.rows[:bs],
                             prefix_lens, [self.L] * bs, self.table, self.kv_pool, self.backend)
 
     def _run(self, fb: ForwardBatch, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

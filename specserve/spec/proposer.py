@@ -2,7 +2,8 @@
 
 The worker knows nothing else about proposers, and nothing outside `spec/` knows about
 proposers at all. Life cycle per request: `add_request` when it starts decoding,
-`propose` / `on_verified` once per speculative step, `remove_request` when it finishes,
+`propose` / `on_verified` once per speculative step (`on_decoded` instead for a step the
+governor ran plainly: no proposal, one new token per request), `remove_request` when it finishes,
 is aborted or is retracted (a retracted request is added again when it resumes).
 `on_extend` sees every target prefill chunk (EAGLE builds its draft KV from it).
 """
@@ -56,6 +57,12 @@ class Proposer(Protocol):
         committed tokens."""
         ...
 
+    def on_decoded(self, reqs: list[Req], slots: torch.Tensor, features: torch.Tensor | None) -> None:
+        """After a plain decode step: each request committed one token (its all_ids[-1]);
+        slots [B] hold the KV of the position before it (kv_len - 1), features [B, F] the
+        target's features there when the runner captures them."""
+        ...
+
 
 class NgramAdapter:
     """NgramProposer (keyed by request id) behind the Proposer protocol.
@@ -93,3 +100,7 @@ class NgramAdapter:
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
         for req, tokens in zip(reqs, verified.committed):
             self._pending.setdefault(req.rid, []).extend(tokens)
+
+    def on_decoded(self, reqs: list[Req], slots: torch.Tensor, features: torch.Tensor | None) -> None:
+        for req in reqs:
+            self._pending.setdefault(req.rid, []).append(req.all_ids[-1])

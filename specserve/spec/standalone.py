@@ -100,6 +100,9 @@ class StandaloneProposer:
             if fed:
                 self.draft_kv_len[req.rid] = kv_len + min(len(tokens), fed)
 
+    def on_decoded(self, reqs: list[Req], slots: torch.Tensor, features: torch.Tensor | None) -> None:
+        pass  # the draft catches up lazily in propose()
+
     def _catch_up(self, reqs: list[Req]) -> ScheduleBatch:
         """EXTEND over each request's unseen committed tokens plus its root (logits at the root)."""
         ids, prefix, ext, slots = [], [], [], []

@@ -3,20 +3,23 @@
 The scheduler calls `step(reqs)` instead of a plain decode step and otherwise knows
 nothing about speculation. Requests with frequency/presence penalties get a root-only
 tree (budget 1): exact penalties along a draft path are not implemented, so they decode
-plainly inside the same verify forward rather than being approximated.
+plainly inside the same verify forward rather than being approximated. When the
+governor turns speculation down, a step is the plain engine's own decode step, and the
+proposer only hears of the new tokens (`on_decoded`).
 """
 from __future__ import annotations
 
 import torch
 
 from specserve.config import SpecConfig
-from specserve.engine.batch import sampling_batch
+from specserve.engine.batch import ScheduleBatch, sampling_batch
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.messages import TokenLogprob
-from specserve.engine.output import commit_token
+from specserve.engine.output import commit_sampled, commit_token
 from specserve.engine.request import Req
 from specserve.runner.model_runner import ModelRunner
-from specserve.runner.sampler import apply_penalties, uniform_noise
+from specserve.runner.forward_batch import ForwardMode
+from specserve.runner.sampler import apply_penalties, sample, uniform_noise
 from specserve.spec.accept import AcceptResult, accept, gumbel_targets
 from specserve.spec.proposer import Proposer, Verified
 from specserve.spec.governor import SpecGovernor
@@ -78,15 +81,37 @@ class SpecWorker:
         self.proposer.on_extend(batch, features)
 
     def step(self, reqs: list[Req]) -> None:
-        """Advance every request by one verify (a plain decode when the governor turns
-        speculation down); the caller checked sum(budgets) slots are free."""
+        """Advance every request by one verify, or by one plain decode step when the
+        governor turns speculation down; the caller checked slots_needed(reqs) are free."""
         speculate = self.governor.speculate(len(reqs))
         start = self.governor.clock()
-        budgets = self.budgets(reqs) if speculate else [1] * len(reqs)
-        slots = [self.kv.alloc_slots(n) for n in budgets]
+        committed = self._speculative_step(reqs) if speculate else self._plain_step(reqs)
+        self.governor.record(len(reqs), speculate, committed, self.governor.clock() - start)
+
+    def _plain_step(self, reqs: list[Req]) -> int:
+        """The plain engine's decode step (one batched slot allocation, the DECODE graph,
+        `sample`, one read-back), so a turned-down step costs what plain decoding costs;
+        then the proposer sees each request's new token. Returns tokens committed."""
+        n = len(reqs)
+        prefix = [r.kv_len for r in reqs]
+        slots = self.kv.extend_each(reqs)
+        batch = ScheduleBatch(ForwardMode.DECODE, reqs, [r.all_ids[-1] for r in reqs], slots, prefix, [1] * n,
+                              [True] * n)
+        logits, features = self.runner.forward_with_features(self.runner.forward_batch(batch, self.kv.table.table))
+        commit_sampled(reqs, sample(logits, sampling_batch(reqs, self.runner.vocab_size, logits.device)),
+                       self.eos_ids, self.context_length)
+        for req in reqs:
+            self._record(req, 1, drafted=False)
+        self.proposer.on_decoded(reqs, slots, features)
+        return n
+
+    def _speculative_step(self, reqs: list[Req]) -> int:
+        """Propose, verify, accept, commit. Returns tokens committed."""
+        budgets = self.budgets(reqs)
+        slots = self.kv.alloc_each(budgets)
         self.kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], slots)
         drafts = self.proposer.propose(reqs, budgets)
-        if drafts.num_nodes == 1:  # nothing drafted: the verify is a decode (DECODE graphs)
+        if drafts.num_nodes == 1:  # nothing drafted (penalties only): the verify is a decode (DECODE graphs)
             batch = decode_batch(reqs, drafts, slots)
         else:
             if self.runner.verify_graph_tokens == self.proposer.max_nodes:  # verify runs as a captured graph
@@ -99,7 +124,7 @@ class SpecWorker:
         if features is not None:
             features = pad_rows(features, batch.extend_lens, drafts.num_nodes)
         self.proposer.on_verified(reqs, Verified(committed, paths, features, kept))
-        self.governor.record(len(reqs), speculate, sum(map(len, committed)), self.governor.clock() - start)
+        return sum(map(len, committed))
 
     def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor],
                            drafted: list[bool]) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:

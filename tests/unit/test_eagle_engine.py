@@ -19,6 +19,7 @@ from specserve.spec import eagle as eagle_mod
 from tests.unit import perfect_draft as pd
 from specserve.models.draft_layouts import add_mtp_deepseek, add_mtp_mimo, save_eagle2, save_eagle3
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.spec.governor import SpecGovernor
 from tests.unit.model_utils import BareRunner, save_tiny_hf
 
 pytestmark = pytest.mark.slow
@@ -234,8 +235,9 @@ def _use_static_paths(engine: Engine, max_bs: int) -> None:
     width = hidden * len(p.model.aux_layers) if p.model.feature_mode == "aux" else hidden
     p.tree.graphs = TreeDraftGraphs(p.tree, max_bs, p.max_nodes, p.model.config.hidden_size, runner.dtype,
                                     runner.device, capture=False)
-    p.extend_graphs = DraftExtendGraphs(p.model, p.backend, p.pool, engine.scheduler.kv.table.table, max_bs,
-                                        p.extend_len, width, p.topk, p.token_map, capture=False)
+    p.extend_graphs, p.decoded_graphs = (
+        DraftExtendGraphs(p.model, p.backend, p.pool, engine.scheduler.kv.table.table, max_bs, n, width, p.topk,
+                          p.token_map, capture=False) for n in (p.extend_len, 1))
 
 
 @pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])
@@ -257,4 +259,34 @@ def test_graph_shaped_paths_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, 
     _use_static_paths(engine, max_bs=4)
     params = {"temperature": 0, "max_new_tokens": 33}
     outs = _run(engine, _prompts(3, seed=2), params) + _run(engine, _prompts(1, seed=3), params)
+    assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
+
+
+class _EveryThirdPlain(SpecGovernor):
+    """A governor that runs every third step plainly (spec, spec, plain, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+        self.modes: list[bool] = []
+
+    def speculate(self, bs: int) -> bool:
+        self.modes.append(len(self.modes) % 3 != 2)
+        return self.modes[-1]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_plain_steps_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, static):
+    """A step the governor runs plainly extends the draft by its one token (on_decoded,
+    eager or through the 1-token extend graph): the next verify still drafts from the
+    right root, so a perfect draft stays at full depth (a stale root collapses it)."""
+    engine = _perfect_engine("EAGLE3", tmp_path, smollm2_dir, "tree")
+    if static:
+        _use_static_paths(engine, max_bs=4)
+    gov = engine.scheduler.spec.governor = _EveryThirdPlain()
+    params = {"temperature": 0, "max_new_tokens": 33}
+    plain = _engine(tmp_path / "target", smollm2_dir)
+    prompts = _prompts(3, seed=4)
+    outs = _run(engine, prompts, params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in _run(plain, prompts, params)]
+    assert False in gov.modes and all(o["meta_info"]["spec_plain_ct"] > 0 for o in outs)
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
