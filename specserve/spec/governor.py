@@ -8,16 +8,22 @@ per batch-size bucket it keeps an exponential moving average of committed tokens
 second for speculative steps and for plain steps (a root-only verify, which is a
 decode), runs the better mode, and probes the other one so the estimate follows the
 traffic. Probes back off: a probe that confirms the choice doubles the wait before the
-next one (from `probe_every` up to `max_backoff` times it), a probe that flips it resets
-the wait, so a settled bucket spends well under 1% of its steps in the slower mode.
-Timings come from the host clock around a step, which ends in the step's one
-read-back, so they cover the GPU work.
+next one (from `probe_every` up to `max_backoff` times it), or goes straight to the
+longest wait when one mode is more than twice as fast (a probe then costs most and is
+least likely to flip), and a probe that flips it resets the wait, so a settled bucket
+spends well under 1% of its steps in the slower mode. A bucket not measured yet starts
+with the mode its nearest measured bucket prefers (batch sizes pass through many buckets
+as requests finish, and measuring the slower mode first in each is what exploration
+would otherwise cost); with no measured bucket it measures speculation first.
+The worker times a step from its start to the next step's start, so the engine's own
+per-step work (outputs, detokenization) is counted, not only the forward and read-back.
 
 Both modes are exact (a plain step is a verify of the root alone), so switching never
 changes the output, only the speed.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Callable
 
@@ -47,11 +53,13 @@ class SpecGovernor:
         n = self._steps.get(b, 0)
         self._steps[b] = n + 1
         spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
-        if spec is None:
-            return True  # optimistic: measure speculation first
-        if plain is None:
-            return False
-        best = spec >= plain
+        if spec is None or plain is None:
+            ratio = self._nearest_ratio(b)
+            if ratio is None:
+                return spec is None  # nothing measured nearby: speculation first, then plain
+            best = ratio >= 1.0  # the other mode is measured at this bucket's first probe
+        else:
+            best = spec >= plain
         if n < self._next_probe.setdefault(b, n + self.probe_every):
             return best
         self._probing[b] = best
@@ -68,10 +76,21 @@ class SpecGovernor:
         if b in self._probing:  # this was a probe: back off if it confirmed the choice
             chose = self._probing.pop(b)
             spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
-            confirmed = plain is not None and (spec >= plain) == chose
+            confirmed = spec is not None and plain is not None and (spec >= plain) == chose
             wait = min(2 * self._wait.get(b, self.probe_every), self.max_wait) if confirmed else self.probe_every
+            if confirmed and max(spec, plain) > 2 * min(spec, plain):
+                wait = self.max_wait
             self._wait[b] = wait
             self._next_probe[b] = self._steps[b] - 1 + wait  # counted from the probe step
+
+    def _nearest_ratio(self, bucket: int) -> float | None:
+        """spec / plain tokens/s of the nearest bucket where both are measured (None: none is)."""
+        both = [b for b in self._steps if (b, True) in self._rate and (b, False) in self._rate]
+        if not both:
+            return None
+        rank = lambda b: bisect.bisect_left(self._ladder, b)  # noqa: E731  (position on the ladder)
+        near = min(both, key=lambda b: (abs(rank(b) - rank(bucket)), b))
+        return self._rate[(near, True)] / self._rate[(near, False)]
 
     def rates(self, bs: int) -> tuple[float | None, float | None]:
         """(speculative, plain) tokens/s estimates for a batch of `bs` (None: not measured)."""

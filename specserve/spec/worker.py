@@ -62,6 +62,7 @@ class SpecWorker:
         self.stats = SpecStats()
         adaptive = spec.adaptive == "on" or (spec.adaptive == "auto" and runner.device.type == "cuda")
         self.governor = SpecGovernor(adaptive)
+        self._open: tuple[int, bool, int, float] | None = None  # the last step: (bs, speculated, tokens, start)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -78,15 +79,26 @@ class SpecWorker:
 
     def on_extend(self, batch, features: torch.Tensor | None) -> None:
         """A target prefill chunk ran (and was sampled): let the proposer see it."""
+        self._open = None  # the prefill sits between the last decode step and the next
         self.proposer.on_extend(batch, features)
 
     def step(self, reqs: list[Req]) -> None:
         """Advance every request by one verify, or by one plain decode step when the
         governor turns speculation down; the caller checked slots_needed(reqs) are free."""
-        speculate = self.governor.speculate(len(reqs))
         start = self.governor.clock()
+        self._close_last_step(start)
+        speculate = self.governor.speculate(len(reqs))
         committed = self._speculative_step(reqs) if speculate else self._plain_step(reqs)
-        self.governor.record(len(reqs), speculate, committed, self.governor.clock() - start)
+        self._open = (len(reqs), speculate, committed, start)
+
+    def _close_last_step(self, now: float) -> None:
+        """A step's cost, for the governor, is the time from its start to the next step's
+        start: its forward and read-back, and the engine's work on its outputs (per token,
+        so it weighs more on plain steps than the step alone shows)."""
+        if self._open is not None:
+            bs, speculated, tokens, start = self._open
+            self.governor.record(bs, speculated, tokens, now - start)
+        self._open = None
 
     def _plain_step(self, reqs: list[Req]) -> int:
         """The plain engine's decode step (one batched slot allocation, the DECODE graph,

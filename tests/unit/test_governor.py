@@ -37,18 +37,31 @@ def test_slow_speculation_is_turned_down_and_probed_with_backoff():
     assert spec == pytest.approx(500.0) and plain == pytest.approx(1000.0)
 
 
-def test_fast_speculation_stays_on_and_buckets_are_separate():
-    gov = SpecGovernor(True, probe_every=8)
-    _measure(gov, 1, spec_rate=2000.0, plain_rate=500.0, steps=32)
-    modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=500.0, steps=32)
-    assert 0 < 32 - sum(modes) <= 2  # speculative except the (backed-off) plain probes
-    assert gov.speculate(64)  # another batch size is measured on its own
+def test_fast_speculation_stays_on_and_a_wide_gap_backs_off_at_once():
+    gov = SpecGovernor(True, probe_every=8, max_backoff=4)
+    modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=500.0, steps=64)
+    # plain measured at step 1, probed at 10; 4x slower, so the next wait is the longest (32)
+    assert [i for i, m in enumerate(modes) if not m] == [1, 10, 42]
     assert gov.rates(3) == gov.rates(4)  # 3 and 4 share the capture bucket 4
+    assert gov.rates(64) == (None, None)  # another batch size is measured on its own
+
+
+def test_a_new_bucket_starts_with_its_nearest_measured_buckets_choice():
+    gov = SpecGovernor(True, probe_every=8)
+    assert gov.speculate(48)  # nothing measured anywhere: speculation first
+    gov = SpecGovernor(True, probe_every=8)
+    _measure(gov, 1, spec_rate=2000.0, plain_rate=1000.0, steps=4)
+    assert _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=12)[0]  # nearest: 1, speculation
+    modes = _measure(gov, 48, spec_rate=500.0, plain_rate=1000.0, steps=12)  # nearest: 64
+    assert modes.index(True) == 8  # plain from the start; speculation measured at the first probe
+    spec, plain = gov.rates(48)
+    assert spec == pytest.approx(500.0) and plain == pytest.approx(1000.0)
+    assert gov.speculate(2)  # nearest to 1, where speculation wins
 
 
 def test_traffic_change_flips_the_choice_and_resets_the_backoff():
     gov = SpecGovernor(True, probe_every=4, alpha=0.5)
-    _measure(gov, 8, spec_rate=400.0, plain_rate=1000.0, steps=16)
+    _measure(gov, 8, spec_rate=600.0, plain_rate=1000.0, steps=16)
     modes = _measure(gov, 8, spec_rate=4000.0, plain_rate=1000.0, steps=24)  # drafts start to hit
     flip = modes.index(True)  # the first probe after the change flips the choice
     assert all(modes[flip:flip + 4]) and not modes[flip + 4]  # speculative, probing plain 4 steps on
