@@ -1,8 +1,9 @@
 """`specserve bench mtbench`: SGLang's MT-bench table, plain against EAGLE-2 / EAGLE-3 / NGRAM.
 
 The 80 MT-bench questions (first turn by default; `--turns 2` also runs the second turn, whose
-prompt holds each method's own first answer), chat-templated, greedy, at every batch size of
-`--batch-sizes`. Methods: our plain engine, then EAGLE-2 (`--eagle-draft`), EAGLE-3
+prompt holds each method's own first answer), chat-templated, greedy (or with `--temperature`
+sampled, question i seeded i, which speculative sampling reproduces token for token), at every
+batch size of `--batch-sizes`. Methods: our plain engine, then EAGLE-2 (`--eagle-draft`), EAGLE-3
 (`--eagle3-draft`) and NGRAM (`--ngram`) when asked for, then Hugging Face transformers
 `generate` on the same prompt ids (unless `--no-hf`). One method at a time holds the device:
 each engine is created, warmed up (reversed prompts, as `spec_compare.warm_up`), timed and
@@ -92,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--num-questions", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy; above 0: seeded sampling (question i seeded i, as in every method)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per engine (default: the engine's)")
@@ -186,10 +189,10 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def ours(engine: Engine, max_new: int, bs: int) -> Generate:
-    """Our engine: warm-up on reversed prompts, then timed greedy batches of bs (spec_compare.timed_run)."""
+def ours(engine: Engine, max_new: int, bs: int, temperature: float = 0.0) -> Generate:
+    """Our engine: warm-up on reversed prompts, then timed batches of bs (spec_compare.timed_run)."""
     def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], int]:
-        seconds, outs = timed_run(engine, prompts, max_new, bs)
+        seconds, outs = timed_run(engine, prompts, max_new, bs, temperature)
         verifies = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
         return seconds, [o["output_ids"] for o in outs], (
             verifies, sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs))
@@ -205,27 +208,30 @@ def until_eos(ids: list[int], eos: set[int]) -> list[int]:
 
 
 def hf_batches(model: torch.nn.Module, prompts: list[list[int]], max_new: int, bs: int,
-               eos: list[int]) -> list[list[int]]:
-    """Greedy transformers generate in batches of bs, left-padded, outputs cut after EOS."""
+               eos: list[int], temperature: float = 0.0) -> list[list[int]]:
+    """transformers generate (greedy, or sampling at `temperature`) in batches of bs,
+    left-padded, outputs cut after EOS."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
     dev, pad, outs = next(model.parameters()).device, eos[0], []
     for i in range(0, len(prompts), bs):
         batch = prompts[i:i + bs]
         width = max(map(len, batch))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=dev)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+        out = model.generate(input_ids=ids, attention_mask=mask, **sampling, max_new_tokens=max_new,
                              eos_token_id=eos, pad_token_id=pad)
         outs += [until_eos(row, set(eos)) for row in out[:, width:].tolist()]
     return outs
 
 
-def hf(model: torch.nn.Module, max_new: int, bs: int, eos: list[int]) -> Generate:
+def hf(model: torch.nn.Module, max_new: int, bs: int, eos: list[int], temperature: float = 0.0) -> Generate:
     """transformers, warmed up like our engines (every prompt reversed, 2 tokens, same batching)."""
     def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], int]:
         with torch.inference_mode():
-            hf_batches(model, [p[::-1] for p in prompts], 2, bs, eos)
+            hf_batches(model, [p[::-1] for p in prompts], 2, bs, eos, temperature)
             start = time.perf_counter()
-            outs = hf_batches(model, prompts, max_new, bs, eos)
+            outs = hf_batches(model, prompts, max_new, bs, eos, temperature)
         return time.perf_counter() - start, outs, (0, 0)
     return generate
 
@@ -244,7 +250,7 @@ def _measure_ours(args: argparse.Namespace, method: Method, bs: int, tok: Tokeni
     engine = start_engine(args, method)
     try:
         runtime = Runtime(engine.scheduler.runner.device, engine.scheduler.runner.dtype)
-        return run_turns(ours(engine, args.max_new_tokens, bs), tok, questions, args.turns), runtime
+        return run_turns(ours(engine, args.max_new_tokens, bs, args.temperature), tok, questions, args.turns), runtime
     finally:
         release(engine)
 
@@ -254,7 +260,8 @@ def _measure_hf(args: argparse.Namespace, bs: int, tok: Tokenizer, questions: li
     from specserve.models.source import resolve_model_dir
 
     model = load_hf(resolve_model_dir(args.model), runtime)
-    return run_turns(hf(model, args.max_new_tokens, bs, sorted(tok.eos_token_ids)), tok, questions, args.turns)
+    return run_turns(hf(model, args.max_new_tokens, bs, sorted(tok.eos_token_ids), args.temperature), tok, questions,
+                     args.turns)
 
 
 def measure(args: argparse.Namespace, method: Method, bs: int, tok: Tokenizer, questions: list[list[str]],
@@ -297,7 +304,8 @@ def make_row(args: argparse.Namespace, method: Method, bs: int, answers: Answers
     return {"bench": "mtbench", "model": args.model, "method": method.label, "algorithm": method.algorithm,
             "draft": method.draft, "batch_size": bs, "device": str(runtime.device),
             "dtype": str(runtime.dtype).removeprefix("torch."), "num_questions": len(answers.ids),
-            "turns": args.turns, "max_new_tokens": args.max_new_tokens, "tokens": answers.tokens,
+            "turns": args.turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "tokens": answers.tokens,
             "seconds": answers.seconds, "tok_s": tok_s, "accept_length": accept_length(method, answers),
             "speedup": tok_s / (plain.tokens / plain.seconds), "identical_outputs": identical(answers, plain),
             "spec_args": args.spec_args if method.algorithm else ""}
@@ -328,8 +336,13 @@ def summary(rows: list[dict]) -> str:
     same = (f"; speculative outputs identical to plain: {sum(r['identical_outputs'] for r in spec)}/"
             f"{sum(r['num_questions'] for r in spec)}") if spec else ""
     return (f"mtbench {first['model']} ({first['device']}, {first['dtype']}, {first['num_questions']} questions x "
-            f"{first['turns']} turn(s), greedy, max {first['max_new_tokens']} new tokens): fastest "
+            f"{first['turns']} turn(s), {_decoding(first)}, max {first['max_new_tokens']} new tokens): fastest "
             + ", ".join(parts) + same)
+
+
+def _decoding(row: dict) -> str:
+    t = row.get("temperature", 0.0)
+    return f"temperature {t:g}, seeded" if t else "greedy"
 
 
 def plot(rows: list[dict], path: str) -> None:

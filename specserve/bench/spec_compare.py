@@ -49,12 +49,16 @@ def warm_up(engine, prompts: list[list[int]], bs: int) -> None:
     engine.scheduler.kv.flush_cache()
 
 
-def timed_run(engine, prompts: list[list[int]], max_new: int, bs: int) -> tuple[float, list[dict]]:
-    """Warm up, then (seconds, results) of greedy generation in batches of bs, no cross-batch cache hits."""
-    params = {"temperature": 0, "max_new_tokens": max_new}
+def timed_run(engine, prompts: list[list[int]], max_new: int, bs: int,
+              temperature: float = 0.0) -> tuple[float, list[dict]]:
+    """Warm up, then (seconds, results) of generation in batches of bs, no cross-batch cache
+    hits: greedy, or sampled at `temperature` with prompt i seeded i (seeded sampling is
+    reproducible, and speculative sampling reproduces it token for token)."""
     warm_up(engine, prompts, bs)
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), bs):
+        params = [{"temperature": temperature, "max_new_tokens": max_new, "seed": j}
+                  for j in range(i, min(i + bs, len(prompts)))]
         outs += engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)
         engine.scheduler.kv.flush_cache()
     return time.perf_counter() - start, outs
