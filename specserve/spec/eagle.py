@@ -45,7 +45,7 @@ from specserve.runner.h2d import h2d, h2d_many
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.spec.drafts import Drafts
 from specserve.spec.extend_graphs import DraftExtendGraphs
-from specserve.spec.proposer import Verified
+from specserve.spec.proposer import Decoded, Verified
 from specserve.spec.tree_draft import TreeDrafter, TreeStep, frontier_batch, top_children
 from specserve.spec.tree_graphs import TreeDraftGraphs
 
@@ -140,18 +140,19 @@ class EagleProposer:
                               [True] * len(reqs))
         self._set_roots(reqs, *self._step(draft, feats))
 
-    def on_decoded(self, reqs: list[Req], slots: torch.Tensor, features: torch.Tensor | None) -> None:
-        """Draft-extend the one position a plain decode step committed (kv_len - 1, paired
-        with the new token), so the draft KV invariant holds when speculation resumes."""
-        starts = [r.kv_len - 1 for r in reqs]
-        ids = [r.all_ids[-1] for r in reqs]
+    def on_decoded(self, reqs: list[Req], step: Decoded) -> None:
+        """Draft-extend the position a plain decode step fed (its root, paired with the token
+        just sampled), so the draft KV invariant holds when speculation resumes. Every input
+        is already on the device, so this queues behind the target's forward and sampling,
+        and the host's work here overlaps the GPU's before the step's read-back."""
         if self.decoded_graphs is not None and self.decoded_graphs.can_run(len(reqs)):
-            b = list(range(len(reqs)))
-            index = h2d_many([ids, starts, slots, b, [r.row for r in reqs], b], self.runner.device)
-            self.roots.set(reqs, *self.decoded_graphs.replay(index, features, starts), rows=index[4])
+            b = torch.arange(len(reqs), device=self.runner.device)
+            index = [step.tokens, step.positions, step.slots, b, step.rows, b]
+            self.roots.set(reqs, *self.decoded_graphs.replay(index, step.features, step.prefix_lens), rows=step.rows)
             return
-        draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, ids, slots, starts, [1] * len(reqs), [True] * len(reqs))
-        self._set_roots(reqs, *self._step(draft, features))
+        draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, step.tokens, step.slots, step.prefix_lens,
+                              [1] * len(reqs), [True] * len(reqs), positions=step.positions)
+        self._set_roots(reqs, *self._step(draft, step.features))
 
     def _extend_graphed(self, reqs: list[Req], verified: Verified) -> None:
         """on_verified through the draft-extend graph: every request padded to L tokens."""

@@ -30,6 +30,18 @@ class Verified:
     kv_slots: list[torch.Tensor] | None = None
 
 
+@dataclass
+class Decoded:
+    """One plain decode step, as device tensors [B] (request order), before its read-back."""
+
+    tokens: torch.Tensor  # the sampled tokens (position kv_len of each request, after this step)
+    positions: torch.Tensor  # the position each request's root was fed at (kv_len - 1 after this step)
+    slots: torch.Tensor  # the slot of that position
+    rows: torch.Tensor  # table rows
+    prefix_lens: list[int]  # positions, on the host
+    features: torch.Tensor | None  # [B, F] target features at `positions`, when captured
+
+
 class Proposer(Protocol):
     max_nodes: int  # N: tree nodes per request including the root (memory reservation)
     scratch_per_req: int  # extra slots propose() may take per request (freed before verify)
@@ -57,50 +69,51 @@ class Proposer(Protocol):
         committed tokens."""
         ...
 
-    def on_decoded(self, reqs: list[Req], slots: torch.Tensor, features: torch.Tensor | None) -> None:
-        """After a plain decode step: each request committed one token (its all_ids[-1]);
-        slots [B] hold the KV of the position before it (kv_len - 1), features [B, F] the
-        target's features there when the runner captures them."""
+    def on_decoded(self, reqs: list[Req], step: Decoded) -> None:
+        """A plain decode step's forward and sampling are queued, not read back: the new
+        tokens exist on the device only (req.all_ids lacks them), so a proposer can queue
+        its own GPU work behind them while the host waits for the read-back."""
         ...
 
 
 class NgramAdapter:
     """NgramProposer (keyed by request id) behind the Proposer protocol.
 
-    Committed tokens are indexed lazily: they wait in `_pending` until the request next
-    drafts. While the governor runs plain steps nothing drafts, so plain decoding pays
-    no trie updates (the dominant NGRAM cost at large batch); the trie catches up, in
-    order, before the next proposal."""
+    Committed tokens are indexed lazily, in order, from the request's own ids the next
+    time it drafts (`_indexed` counts what the trie has seen). While the governor runs
+    plain steps nothing drafts, so plain decoding pays no trie updates (the dominant NGRAM
+    cost at large batch)."""
 
     scratch_per_req = 0
 
     def __init__(self, ngram) -> None:
         self.ngram = ngram
         self.max_nodes = ngram.num_draft_tokens
-        self._pending: dict[str, list[int]] = {}
+        self._indexed: dict[str, int] = {}
 
     def add_request(self, req: Req) -> None:
         self.ngram.add_request(req.rid, req.all_ids)
+        self._indexed[req.rid] = len(req.all_ids)
 
     def remove_request(self, req: Req) -> None:
-        self._pending.pop(req.rid, None)
+        self._indexed.pop(req.rid, None)
         self.ngram.remove_request(req.rid)
 
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
         pass  # the trie indexes the prompt in add_request
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
-        if max(budgets) == 1:  # a plain step: no lookup, no catching up
+        if max(budgets) == 1:  # penalties only: no lookup, no catching up
             return Drafts.roots([r.all_ids[-1] for r in reqs])
         for req in reqs:
-            if req.rid in self._pending:
-                self.ngram.on_tokens(req.rid, self._pending.pop(req.rid))
+            ids = req.all_ids
+            if self._indexed[req.rid] < len(ids):
+                self.ngram.on_tokens(req.rid, ids[self._indexed[req.rid]:])
+                self._indexed[req.rid] = len(ids)
         return self.ngram.propose([r.rid for r in reqs], [r.all_ids[-1] for r in reqs], budgets)
 
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
-        for req, tokens in zip(reqs, verified.committed):
-            self._pending.setdefault(req.rid, []).extend(tokens)
+        pass  # indexed from all_ids at the next proposal
 
-    def on_decoded(self, reqs: list[Req], slots: torch.Tensor, features: torch.Tensor | None) -> None:
-        for req in reqs:
-            self._pending.setdefault(req.rid, []).append(req.all_ids[-1])
+    def on_decoded(self, reqs: list[Req], step: Decoded) -> None:
+        pass

@@ -27,7 +27,7 @@ from specserve.models.source import resolve_model_dir
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.model_runner import ModelRunner
 from specserve.spec.drafts import Drafts
-from specserve.spec.proposer import Verified
+from specserve.spec.proposer import Decoded, Verified
 from specserve.spec.tree_draft import TreeDrafter, TreeStep, frontier_batch, top_children
 
 
@@ -100,7 +100,7 @@ class StandaloneProposer:
             if fed:
                 self.draft_kv_len[req.rid] = kv_len + min(len(tokens), fed)
 
-    def on_decoded(self, reqs: list[Req], slots: torch.Tensor, features: torch.Tensor | None) -> None:
+    def on_decoded(self, reqs: list[Req], step: Decoded) -> None:
         pass  # the draft catches up lazily in propose()
 
     def _catch_up(self, reqs: list[Req]) -> ScheduleBatch:

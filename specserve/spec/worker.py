@@ -5,7 +5,7 @@ nothing about speculation. Requests with frequency/presence penalties get a root
 tree (budget 1): exact penalties along a draft path are not implemented, so they decode
 plainly inside the same verify forward rather than being approximated. When the
 governor turns speculation down, a step is the plain engine's own decode step, and the
-proposer only hears of the new tokens (`on_decoded`).
+proposer only hears of the new tokens (`on_decoded`, before their read-back).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from specserve.runner.model_runner import ModelRunner
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.sampler import apply_penalties, sample, uniform_noise
 from specserve.spec.accept import AcceptResult, accept, gumbel_targets
-from specserve.spec.proposer import Proposer, Verified
+from specserve.spec.proposer import Decoded, Proposer, Verified
 from specserve.spec.governor import SpecGovernor
 from specserve.spec.verify import commit_kv, decode_batch, pad_rows, verify_batch
 
@@ -85,9 +85,13 @@ class SpecWorker:
     def step(self, reqs: list[Req]) -> None:
         """Advance every request by one verify, or by one plain decode step when the
         governor turns speculation down; the caller checked slots_needed(reqs) are free."""
+        speculate = self.governor.speculate(len(reqs))
+        if self._open is not None and self._open[1] != speculate and self.runner.device.type == "cuda":
+            # GPU work a step queued after its read-back (EAGLE's draft extend) runs into
+            # the next step; at a mode switch, drain it so each mode is charged its own
+            torch.cuda.synchronize(self.runner.device)
         start = self.governor.clock()
         self._close_last_step(start)
-        speculate = self.governor.speculate(len(reqs))
         committed = self._speculative_step(reqs) if speculate else self._plain_step(reqs)
         self._open = (len(reqs), speculate, committed, start)
 
@@ -102,19 +106,22 @@ class SpecWorker:
 
     def _plain_step(self, reqs: list[Req]) -> int:
         """The plain engine's decode step (one batched slot allocation, the DECODE graph,
-        `sample`, one read-back), so a turned-down step costs what plain decoding costs;
-        then the proposer sees each request's new token. Returns tokens committed."""
+        `sample`, one read-back), so a turned-down step costs what plain decoding costs.
+        The proposer's share (EAGLE's one-token draft extend) is queued on the GPU before
+        the read-back, so its host work overlaps the forward. Returns tokens committed."""
         n = len(reqs)
         prefix = [r.kv_len for r in reqs]
         slots = self.kv.extend_each(reqs)
         batch = ScheduleBatch(ForwardMode.DECODE, reqs, [r.all_ids[-1] for r in reqs], slots, prefix, [1] * n,
                               [True] * n)
-        logits, features = self.runner.forward_with_features(self.runner.forward_batch(batch, self.kv.table.table))
-        commit_sampled(reqs, sample(logits, sampling_batch(reqs, self.runner.vocab_size, logits.device)),
-                       self.eos_ids, self.context_length)
+        fb = self.runner.forward_batch(batch, self.kv.table.table)
+        logits, features = self.runner.forward_with_features(fb)
+        so = sample(logits, sampling_batch(reqs, self.runner.vocab_size, logits.device))
+        self.proposer.on_decoded(reqs, Decoded(so.next_ids, fb.positions, fb.out_slots, fb.req_rows, prefix,
+                                               features))
+        commit_sampled(reqs, so, self.eos_ids, self.context_length)
         for req in reqs:
             self._record(req, 1, drafted=False)
-        self.proposer.on_decoded(reqs, slots, features)
         return n
 
     def _speculative_step(self, reqs: list[Req]) -> int:
