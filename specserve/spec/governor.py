@@ -4,19 +4,20 @@ Speculation pays when accepted tokens per second beat plain decoding's tokens pe
 second, and both depend on the batch size (a verify of N tokens per request is almost
 free at batch 1 and costs ~N decode steps once the GPU is compute-bound) and on the
 traffic (how often drafts are accepted). So the governor measures instead of modelling:
-per batch-size bucket it keeps an exponential moving average of committed tokens per
-second for speculative steps and for plain steps (a root-only verify, which is a
-decode), runs the better mode, and probes the other one so the estimate follows the
+per batch-size bucket it keeps the rate of the last few speculative steps and of the last
+few plain steps (mean tokens over median seconds), runs the better mode, and probes the other one so the estimate follows the
 traffic. Probes back off: a probe that confirms the choice doubles the wait before the
 next one (from `probe_every` up to `max_backoff` times it), or goes straight to the
 longest wait when one mode is more than twice as fast (a probe then costs most and is
-least likely to flip), and a probe that flips it resets the wait, so a settled bucket
+least likely to flip), and a probe faster than the chosen mode resets the wait, so a settled bucket
 spends well under 1% of its steps in the slower mode. A bucket not measured yet starts
 with the mode its nearest measured bucket prefers (batch sizes pass through many buckets
 as requests finish, and measuring the slower mode first in each is what exploration
 would otherwise cost); with no measured bucket it measures speculation first.
 The worker times a step from its start to the next step's start, so the engine's own
-per-step work (outputs, detokenization) is counted, not only the forward and read-back.
+per-step work (outputs, detokenization) is counted, not only the forward and read-back;
+it records a step once the next one has been decided, so `record` recognises the probe
+by its mode.
 
 Both modes are exact (a plain step is a verify of the root alone), so switching never
 changes the output, only the speed.
@@ -24,18 +25,22 @@ changes the output, only the speed.
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
+from collections import deque
 from typing import Callable
 
 from specserve.runner.cuda_graph import capture_sizes
 
 
 class SpecGovernor:
-    def __init__(self, enabled: bool, probe_every: int = 32, alpha: float = 0.25, max_backoff: int = 8,
+    def __init__(self, enabled: bool, probe_every: int = 32, window: int = 8, max_backoff: int = 8,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.enabled, self.probe_every, self.alpha, self.clock = enabled, probe_every, alpha, clock
+        self.enabled, self.probe_every, self.clock = enabled, probe_every, clock
+        self.window = window  # a mode's rate comes from its last `window` steps
         self.max_wait = probe_every * max_backoff
-        self._rate: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens/s EMA
+        self._samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # (bucket, speculated) -> (tokens, s)
+        self._rate: dict[tuple[int, bool], float] = {}  # their medians
         self._steps: dict[int, int] = {}
         self._wait: dict[int, int] = {}  # bucket -> steps between probes
         self._next_probe: dict[int, int] = {}  # bucket -> step number of the next probe
@@ -55,13 +60,13 @@ class SpecGovernor:
         spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
         if spec is None or plain is None:
             ratio = self._nearest_ratio(b)
-            if ratio is None:
-                return spec is None  # nothing measured nearby: speculation first, then plain
+            if ratio is None:  # nothing measured nearby: speculation for two steps, then plain
+                return spec is None or n < 2
             best = ratio >= 1.0  # the other mode is measured at this bucket's first probe
         else:
             best = spec >= plain
-        if n < self._next_probe.setdefault(b, n + self.probe_every):
-            return best
+        if b in self._probing or n < self._next_probe.setdefault(b, n + self.probe_every):
+            return best  # a probe is in flight (recorded a step late) or not due
         self._probing[b] = best
         return not best
 
@@ -70,15 +75,21 @@ class SpecGovernor:
         if not self.enabled or seconds <= 0:
             return
         b = self._bucket(bs)
+        samples = self._samples.setdefault((b, speculated), deque(maxlen=self.window))
+        samples.append((tokens, seconds))
+        # Mean tokens (acceptance varies step to step; the mean is what a step yields) over
+        # the median time (one slow step, a compile or a GC pause, is not the cost).
+        self._rate[(b, speculated)] = statistics.fmean(t for t, _ in samples) / statistics.median(
+            x for _, x in samples)
         rate = tokens / seconds
-        old = self._rate.get((b, speculated))
-        self._rate[(b, speculated)] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
-        if b in self._probing:  # this was a probe: back off if it confirmed the choice
-            chose = self._probing.pop(b)
-            spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
-            confirmed = spec is not None and plain is not None and (spec >= plain) == chose
+        if self._probing.get(b, speculated) != speculated:  # the probe: back off if it confirmed the choice
+            self._probing.pop(b)
+            chosen = self._rate.get((b, not speculated))
+            # Judged by the probe's own step: one that beat the chosen mode is probed again
+            # soon, so a change of traffic flips the choice within two probes.
+            confirmed = chosen is not None and rate <= chosen
             wait = min(2 * self._wait.get(b, self.probe_every), self.max_wait) if confirmed else self.probe_every
-            if confirmed and max(spec, plain) > 2 * min(spec, plain):
+            if confirmed and chosen > 2 * rate:
                 wait = self.max_wait
             self._wait[b] = wait
             self._next_probe[b] = self._steps[b] - 1 + wait  # counted from the probe step
