@@ -30,6 +30,13 @@ class ScheduleBatch:
     all_logits: bool = False
     rows: list[int] | None = None  # table rows to read KV from, when not the requests' own
 
+    @staticmethod
+    def decode(reqs: list[Req], slots: torch.Tensor, prefix_lens: list[int]) -> "ScheduleBatch":
+        """One plain decode step: each request feeds its last token at position prefix_lens[b]."""
+        n = len(reqs)
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [r.all_ids[-1] for r in reqs], slots, prefix_lens, [1] * n,
+                             [True] * n)
+
     @property
     def sampled_reqs(self) -> list[Req]:
         return [r for r, s in zip(self.reqs, self.sample_mask) if s]

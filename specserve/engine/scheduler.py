@@ -244,8 +244,7 @@ class Scheduler:
         prefix = [r.kv_len for r in reqs]
         slots = self.kv.extend_each(reqs)  # available() >= len(reqs): cannot fail
         self._log_decode(reqs, len(reqs))
-        return ScheduleBatch(ForwardMode.DECODE, reqs, [r.all_ids[-1] for r in reqs], slots,
-                             prefix, [1] * len(reqs), [True] * len(reqs))
+        return ScheduleBatch.decode(reqs, slots, prefix)
 
     def _log_decode(self, reqs: list[Req], new_tokens: int) -> None:
         spec = None

@@ -5,21 +5,21 @@ second, and both depend on the batch size (a verify of N tokens per request is a
 free at batch 1 and costs ~N decode steps once the GPU is compute-bound) and on the
 traffic (how often drafts are accepted). So the governor measures instead of modelling:
 per batch-size bucket it keeps the rate of the last few speculative steps and of the last
-few plain steps (mean tokens over median seconds), runs the better mode, and probes the other one so the estimate follows the
-traffic. Probes back off: a probe that confirms the choice doubles the wait before the
-next one (from `probe_every` up to `max_backoff` times it), or goes straight to the
-longest wait when one mode is more than twice as fast (a probe then costs most and is
-least likely to flip), and a probe faster than the chosen mode resets the wait, so a settled bucket
-spends well under 1% of its steps in the slower mode. A bucket not measured yet starts
-with the mode its nearest measured bucket prefers (batch sizes pass through many buckets
-as requests finish, and measuring the slower mode first in each is what exploration
-would otherwise cost); with no measured bucket it measures speculation first.
-The worker times a step from its start to the next step's start, so the engine's own
-per-step work (outputs, detokenization) is counted, not only the forward and read-back;
-it records a step once the next one has been decided, so `record` recognises the probe
-by its mode.
+few plain steps (mean tokens over median seconds), runs the better mode, and probes the
+other one so the estimate follows the traffic. Probes back off: a probe that confirms the
+choice doubles the wait before the next one (from `probe_every` up to `max_backoff` times
+it), or goes straight to the longest wait when the chosen mode is more than twice as fast
+(a probe then costs most and is least likely to flip); a probe faster than the chosen mode
+resets the wait. So a settled bucket spends well under 1% of its steps in the slower mode.
+A bucket not measured yet starts with the mode its nearest measured bucket prefers (batch
+sizes pass through many buckets as requests finish, and measuring the slower mode first in
+each is what exploration would otherwise cost); with no measured bucket it measures
+speculation first. The worker times a step from its start to the next step's start, so
+the engine's own per-step work (outputs, detokenization) is counted, not only the forward
+and read-back; it records a step once the next one has been decided, so `record`
+recognises the probe by its mode.
 
-Both modes are exact (a plain step is a verify of the root alone), so switching never
+Both modes are exact (a plain step is the plain engine's decode step), so switching never
 changes the output, only the speed.
 """
 from __future__ import annotations

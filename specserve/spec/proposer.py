@@ -3,8 +3,8 @@
 The worker knows nothing else about proposers, and nothing outside `spec/` knows about
 proposers at all. Life cycle per request: `add_request` when it starts decoding,
 `propose` / `on_verified` once per speculative step (`on_decoded` instead for a step the
-governor ran plainly: no proposal, one new token per request), `remove_request` when it finishes,
-is aborted or is retracted (a retracted request is added again when it resumes).
+governor ran plainly: no proposal, one new token per request), `remove_request` when it
+finishes, is aborted or is retracted (a retracted request is added again when it resumes).
 `on_extend` sees every target prefill chunk (EAGLE builds its draft KV from it).
 """
 from __future__ import annotations
@@ -116,4 +116,4 @@ class NgramAdapter:
         pass  # indexed from all_ids at the next proposal
 
     def on_decoded(self, reqs: list[Req], step: Decoded) -> None:
-        pass
+        pass  # likewise

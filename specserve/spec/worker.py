@@ -18,7 +18,6 @@ from specserve.engine.messages import TokenLogprob
 from specserve.engine.output import commit_sampled, commit_token
 from specserve.engine.request import Req
 from specserve.runner.model_runner import ModelRunner
-from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.sampler import apply_penalties, sample, uniform_noise
 from specserve.spec.accept import AcceptResult, accept, gumbel_targets
 from specserve.spec.proposer import Decoded, Proposer, Verified
@@ -109,12 +108,9 @@ class SpecWorker:
         `sample`, one read-back), so a turned-down step costs what plain decoding costs.
         The proposer's share (EAGLE's one-token draft extend) is queued on the GPU before
         the read-back, so its host work overlaps the forward. Returns tokens committed."""
-        n = len(reqs)
         prefix = [r.kv_len for r in reqs]
-        slots = self.kv.extend_each(reqs)
-        batch = ScheduleBatch(ForwardMode.DECODE, reqs, [r.all_ids[-1] for r in reqs], slots, prefix, [1] * n,
-                              [True] * n)
-        fb = self.runner.forward_batch(batch, self.kv.table.table)
+        fb = self.runner.forward_batch(ScheduleBatch.decode(reqs, self.kv.extend_each(reqs), prefix),
+                                       self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
         so = sample(logits, sampling_batch(reqs, self.runner.vocab_size, logits.device))
         self.proposer.on_decoded(reqs, Decoded(so.next_ids, fb.positions, fb.out_slots, fb.req_rows, prefix,
@@ -122,7 +118,7 @@ class SpecWorker:
         commit_sampled(reqs, so, self.eos_ids, self.context_length)
         for req in reqs:
             self._record(req, 1, drafted=False)
-        return n
+        return len(reqs)
 
     def _speculative_step(self, reqs: list[Req]) -> int:
         """Propose, verify, accept, commit. Returns tokens committed."""
