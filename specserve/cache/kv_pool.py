@@ -61,5 +61,7 @@ class SlotAllocator:
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._released.append(slots.to("cpu", torch.int64))
+            # a copy: the caller's tensor may be a view of the request table (on CPU,
+            # `.to("cpu")` of a table row is a view) whose row is reused before this lands
+            self._released.append(slots.to("cpu", torch.int64, copy=True))
             self._released_count += slots.numel()

@@ -50,5 +50,6 @@ class ReqToTokenTable:
         self.table[dev_r, dev_c] = dev_s
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
-        """The slots of positions [start, end) of a row, as a CPU int64 tensor."""
-        return self.table[row, start:end].to("cpu")
+        """The slots of positions [start, end) of a row, as a CPU int64 tensor of its own
+        (never a view of the table, whose row is reused once the request is released)."""
+        return self.table[row, start:end].to("cpu", copy=True)

@@ -68,3 +68,20 @@ def test_random_inserts_keep_slot_accounting(keys, evict_n):
     for key in keys:  # whatever survived still maps to distinct slots
         got, _ = cache.match_prefix(key)
         assert got.unique().numel() == got.numel()
+
+
+def test_freed_slots_are_the_values_given_not_a_view():
+    """The allocator keeps what free() was given even when the caller's tensor changes
+    afterwards: on CPU a table row read is a view, and the row is reused by the next
+    request (a freed row overwritten once put cached slots on the free list)."""
+    from specserve.cache.req_table import ReqToTokenTable
+
+    alloc = SlotAllocator(8)
+    table = ReqToTokenTable(2, 8, torch.device("cpu"))
+    row = table.alloc()
+    table.write(row, 0, alloc.alloc(8))
+    alloc.free(table.read(row, 0, 4))  # e.g. a released request's duplicate prefix slots
+    freed = sorted(table.table[row, :4].tolist())
+    table.free(row)
+    table.write(table.alloc(), 0, torch.tensor([5, 6, 7, 8]))  # the row's next owner
+    assert sorted(alloc.alloc(4).tolist()) == freed
