@@ -44,6 +44,11 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_id(self) -> int:
+        """all_ids[-1] without building all_ids (a decode step's input)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

@@ -178,13 +178,13 @@ class EagleProposer:
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         active = [b for b, n in enumerate(budgets) if n > 1]  # budget 1: root only (penalties)
         if not active:
-            return Drafts.roots([r.all_ids[-1] for r in reqs], self.runner.device)
+            return Drafts.roots([r.last_id for r in reqs], self.runner.device)
         act = [reqs[b] for b in active]
         logp, ids, hidden = self.roots.get(h2d([r.row for r in act], self.runner.device))
         tree = self.tree.draft(act, (logp, ids), self.max_nodes, hidden)
         if len(act) == len(reqs):
             return tree
-        return Drafts.roots([r.all_ids[-1] for r in reqs], self.runner.device).with_rows(active, tree)
+        return Drafts.roots([r.last_id for r in reqs], self.runner.device).with_rows(active, tree)
 
     def _can_capture(self, runner: ModelRunner) -> bool:
         """Graphs on CUDA (unless --disable-cuda-graph) when the draft's backend can run in them."""

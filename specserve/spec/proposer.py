@@ -56,7 +56,7 @@ class Proposer(Protocol):
         ...
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
-        """Trees of at most budgets[b] nodes whose root is reqs[b].all_ids[-1].
+        """Trees of at most budgets[b] nodes whose root is reqs[b].last_id.
 
         Called after the worker allocated `budgets[b]` verify slots per request and wrote
         them into the request's table row at positions [kv_len, kv_len + budget): a draft
@@ -104,13 +104,13 @@ class NgramAdapter:
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         if max(budgets) == 1:  # penalties only: no lookup, no catching up
-            return Drafts.roots([r.all_ids[-1] for r in reqs])
+            return Drafts.roots([r.last_id for r in reqs])
         for req in reqs:
             ids = req.all_ids
             if self._indexed[req.rid] < len(ids):
                 self.ngram.on_tokens(req.rid, ids[self._indexed[req.rid]:])
                 self._indexed[req.rid] = len(ids)
-        return self.ngram.propose([r.rid for r in reqs], [r.all_ids[-1] for r in reqs], budgets)
+        return self.ngram.propose([r.rid for r in reqs], [r.last_id for r in reqs], budgets)
 
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
         pass  # indexed from all_ids at the next proposal

@@ -76,14 +76,14 @@ class StandaloneProposer:
                     chains[b].append(tok)
         for b, req in enumerate(reqs):  # nodes fed = root + all drafts but the last
             self._fed[req.rid] = (req.kv_len, len(chains[b]))
-        return Drafts.chains([r.all_ids[-1] for r in reqs], chains)
+        return Drafts.chains([r.last_id for r in reqs], chains)
 
     def _propose_tree(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         """Tree drafts; only the root's draft KV (in its verify slot) survives the step."""
         active = [b for b, n in enumerate(budgets) if n > 1]
         for b, req in enumerate(reqs):
             self._fed[req.rid] = (req.kv_len, 1 if b in active else 0)
-        roots = Drafts.roots([r.all_ids[-1] for r in reqs], self.runner.device)
+        roots = Drafts.roots([r.last_id for r in reqs], self.runner.device)
         if not active:
             return roots
         act = [reqs[b] for b in active]

@@ -119,7 +119,7 @@ class TreeDrafter:
         try:
             start = [r.kv_len + 1 - self.shift for r in reqs]
             roots, rows, tail_start, slots = h2d_many(
-                [[r.all_ids[-1] for r in reqs], [r.row for r in reqs], start, scratch], dev)
+                [[r.last_id for r in reqs], [r.row for r in reqs], start, scratch], dev)
             x = TreeInputs(first[0], first[1], states, roots, rows, tail_start,
                            slots.view(self.num_steps - 1, bsz * self.topk), start)
             if self.graphs is not None and self.graphs.can_run(bsz):
