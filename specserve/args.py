@@ -82,8 +82,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-path", default=_M.tokenizer_path,
                    help="tokenizer directory or hub id, if not the model's")
     g.add_argument("--revision", default=_M.revision, help="hub revision (branch, tag or commit)")
-    g.add_argument("--load-format", default=_M.load_format, choices=("auto", "safetensors", "gguf"),
-                   help="weight format")
+    g.add_argument("--load-format", default=_M.load_format, choices=("auto", "safetensors", "gguf", "dummy"),
+                   help="weight format; dummy: random weights of the model's shape, nothing read "
+                        "(benchmarks)")
     g.add_argument("--dtype", type=_dtype, default=_M.dtype,
                    choices=("auto", "float32", "bfloat16", "float16"),
                    help="weight and activation dtype; half, fp16, bf16, float and fp32 are "
@@ -125,6 +126,9 @@ def _add_scheduling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default=_S.schedule_policy, choices=("fcfs", "lpm"),
                    help="request order: first come first served, or longest prefix match")
     g.add_argument("--random-seed", type=int, default=_S.random_seed, help="random seed")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="read each plain decode step's tokens back before launching the next "
+                        "(by default, on CUDA, the next step is launched first; speculative steps never overlap)")
 
 
 def _add_runtime(p: argparse.ArgumentParser) -> None:

@@ -43,6 +43,7 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"
     random_seed: int | None = None
     decode_log_interval: int = 40
+    disable_overlap_schedule: bool = False  # overlap plain decode steps' host work with the GPU (CUDA)
 
 
 @dataclass(frozen=True)

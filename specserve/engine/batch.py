@@ -34,7 +34,7 @@ class ScheduleBatch:
     def decode(reqs: list[Req], slots: torch.Tensor, prefix_lens: list[int]) -> "ScheduleBatch":
         """One plain decode step: each request feeds its last token at position prefix_lens[b]."""
         n = len(reqs)
-        return ScheduleBatch(ForwardMode.DECODE, reqs, [r.all_ids[-1] for r in reqs], slots, prefix_lens, [1] * n,
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [r.last_id for r in reqs], slots, prefix_lens, [1] * n,
                              [True] * n)
 
     @property
@@ -46,15 +46,19 @@ class ScheduleBatch:
         return len(self.input_ids)
 
 
-def sampling_batch(reqs: list[Req], vocab_size: int, device: torch.device) -> SamplingBatch:
+def sampling_batch(reqs: list[Req], vocab_size: int, device: torch.device,
+                   lag: list[int] | None = None) -> SamplingBatch:
     """Stack the requests' sampling parameters into [B] tensors: two host->device copies
-    (floats, ints) and host-side flags, so sampling never syncs to pick its path."""
+    (floats, ints) and host-side flags, so sampling never syncs to pick its path.
+    lag[b]: request b's tokens sampled but not yet committed (an overlapped step in
+    flight), so its noise counter is that of the token actually being sampled."""
     ps = [r.params for r in reqs]
     top_k = [p.top_k if p.top_k and p.top_k > 0 else vocab_size for p in ps]
     floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
                            [p.frequency_penalty for p in ps], [p.presence_penalty for p in ps],
                            [float(p.greedy) for p in ps]], dtype=torch.float32).to(device, non_blocking=True)
-    ints = torch.tensor([top_k, [r.seed for r in reqs], [len(r.output_ids) for r in reqs]],
+    counters = [len(r.output_ids) + (lag[b] if lag else 0) for b, r in enumerate(reqs)]
+    ints = torch.tensor([top_k, [r.seed for r in reqs], counters],
                         dtype=torch.int64).to(device, non_blocking=True)
     flags = HostFlags(all_greedy=all(p.greedy for p in ps),
                       has_penalties=any(p.frequency_penalty or p.presence_penalty for p in ps),

@@ -23,6 +23,7 @@ from specserve.engine.kv_manager import KVManager
 from specserve.engine.messages import GenerateReq, TokenOut
 from specserve.engine.metrics import SchedulerStats
 from specserve.engine.output import commit_sampled, finish_abort, take_output
+from specserve.engine.overlap import InFlight, decode_inputs, select, surely_ends
 from specserve.engine.request import Req
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.memory import OOM_ADVICE
@@ -30,6 +31,7 @@ from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import SampleOutput, sample
 from specserve.server.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from specserve.spec.factory import make_spec_worker, prefix_backoff
+from specserve.spec.proposer import Decoded
 
 DECODE_RESERVE_CLIP = 256  # future tokens per request counted when admitting new work
 DECODE_RESERVE_RATIO = 0.3
@@ -48,6 +50,9 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.stats = SchedulerStats()
+        # Overlap plain decode steps on CUDA (on a CPU the host is the device: nothing to overlap)
+        self.overlap = self.runner.device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule
+        self._inflight: InFlight | None = None
 
     def _build_device_state(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
         """Model, KV memory, speculative worker and CUDA graphs: everything that allocates on the device."""
@@ -109,6 +114,8 @@ class Scheduler:
                     self._release(req)
                     finish_abort(req, "aborted")
                     self.stats.requests_aborted += 1
+                    if self._inflight is not None and all(r.finished for r in self._inflight.reqs):
+                        self._inflight = None  # the step in flight has no live request left
                     return [take_output(req)]
         return []
 
@@ -118,21 +125,80 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------
     def step(self) -> list[TokenOut]:
-        batch = self._prefill_batch()
-        if batch is None and self.spec is not None:
-            return self._spec_step()
-        batch = batch or self._decode_batch()
+        batch = self._prefill_batch()  # may run while an overlapped decode step is in flight
+        outs: list[TokenOut] = []
         if batch is None:
-            return []
+            if self.spec is not None and self.running and self.spec.choose(len(self.running)):
+                return self._drain() + self._spec_step()
+            if self._can_overlap():
+                return self._overlapped_decode()
+            outs = self._drain()
+            batch = self._decode_batch()
+            if batch is None:
+                return outs
         fb = self.runner.forward_batch(batch, self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
         sampled = batch.sampled_reqs
         if sampled:
             so = sample(logits, sampling_batch(sampled, self.runner.vocab_size, logits.device))
+            if self.spec is not None and batch.mode == ForwardMode.DECODE:
+                self.spec.on_plain_step(sampled, Decoded(so.next_ids, fb.positions, fb.out_slots, fb.req_rows,
+                                                         batch.prefix_lens, features))
             self._commit(sampled, so)
         if self.spec is not None and batch.mode == ForwardMode.EXTEND:
             self.spec.on_extend(batch, features)  # before _collect may release finished requests
-        return self._collect(batch)
+        return outs + self._collect(batch)
+
+    # -- overlapped plain decoding (engine/overlap.py) ----------------------------------
+    def _can_overlap(self) -> bool:
+        """Overlap needs no retraction this step (memory for every running request) and
+        no penalties (they count output tokens, and the in-flight one is not known)."""
+        return self.overlap and bool(self.running) and self.kv.available() >= len(self.running) \
+            and not any(r.params.frequency_penalty or r.params.presence_penalty for r in self.running)
+
+    def _overlapped_decode(self) -> list[TokenOut]:
+        """Launch a decode step fed from the in-flight step's device ids, then read back
+        and commit the in-flight step's tokens while the new one runs."""
+        prev = self._inflight
+        ahead = prev.index_of() if prev is not None else {}
+        reqs = [r for r in self.running if id(r) not in ahead or not surely_ends(r, self.context_length)]
+        if not reqs:  # every request ends on the in-flight token: nothing to launch
+            return self._drain()
+        prefix = [r.kv_len for r in reqs]
+        slots = self.kv.extend_each(reqs)  # _can_overlap checked the memory
+        self._log_decode(reqs, len(reqs))
+        batch = ScheduleBatch(ForwardMode.DECODE, reqs, decode_inputs(reqs, prev, self.runner.device), slots,
+                              prefix, [1] * len(reqs), [True] * len(reqs))
+        fb = self.runner.forward_batch(batch, self.kv.table.table)
+        logits, features = self.runner.forward_with_features(fb)
+        lag = [int(id(r) in ahead) for r in reqs]
+        so = sample(logits, sampling_batch(reqs, self.runner.vocab_size, logits.device, lag))
+        if self.spec is not None:  # a step the governor ran plainly: the proposer hears of it
+            self.spec.on_plain_step(reqs, Decoded(so.next_ids, fb.positions, fb.out_slots, fb.req_rows, prefix,
+                                                  features))
+        self._inflight = InFlight.launch(reqs, so, slots)
+        return self._read_back(prev) if prev is not None else []
+
+    def _drain(self) -> list[TokenOut]:
+        """Read back and commit the step in flight, if any (before a step that cannot overlap)."""
+        prev, self._inflight = self._inflight, None
+        return self._read_back(prev) if prev is not None else []
+
+    def _read_back(self, done: InFlight) -> list[TokenOut]:
+        """Commit `done`'s tokens; a request they end gives back its position in the step
+        now in flight (if it is in it) before it is released."""
+        live = [i for i, r in enumerate(done.reqs) if i not in done.dropped and not r.finished]
+        reqs = [done.reqs[i] for i in live]
+        self._commit(reqs, select(done.wait(), live))
+        cur = self._inflight
+        if cur is not None:
+            ahead = cur.index_of()
+            for req in reqs:
+                if req.finished and id(req) in ahead:
+                    cur.drop(req, self.kv)
+            if cur.all_dropped:
+                self._inflight = None  # all of it is garbage: never read it
+        return self._finish_and_take(reqs)
 
     def _commit(self, reqs: list[Req], so: SampleOutput) -> None:
         commit_sampled(reqs, so, self.eos_ids, self.context_length)

@@ -1,24 +1,25 @@
 """SpecWorker: one speculative decode step = propose -> verify -> accept -> commit.
 
-The scheduler calls `step(reqs)` instead of a plain decode step and otherwise knows
-nothing about speculation. Requests with frequency/presence penalties get a root-only
-tree (budget 1): exact penalties along a draft path are not implemented, so they decode
-plainly inside the same verify forward rather than being approximated. When the
-governor turns speculation down, a step is the plain engine's own decode step, and the
-proposer only hears of the new tokens (`on_decoded`, before their read-back).
+Before each decode step the scheduler asks `choose(bs)`; when it says speculate, the
+scheduler calls `step(reqs)` and otherwise knows nothing about speculation. Requests with
+frequency/presence penalties get a root-only tree (budget 1): exact penalties along a
+draft path are not implemented, so they decode plainly inside the same verify forward
+rather than being approximated. When the governor turns speculation down, the step is
+the scheduler's own plain decode step (overlapped on CUDA), and the proposer only hears
+of the new tokens (`on_plain_step` -> `on_decoded`, before their read-back).
 """
 from __future__ import annotations
 
 import torch
 
 from specserve.config import SpecConfig
-from specserve.engine.batch import ScheduleBatch, sampling_batch
+from specserve.engine.batch import sampling_batch
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.messages import TokenLogprob
-from specserve.engine.output import commit_sampled, commit_token
+from specserve.engine.output import commit_token
 from specserve.engine.request import Req
 from specserve.runner.model_runner import ModelRunner
-from specserve.runner.sampler import apply_penalties, sample, uniform_noise
+from specserve.runner.sampler import apply_penalties, uniform_noise
 from specserve.spec.accept import AcceptResult, accept, gumbel_targets
 from specserve.spec.proposer import Decoded, Proposer, Verified
 from specserve.spec.governor import SpecGovernor
@@ -62,6 +63,7 @@ class SpecWorker:
         adaptive = spec.adaptive == "on" or (spec.adaptive == "auto" and runner.device.type == "cuda")
         self.governor = SpecGovernor(adaptive)
         self._open: tuple[int, bool, int, float] | None = None  # the last step: (bs, speculated, tokens, start)
+        self._start = 0.0  # when the step `choose` was asked about started
 
     @property
     def num_draft_tokens(self) -> int:
@@ -81,18 +83,32 @@ class SpecWorker:
         self._open = None  # the prefill sits between the last decode step and the next
         self.proposer.on_extend(batch, features)
 
-    def step(self, reqs: list[Req]) -> None:
-        """Advance every request by one verify, or by one plain decode step when the
-        governor turns speculation down; the caller checked slots_needed(reqs) are free."""
-        speculate = self.governor.speculate(len(reqs))
+    def choose(self, bs: int) -> bool:
+        """Whether the next decode step over `bs` requests speculates (the governor's call);
+        the scheduler runs the step, speculative (`step`) or plain (then `on_plain_step`)."""
+        speculate = self.governor.speculate(bs)
         if self._open is not None and self._open[1] != speculate and self.runner.device.type == "cuda":
-            # GPU work a step queued after its read-back (EAGLE's draft extend) runs into
-            # the next step; at a mode switch, drain it so each mode is charged its own
+            # GPU work a step queued after its read-back (EAGLE's draft extend; an
+            # overlapped plain step) runs into the next step; at a mode switch, drain it so
+            # each mode is charged its own
             torch.cuda.synchronize(self.runner.device)
-        start = self.governor.clock()
-        self._close_last_step(start)
-        committed = self._speculative_step(reqs) if speculate else self._plain_step(reqs)
-        self._open = (len(reqs), speculate, committed, start)
+        self._start = self.governor.clock()
+        self._close_last_step(self._start)
+        return speculate
+
+    def step(self, reqs: list[Req]) -> None:
+        """One speculative step over every request (`choose` said so); the caller checked
+        slots_needed(reqs) are free."""
+        self._open = (len(reqs), True, self._speculative_step(reqs), self._start)
+
+    def on_plain_step(self, reqs: list[Req], decoded: Decoded) -> None:
+        """The scheduler ran a plain decode step (`choose` said so), its tokens still on the
+        device: the proposer hears of them (EAGLE queues its one-token draft extend before
+        the read-back, so its host work overlaps the forward)."""
+        self.proposer.on_decoded(reqs, decoded)
+        for req in reqs:
+            self._record(req, 1, drafted=False)
+        self._open = (len(reqs), False, len(reqs), self._start)
 
     def _close_last_step(self, now: float) -> None:
         """A step's cost, for the governor, is the time from its start to the next step's
@@ -102,23 +118,6 @@ class SpecWorker:
             bs, speculated, tokens, start = self._open
             self.governor.record(bs, speculated, tokens, now - start)
         self._open = None
-
-    def _plain_step(self, reqs: list[Req]) -> int:
-        """The plain engine's decode step (one batched slot allocation, the DECODE graph,
-        `sample`, one read-back), so a turned-down step costs what plain decoding costs.
-        The proposer's share (EAGLE's one-token draft extend) is queued on the GPU before
-        the read-back, so its host work overlaps the forward. Returns tokens committed."""
-        prefix = [r.kv_len for r in reqs]
-        fb = self.runner.forward_batch(ScheduleBatch.decode(reqs, self.kv.extend_each(reqs), prefix),
-                                       self.kv.table.table)
-        logits, features = self.runner.forward_with_features(fb)
-        so = sample(logits, sampling_batch(reqs, self.runner.vocab_size, logits.device))
-        self.proposer.on_decoded(reqs, Decoded(so.next_ids, fb.positions, fb.out_slots, fb.req_rows, prefix,
-                                               features))
-        commit_sampled(reqs, so, self.eos_ids, self.context_length)
-        for req in reqs:
-            self._record(req, 1, drafted=False)
-        return len(reqs)
 
     def _speculative_step(self, reqs: list[Req]) -> int:
         """Propose, verify, accept, commit. Returns tokens committed."""

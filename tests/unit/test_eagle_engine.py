@@ -262,27 +262,29 @@ def test_graph_shaped_paths_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, 
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
 
 
-class _EveryThirdPlain(SpecGovernor):
-    """A governor that runs every third step plainly (spec, spec, plain, ...)."""
+class _SomePlain(SpecGovernor):
+    """A governor that runs two steps speculatively, then `plain_run` plainly, and again."""
 
-    def __init__(self) -> None:
+    def __init__(self, plain_run: int = 1) -> None:
         super().__init__(True)
-        self.modes: list[bool] = []
+        self.period, self.modes = 2 + plain_run, []
 
     def speculate(self, bs: int) -> bool:
-        self.modes.append(len(self.modes) % 3 != 2)
+        self.modes.append(len(self.modes) % self.period < 2)
         return self.modes[-1]
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_plain_steps_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, static):
+@pytest.mark.parametrize("static,overlap", [(False, False), (True, False), (False, True)])
+def test_plain_steps_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, static, overlap):
     """A step the governor runs plainly extends the draft by its one token (on_decoded,
-    eager or through the 1-token extend graph): the next verify still drafts from the
-    right root, so a perfect draft stays at full depth (a stale root collapses it)."""
+    eager or through the 1-token extend graph, or overlapped: launched from the previous
+    step's device ids): the next verify still drafts from the right root, so a perfect
+    draft stays at full depth (a stale root collapses it)."""
     engine = _perfect_engine("EAGLE3", tmp_path, smollm2_dir, "tree")
     if static:
         _use_static_paths(engine, max_bs=4)
-    gov = engine.scheduler.spec.governor = _EveryThirdPlain()
+    engine.scheduler.overlap = overlap
+    gov = engine.scheduler.spec.governor = _SomePlain(plain_run=3 if overlap else 1)
     params = {"temperature": 0, "max_new_tokens": 33}
     plain = _engine(tmp_path / "target", smollm2_dir)
     prompts = _prompts(3, seed=4)

@@ -85,12 +85,13 @@ def test_disabled_governor_always_speculates():
 
 
 class _Alternating(SpecGovernor):
-    def __init__(self) -> None:
+    def __init__(self, pattern: tuple[bool, ...] = (True, True, False)) -> None:  # spec, spec, plain, ...
         super().__init__(True)
+        self.pattern = pattern
         self.modes: list[bool] = []
 
     def speculate(self, bs: int) -> bool:
-        self.modes.append(len(self.modes) % 3 != 2)  # spec, spec, plain, ...
+        self.modes.append(self.pattern[len(self.modes) % len(self.pattern)])
         return self.modes[-1]
 
 
@@ -110,8 +111,10 @@ def _engine(target, smollm2_dir, **flags) -> Engine:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE3"])
-def test_switching_modes_keeps_outputs_exact(tiny, smollm2_dir, algo):
+@pytest.mark.parametrize("algo,overlap", [("NGRAM", False), ("EAGLE3", False), ("NGRAM", True), ("EAGLE3", True)])
+def test_switching_modes_keeps_outputs_exact(tiny, smollm2_dir, algo, overlap):
+    """Overlap: runs of plain steps are overlapped (launched before the last is read back,
+    as on a GPU), and drained before each speculative step."""
     target, prompts, head = tiny
     greedy = {"temperature": 0, "max_new_tokens": 20}
     sampled = [{"temperature": 1.0, "max_new_tokens": 12, "seed": 10 + i} for i in range(len(prompts))]
@@ -123,7 +126,8 @@ def test_switching_modes_keeps_outputs_exact(tiny, smollm2_dir, algo):
         flags |= {"speculative_draft_model_path": str(head), "speculative_num_steps": 3,
                   "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}
     engine = _engine(target, smollm2_dir, **flags)
-    gov = engine.scheduler.spec.governor = _Alternating()
+    gov = engine.scheduler.spec.governor = _Alternating((True, False, False, False) if overlap else (True, True, False))
+    engine.scheduler.overlap = overlap
     single = engine.generate(input_ids=prompts[0], sampling_params=greedy)
     assert single["output_ids"] == want_greedy[0]
     outs = engine.generate(input_ids=prompts, sampling_params=greedy)
@@ -131,6 +135,6 @@ def test_switching_modes_keeps_outputs_exact(tiny, smollm2_dir, algo):
     outs = engine.generate(input_ids=prompts, sampling_params=sampled)
     assert [o["output_ids"] for o in outs] == want_sampled
     assert True in gov.modes and False in gov.modes
-    assert not engine.scheduler.has_work
+    assert not engine.scheduler.has_work and engine.scheduler._inflight is None
     engine.scheduler.kv.flush_cache()
     engine.scheduler.kv.assert_no_leak()
