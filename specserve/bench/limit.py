@@ -1,11 +1,13 @@
 """`specserve bench limit`: how close batch-1 decode gets to the GPU's memory bandwidth.
 
-A Llama-3.1-8B-shaped model with random bf16 weights (made on the device, no download)
-decodes after a short prompt at batch size 1 through the engine's own ModelRunner (its
-attention backend and CUDA graphs). Achieved bandwidth = bytes one step must read (every
-weight once, one embedding row, the KV so far) / step time, compared with a
-device-to-device copy measured in the same run ((read + write) bytes / time). It also
-times a verify forward of a 16-node tree against one decode step on the same model.
+A Llama-3.1-8B-shaped model with random bf16 weights (--load-format dummy: made on the
+device, no download) decodes after a short prompt at batch size 1 through the server's own
+Scheduler (its attention backend, CUDA graphs and overlapped decode; and once more with
+overlap off, in the same run). Achieved bandwidth = bytes one step must read (every weight
+once, one embedding row, the KV so far) / step time, compared with a device-to-device copy
+measured in the same run ((read + write) bytes / time). It also times a verify forward of
+a 16-node tree against one decode step on the same model, both through the bare runner
+with a read-back after each (the verify of a speculative step is read back at once).
 """
 from __future__ import annotations
 
@@ -66,39 +68,85 @@ def step_bytes(model, kv_len: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from specserve.config import CacheConfig, ModelConfig, RunnerConfig
-    from specserve.engine.kv_manager import KVManager
-    from specserve.models.loader import random_model
-    from specserve.runner.model_runner import ModelRunner
-
     device = torch.device("cuda")
     copy_bw = copy_bandwidth(device)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(LLAMA_31_8B))
-        model = random_model(Path(tmp), torch.bfloat16, device)
-        runner = ModelRunner(Path(tmp), ModelConfig(device="cuda", dtype="bfloat16", context_length=4096),
-                             CacheConfig(max_total_tokens=16384),
-                             RunnerConfig(attention_backend=args.attention_backend,
-                                          disable_cuda_graph=args.disable_cuda_graph), model=model)
-    kv = KVManager(runner.num_slots, 4, 4096 + 32, device, enable_prefix_cache=False)
-    runner.capture_cuda_graphs(kv.table.table, 1, verify_tokens=VERIFY_NODES)
-    step_s, kv_mid, verify_ratio = _decode(runner, kv, args.prompt_len, args.steps)
-    bw = step_bytes(model, kv_mid) / step_s
+        sched = _scheduler(Path(tmp), args)
+    runner, model = sched.runner, sched.runner.model
+    # A server without a draft captures no VERIFY graphs: capture them too (a speculative
+    # server verifies through its graphs), so verify(16) is timed as it would serve.
+    runner.capture_cuda_graphs(sched.kv.table.table, sched.max_running, verify_tokens=VERIFY_NODES)
+    ids = [(1000 + i) % runner.vocab_size for i in range(args.prompt_len)]
+    _served_decode(sched, ids, 8, overlap=True)  # warm-up: Triton compiles, graphs replay once
+    overlap_s = _served_decode(sched, ids, args.steps, overlap=True)
+    plain_s = _served_decode(sched, ids, args.steps, overlap=False)
+    step_s, kv_mid, verify_ratio = _decode(runner, sched.kv, args.prompt_len, args.steps)
+    weights = step_bytes(model, kv_mid)
+    bw = weights / overlap_s
     row = {"bench": "limit", "model": "llama-3.1-8b-shaped", "dtype": "bfloat16", "batch_size": 1,
            "device": torch.cuda.get_device_name(device), "attention_backend": type(runner.attn_backend).__name__,
-           "cuda_graphs": runner.graphs is not None, "tok_s": 1 / step_s, "step_ms": 1e3 * step_s,
+           "cuda_graphs": runner.graphs is not None, "tok_s": 1 / overlap_s, "step_ms": 1e3 * overlap_s,
            "achieved_GBps": bw / 1e9, "copy_GBps": copy_bw / 1e9, "fraction_of_copy": bw / copy_bw,
-           "verify16_over_decode": verify_ratio, "prompt_len": args.prompt_len, "steps": args.steps}
+           "no_overlap_step_ms": 1e3 * plain_s, "no_overlap_fraction": weights / plain_s / copy_bw,
+           "runner_loop_step_ms": 1e3 * step_s, "verify16_over_decode": verify_ratio,
+           "prompt_len": args.prompt_len, "steps": args.steps}
     report(f"limit: 8B-shaped bf16 bs=1 {row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms/step), "
            f"{row['achieved_GBps']:.0f} GB/s = {100 * row['fraction_of_copy']:.1f}% of copy "
-           f"{row['copy_GBps']:.0f} GB/s; verify(16) = {verify_ratio:.2f}x a decode step "
+           f"{row['copy_GBps']:.0f} GB/s (no overlap: {row['no_overlap_step_ms']:.2f} ms, "
+           f"{100 * row['no_overlap_fraction']:.1f}%); verify(16) = {verify_ratio:.2f}x a decode step "
            f"({row['attention_backend']}, graphs {'on' if row['cuda_graphs'] else 'off'}, {row['device']})",
            row, args.output)
     return 0
 
 
+def _scheduler(model_dir: Path, args: argparse.Namespace):
+    """The server's scheduler on random weights (--load-format dummy) of the 8B shape."""
+    from specserve.args import parse_config
+    from specserve.engine.scheduler import Scheduler
+
+    argv = ["--model-path", str(model_dir), "--load-format", "dummy", "--dtype", "bfloat16",
+            "--context-length", "4096", "--max-total-tokens", "16384", "--max-running-requests", "4",
+            "--disable-radix-cache", "--log-level", "warning"]
+    if args.attention_backend:
+        argv += ["--attention-backend", args.attention_backend]
+    if args.disable_cuda_graph:
+        argv.append("--disable-cuda-graph")
+    return Scheduler(parse_config(argv), model_dir, _word_tokenizer(LLAMA_31_8B["vocab_size"]))
+
+
+def _word_tokenizer(vocab_size: int):
+    """A real tokenizer over made-up words "t0".."t{V-1}": random weights come with none,
+    and the scheduler detokenizes what it streams."""
+    import tokenizers
+
+    from specserve.server.tokenizer import Tokenizer
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(tok, bos_token_id=None, eos_token_ids=frozenset(), add_bos_token=False, chat_template=None,
+                     special_tokens={})
+
+
+def _served_decode(sched, ids: list[int], steps: int, overlap: bool) -> float:
+    """Seconds per decode step of one request through the scheduler, as the server runs
+    it (host work, read-back and output processing included), with or without overlap."""
+    from specserve.engine.messages import GenerateReq
+    from specserve.engine.sampling_params import SamplingParams
+
+    sched.overlap = overlap
+    params = SamplingParams(temperature=0, max_new_tokens=steps + 1, ignore_eos=True)
+    sched.add_request(GenerateReq(f"limit-{overlap}-{steps}", ids, params))
+    sched.step()  # the prefill (samples the first token)
+    tokens, start = 0, time.perf_counter()
+    while sched.has_work:
+        tokens += sum(len(out.token_ids) for out in sched.step())
+    return (time.perf_counter() - start) / tokens
+
+
 def _decode(runner, kv, prompt_len: int, steps: int) -> tuple[float, int, float]:
-    """Seconds per decode step (host included), the mean KV length, verify(16)/decode."""
+    """The runner alone, each step read back before the next: seconds per decode step
+    (host included), the mean KV length, and verify(16) / decode timed the same way."""
     from specserve.engine.batch import ScheduleBatch
     from specserve.engine.request import Req
     from specserve.engine.sampling_params import SamplingParams
@@ -114,7 +162,7 @@ def _decode(runner, kv, prompt_len: int, steps: int) -> tuple[float, int, float]
     def decode() -> None:
         prefix = req.kv_len
         s = kv.extend(req, 1)
-        b = ScheduleBatch(ForwardMode.DECODE, [req], [req.all_ids[-1]], s, [prefix], [1], [True])
+        b = ScheduleBatch(ForwardMode.DECODE, [req], [req.last_id], s, [prefix], [1], [True])
         req.output_ids.append(_argmax(runner, kv, b))
 
     for _ in range(8):  # warm-up
@@ -136,7 +184,7 @@ def _verify_ratio(runner, kv, req, decode_s: float, nodes: int = 16, iters: int 
 
     parents = [-1] + [0 if i % 4 == 1 else i - 1 for i in range(1, nodes)]
     tokens = [(2000 + i) % runner.vocab_size for i in range(nodes - 1)]
-    drafts = Drafts.from_lists([[req.all_ids[-1]] + tokens], [parents])
+    drafts = Drafts.from_lists([[req.last_id] + tokens], [parents])
     slots = kv.alloc_slots(nodes)
     kv.table.write(req.row, req.kv_len, slots)
     batch = verify_batch([req], drafts, [slots], full=runner.verify_graph_tokens == nodes)

@@ -17,7 +17,7 @@ from specserve.cache.kv_pool import KVPool
 from specserve.config import CacheConfig, ModelConfig, RunnerConfig
 from specserve.engine.batch import ScheduleBatch
 from specserve.models.llama import LlamaForCausalLM
-from specserve.models.loader import load_model, pick_dtype, read_hf_config
+from specserve.models.loader import load_model, pick_dtype, random_model, read_hf_config
 from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.runner.h2d import h2d_many
@@ -59,15 +59,16 @@ class ModelRunner:
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, cache_cfg: CacheConfig,
                  runner_cfg: RunnerConfig, model: LlamaForCausalLM | None = None,
                  spec_algorithm: str | None = None, chunked_prefill_size: int | None = None) -> None:
-        """`model`: an already built model for `model_dir`'s config (benchmarks with random
-        weights); by default the weights are loaded from `model_dir`. The speculative
+        """`model`: an already built model for `model_dir`'s config; by default the weights
+        are loaded from `model_dir` (random ones with --load-format dummy). The speculative
         algorithm and chunk size only size the GPU memory headroom (`memory.py`)."""
         self.spec_algorithm, self.chunked_prefill_size = spec_algorithm, chunked_prefill_size
         self.device = pick_device(model_cfg.device)
         self.model_dir = Path(model_dir)
         hf = read_hf_config(model_dir)
         self.dtype = pick_dtype(model_cfg.dtype, self.device, hf)
-        self.model = model or load_model(model_dir, self.dtype, self.device)
+        load = random_model if model_cfg.load_format == "dummy" else load_model
+        self.model = model or load(model_dir, self.dtype, self.device)
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.context_length = model_cfg.context_length or cfg.max_position_embeddings

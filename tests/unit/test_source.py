@@ -153,3 +153,20 @@ def test_load_format_is_checked_not_ignored():
         check_load_format("/some/hf_dir", "gguf")
     with pytest.raises(ValueError, match="does not apply"):
         check_load_format("/x/model.gguf", "safetensors")
+
+
+def test_load_format_dummy_needs_only_a_config(tmp_path, smollm2_dir):
+    """--load-format dummy: random weights of config.json's shape, no checkpoint read
+    (what `specserve bench limit` serves its 8B-shaped model with)."""
+    import json
+
+    from specserve import Engine
+
+    cfg = json.loads((smollm2_dir / "config.json").read_text())
+    cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    engine = Engine(str(tmp_path), tokenizer_path=str(smollm2_dir), load_format="dummy", log_level="warning")
+    out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 5, "ignore_eos": True})
+    assert len(out["output_ids"]) == 5
+    assert not list(tmp_path.glob("*.safetensors"))
