@@ -31,11 +31,13 @@ class ScheduleBatch:
     rows: list[int] | None = None  # table rows to read KV from, when not the requests' own
 
     @staticmethod
-    def decode(reqs: list[Req], slots: torch.Tensor, prefix_lens: list[int]) -> "ScheduleBatch":
-        """One plain decode step: each request feeds its last token at position prefix_lens[b]."""
+    def decode(reqs: list[Req], slots: torch.Tensor, prefix_lens: list[int],
+               input_ids: list[int] | torch.Tensor | None = None) -> "ScheduleBatch":
+        """One plain decode step: each request feeds its last token at position prefix_lens[b]
+        (`input_ids` when given: an overlapped step's tokens, still on the device)."""
         n = len(reqs)
-        return ScheduleBatch(ForwardMode.DECODE, reqs, [r.last_id for r in reqs], slots, prefix_lens, [1] * n,
-                             [True] * n)
+        ids = [r.last_id for r in reqs] if input_ids is None else input_ids
+        return ScheduleBatch(ForwardMode.DECODE, reqs, ids, slots, prefix_lens, [1] * n, [True] * n)
 
     @property
     def sampled_reqs(self) -> list[Req]:

@@ -58,12 +58,11 @@ class InFlight:
         """id(req) -> batch index, for the requests whose token is still to be read."""
         return {id(r): i for i, r in enumerate(self.reqs) if i not in self.dropped}
 
-    def drop(self, req: Req, kv: KVManager) -> None:
-        """`req` ended on the previous step's token: give back the slot this step took for it
-        (kv_len back to seq_len - 1, as after a plain step) and never read its token."""
-        i = next(i for i, r in enumerate(self.reqs) if r is req)
+    def drop(self, i: int, kv: KVManager) -> None:
+        """Request i ended on the previous step's token: give back the slot this step took
+        for it (kv_len back to seq_len - 1, as after a plain step); its token is never read."""
         kv.allocator.free(self.slots[i:i + 1])
-        req.kv_len -= 1
+        self.reqs[i].kv_len -= 1
         self.dropped.add(i)
 
     @property
@@ -84,10 +83,10 @@ def select(so: SampleOutput, idx: list[int]) -> SampleOutput:
     return SampleOutput(**{f.name: None if (t := getattr(so, f.name)) is None else t[rows] for f in fields(so)})
 
 
-def decode_inputs(reqs: list[Req], prev: InFlight | None, device: torch.device) -> list[int] | torch.Tensor:
+def decode_inputs(reqs: list[Req], prev: InFlight | None, where: dict[int, int],
+                  device: torch.device) -> list[int] | torch.Tensor:
     """Each request's next input token: from the in-flight step's device ids where it is
-    in that step, else its last committed token (known on the host)."""
-    where = prev.index_of() if prev is not None else {}
+    in that step (`where` = prev.index_of()), else its last committed token (on the host)."""
     src = [where.get(id(r), -1) for r in reqs]
     if all(s < 0 for s in src):
         return [r.last_id for r in reqs]

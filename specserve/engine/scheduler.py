@@ -25,7 +25,7 @@ from specserve.engine.metrics import SchedulerStats
 from specserve.engine.output import commit_sampled, finish_abort, take_output
 from specserve.engine.overlap import InFlight, decode_inputs, select, surely_ends
 from specserve.engine.request import Req
-from specserve.runner.forward_batch import ForwardMode
+from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.runner.memory import OOM_ADVICE
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import SampleOutput, sample
@@ -141,9 +141,8 @@ class Scheduler:
         sampled = batch.sampled_reqs
         if sampled:
             so = sample(logits, sampling_batch(sampled, self.runner.vocab_size, logits.device))
-            if self.spec is not None and batch.mode == ForwardMode.DECODE:
-                self.spec.on_plain_step(sampled, Decoded(so.next_ids, fb.positions, fb.out_slots, fb.req_rows,
-                                                         batch.prefix_lens, features))
+            if batch.mode == ForwardMode.DECODE:
+                self._tell_proposer(sampled, so, fb, features)
             self._commit(sampled, so)
         if self.spec is not None and batch.mode == ForwardMode.EXTEND:
             self.spec.on_extend(batch, features)  # before _collect may release finished requests
@@ -167,17 +166,22 @@ class Scheduler:
         prefix = [r.kv_len for r in reqs]
         slots = self.kv.extend_each(reqs)  # _can_overlap checked the memory
         self._log_decode(reqs, len(reqs))
-        batch = ScheduleBatch(ForwardMode.DECODE, reqs, decode_inputs(reqs, prev, self.runner.device), slots,
-                              prefix, [1] * len(reqs), [True] * len(reqs))
+        batch = ScheduleBatch.decode(reqs, slots, prefix, decode_inputs(reqs, prev, ahead, self.runner.device))
         fb = self.runner.forward_batch(batch, self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
         lag = [int(id(r) in ahead) for r in reqs]
         so = sample(logits, sampling_batch(reqs, self.runner.vocab_size, logits.device, lag))
-        if self.spec is not None:  # a step the governor ran plainly: the proposer hears of it
-            self.spec.on_plain_step(reqs, Decoded(so.next_ids, fb.positions, fb.out_slots, fb.req_rows, prefix,
-                                                  features))
+        self._tell_proposer(reqs, so, fb, features)
         self._inflight = InFlight.launch(reqs, so, slots)
         return self._read_back(prev) if prev is not None else []
+
+    def _tell_proposer(self, reqs: list[Req], so: SampleOutput, fb: ForwardBatch,
+                       features: torch.Tensor | None) -> None:
+        """A plain decode step in a speculative engine (the governor's choice): the proposer
+        hears of its tokens while they are still on the device."""
+        if self.spec is not None:
+            self.spec.on_plain_step(reqs, Decoded(so.next_ids, fb.positions, fb.out_slots, fb.req_rows,
+                                                  fb.prefix_lens, features))
 
     def _drain(self) -> list[TokenOut]:
         """Read back and commit the step in flight, if any (before a step that cannot overlap)."""
@@ -190,12 +194,12 @@ class Scheduler:
         live = [i for i, r in enumerate(done.reqs) if i not in done.dropped and not r.finished]
         reqs = [done.reqs[i] for i in live]
         self._commit(reqs, select(done.wait(), live))
-        cur = self._inflight
-        if cur is not None:
+        cur, ended = self._inflight, [r for r in reqs if r.finished]
+        if cur is not None and ended:
             ahead = cur.index_of()
-            for req in reqs:
-                if req.finished and id(req) in ahead:
-                    cur.drop(req, self.kv)
+            for req in ended:
+                if id(req) in ahead:
+                    cur.drop(ahead[id(req)], self.kv)
             if cur.all_dropped:
                 self._inflight = None  # all of it is garbage: never read it
         return self._finish_and_take(reqs)
