@@ -7,8 +7,9 @@ DECODE. The kernels live in `triton_decode.py` (one query per request, split-KV)
 construction, so this package imports without triton installed.
 
 Which kernel: the decode kernel whenever every request has exactly one new token and no
-custom mask (DECODE, and one-token EXTEND / DRAFT_EXTEND batches); the extend kernel
-otherwise (EXTEND, DRAFT_EXTEND, VERIFY).
+custom mask (DECODE, and one-token EXTEND / DRAFT_EXTEND batches); the short-extend kernel
+(`triton_verify.py`, split over the keys) when every request has a few new tokens (VERIFY
+trees, EAGLE's draft extend after a verify); the extend kernel otherwise (prefill).
 
 CUDA graphs (DECODE; VERIFY and DRAFT_EXTEND are described at `_VerifyBuffers`). `init_cuda_graph_state(max_bs, 1)` allocates the static
 seq_lens [max_bs] int32; capture and replay point `fb.attn_meta` at its first `bs`
@@ -33,7 +34,7 @@ from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 class TritonMeta:
     req_rows: torch.Tensor  # [B] int64 rows of req_to_token
     seq_lens: torch.Tensor | None  # [B] int32 prefix + 1 (decode kernel only)
-    num_splits: int  # decode: KV splits per (request, kv head)
+    num_splits: int  # decode and short extends: KV splits per (request, kv head)
     # extend kernel only:
     prefix_lens: torch.Tensor | None = None  # [B] int32
     extend_lens: torch.Tensor | None = None  # [B] int32
@@ -56,9 +57,9 @@ class TritonBackend(AttentionBackend):
     def __init__(self, device: torch.device | str | None = None, num_kv_splits: int | None = None) -> None:
         """`device`: where the CUDA-graph buffers live (default: the current CUDA device, else
         CPU). `num_kv_splits`: fix the decode split count (default: a heuristic, see below)."""
-        from specserve.attention import triton_decode, triton_extend  # imports triton
+        from specserve.attention import triton_decode, triton_extend, triton_verify  # imports triton
 
-        self._decode, self._extend = triton_decode, triton_extend
+        self._decode, self._extend, self._short = triton_decode, triton_extend, triton_verify
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -84,7 +85,8 @@ class TritonBackend(AttentionBackend):
             starts.append(starts[-1] + n)
         prefix, extend, q_starts = _to_device([fb.prefix_lens, fb.extend_lens, starts], dev)
         mask, indptr = _pack_masks(fb, dev) if fb.custom_masks is not None else (None, None)
-        fb.attn_meta = TritonMeta(rows, None, 1, prefix, extend, q_starts, max(fb.extend_lens), mask, indptr)
+        fb.attn_meta = TritonMeta(rows, None, self._num_splits(fb), prefix, extend, q_starts, max(fb.extend_lens),
+                                  mask, indptr)
 
     def init_tail_metadata(self, fb: ForwardBatch, tail_start: torch.Tensor) -> None:
         """Metadata for a DECODE batch with a draft tail from device tensors only (no host
@@ -107,6 +109,10 @@ class TritonBackend(AttentionBackend):
         if m.is_decode:
             self._decode.decode_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
                                           m.seq_lens, scale, m.num_splits, m.tail, m.tail_start)
+        elif self._short.fits(m.max_extend, q.shape[1] // k_pool.shape[1]):
+            self._short.short_extend_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
+                                               m.prefix_lens, m.extend_lens, m.q_starts, m.max_extend,
+                                               scale, m.num_splits, m.mask, m.mask_indptr)
         else:
             self._extend.extend_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
                                           m.prefix_lens, m.extend_lens, m.q_starts, m.max_extend,
@@ -114,7 +120,8 @@ class TritonBackend(AttentionBackend):
         return out.view(q.shape[0], -1)  # [T, H*D]
 
     def _num_splits(self, fb: ForwardBatch) -> int:
-        """Split KV until about two programs per SM (1 when the batch alone fills the GPU).
+        """Split KV until about two programs per SM (1 when the batch alone fills the GPU);
+        decode and short extends alike.
 
         A function of (batch size, kv heads) only, never of lengths, so a captured graph
         stays right for every length. Short sequences leave trailing splits empty (cheap)."""
@@ -153,9 +160,11 @@ class TritonBackend(AttentionBackend):
             prefix = vb.prefix_lens[:bs]
             prefix.copy_(torch.tensor(fb.prefix_lens, dtype=torch.int32), non_blocking=True)
             if fb.custom_masks is not None and vb.mask is not None:  # capture runs with full masks (all ones)
-                flat = torch.stack([m.reshape(-1) for m in fb.custom_masks]).to(torch.uint8).reshape(-1)
-                vb.mask[:flat.numel()].copy_(flat, non_blocking=True)
-            fb.attn_meta = TritonMeta(fb.req_rows, None, 1, prefix, vb.extend_lens[:bs], vb.q_starts[:bs], vb.n,
+                masks = fb.custom_masks
+                flat = (masks if isinstance(masks, torch.Tensor) else torch.stack(list(masks))).reshape(-1)
+                vb.mask[:flat.numel()].copy_(flat, non_blocking=True)  # bool -> uint8 in the copy
+            fb.attn_meta = TritonMeta(fb.req_rows, None, self._num_splits(fb), prefix, vb.extend_lens[:bs],
+                                      vb.q_starts[:bs], vb.n,
                                       vb.mask, vb.mask_indptr[:bs] if vb.mask_indptr is not None else None)
             return
         seq = self._graph_seq_lens[:bs]

@@ -141,6 +141,30 @@ def test_verify_tree_masks(heads, kv_heads, dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim,splits", [(4, 2, 16, None), (6, 2, 32, 3), (4, 4, 64, 16),
+                                                      (8, 2, 16, 2)])
+def test_short_verify_split_over_keys(heads, kv_heads, dim, splits, dtype):
+    """Trees of <= 16 nodes take the short-extend kernel (new tokens x query heads of a kv
+    head in one program, keys split): ragged trees, prefixes of 0, < and > a key block."""
+    from specserve.attention.triton_verify import fits
+    drafts = Drafts.from_lists([[1, 2, 3, 4, 5, 6], [1, 2, 3], [7]], [[-1, 0, 0, 1, 3, 2], [-1, 0, 0], [-1]])
+    sizes = [6, 3, 1]
+    masks = [m[:n, :n] for m, n in zip(drafts.tree_mask(), sizes)]
+    masks.append(_random_tree_mask(16 if heads // kv_heads <= 4 else 8, torch.Generator().manual_seed(4)))
+    sizes.append(masks[-1].shape[0])
+    assert fits(max(sizes), heads // kv_heads)
+    _check([12, 150, 0, 64], sizes, heads, kv_heads, dim, dtype, masks=[m.to(DEV) for m in masks],
+           mode=ForwardMode.VERIFY, splits=splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_short_causal_extend(dtype, splits):
+    """A draft extend of a few tokens per request (causal) on the short-extend kernel."""
+    _check([0, 37, 130, 5], [6, 6, 1, 3], 4, 2, 32, dtype, mode=ForwardMode.DRAFT_EXTEND, splits=splits, seed=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_with_draft_tail_equals_copied_rows(dtype, splits):
     """Tree drafting reads a request's prefix through its own row and the branch's draft

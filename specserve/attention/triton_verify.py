@@ -1,0 +1,134 @@
+"""Short-extend attention: a few new tokens per request (a verify tree, a draft extend)
+against a long cached prefix, split over the keys like decode.
+
+The extend kernel gives a program one query head and a block of at least 16 new tokens,
+so a verify of 8 tree tokens over a few hundred cached keys is B * H programs, each
+walking the whole prefix alone and loading every K/V block once per query head: at
+batch 1 that is 9 programs on a 132-SM GPU, latency-bound (about 17 us a layer on an
+H100 for SmolLM2, where a decode step's attention takes a few).
+
+Here a program owns (request b, kv head, split): its rows are the request's n_b new
+tokens times the GROUP query heads that share the kv head (row r = token r // GROUP,
+head r % GROUP), so each K/V block is loaded once per kv head, and the keys
+[0, prefix_b + n_b) are cut into NUM_SPLITS chunks (flash-decoding) whose partial outputs
+and log-sum-exps `triton_decode._reduce_kernel` merges. Key j < prefix_b is visible to
+every row; new key j = prefix_b + m to row (token i) iff mask[i, m] (the request's tree
+mask, from one flat uint8 buffer at mask_indptr[b]) or, without a mask, m <= i (causal).
+K/V are read through req_to_token (the new tokens' slots are already in the table).
+The split count depends only on (batch size, kv heads), so capture and replay launch
+the same grid.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.attention.triton_decode import MAX_SPLITS, _reduce_kernel
+from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
+                                                online_softmax_step)
+
+MAX_ROWS = 64  # new tokens * GROUP per program; longer extends use the extend kernel
+
+
+def fits(max_extend: int, group: int) -> bool:
+    """Whether extends of up to `max_extend` new tokens per request run here."""
+    return max_extend * group <= MAX_ROWS
+
+
+@triton.jit
+def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts, Mask, MaskIndptr,
+                  Out, Lse, qk_scale,
+                  stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
+                  stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  STORE_LSE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    prefix = tl.load(PrefixLens + b)
+    n_new = tl.load(ExtendLens + b)
+    q_start = tl.load(QStarts + b).to(tl.int64)
+    row = tl.load(ReqRows + b)
+    seq_len = prefix + n_new
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    tok = offs_r // GROUP  # the row's new token (query index within the request)
+    heads = kvh * GROUP + offs_r % GROUP
+    mask_r = tok < n_new
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    t_rows = q_start + tok
+    q = tl.load(Q + t_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
+
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    table = ReqToToken + row * stride_tr
+    if CUSTOM_MASK:
+        mask_base = Mask + tl.load(MaskIndptr + b)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        slots = tl.load(table + offs_n, mask=valid, other=0)
+        k = load_kv_block(K, slots, valid, stride_ks, kvh * stride_kh, offs_d, mask_d)
+        v = load_kv_block(V, slots, valid, stride_vs, kvh * stride_vh, offs_d, mask_d)
+        m = offs_n - prefix  # index among the new tokens; < 0 in the prefix
+        if CUSTOM_MASK:
+            is_new = valid & (m >= 0)
+            bits = tl.load(mask_base + tok[:, None] * n_new + m[None, :],
+                           mask=mask_r[:, None] & is_new[None, :], other=0)
+            visible = valid[None, :] & ((m < 0)[None, :] | (bits != 0))
+        else:
+            visible = valid[None, :] & (m[None, :] <= tok[:, None])
+        acc, m_i, l_i = online_softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PREC)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split writes o = 0, lse = -inf
+    store = mask_r[:, None] & mask_d[None, :]
+    out = Out + t_rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=store)
+    if STORE_LSE:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(Lse + t_rows * stride_lt + heads * stride_lh + split, lse, mask=mask_r)
+
+
+def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
+                           req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
+                           extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int, scale: float,
+                           num_splits: int, mask: torch.Tensor | None = None,
+                           mask_indptr: torch.Tensor | None = None) -> None:
+    """`triton_extend.extend_attention`'s contract for extends with fits(max_extend, group),
+    split `num_splits` ways over the keys (every row sees its own token, so the split
+    holding key 0 of each row's visible set is never empty)."""
+    total, heads, dim = q.shape
+    group = heads // k_pool.shape[1]
+    assert req_to_token.stride(1) == 1 and 1 <= num_splits <= MAX_SPLITS and fits(max_extend, group)
+    bd = block_d(dim)
+    if num_splits == 1:  # write the final output directly; Lse is never dereferenced
+        dst, lse, dst_strides, lse_strides = out, extend_lens, (out.stride(0), out.stride(1), 0), (0, 0)
+    else:
+        dst = torch.empty(total, heads, num_splits, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(total, heads, num_splits, dtype=torch.float32, device=q.device)
+        dst_strides, lse_strides = dst.stride()[:3], lse.stride()[:2]
+    custom = mask is not None
+    if not custom:  # never dereferenced: the CUSTOM_MASK branches are compiled out
+        mask, mask_indptr = extend_lens, extend_lens
+    _short_kernel[(len(req_rows), k_pool.shape[1], num_splits)](
+        q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, q_starts, mask, mask_indptr,
+        dst, lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        req_to_token.stride(0), *dst_strides, *lse_strides,
+        GROUP=group, HEAD_DIM=dim, BLOCK_R=max(16, triton.next_power_of_2(max_extend * group)),
+        BLOCK_N=64 if dim * k_pool.element_size() <= 256 else 32, BLOCK_D=bd, NUM_SPLITS=num_splits,
+        STORE_LSE=num_splits > 1, CUSTOM_MASK=custom, PREC=dot_precision(k_pool.dtype),
+        num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _reduce_kernel[(total, heads)](
+            dst, lse, out, *dst_strides, *lse_strides, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim, BLOCK_D=bd,
+            num_warps=4)
