@@ -33,15 +33,17 @@ class ReqToTokenTable:
         """table[row, start:start+len(slots)] = slots."""
         self.table[row, start:start + slots.numel()] = slots.to(self.table.device, non_blocking=True)
 
-    def write_many(self, rows: list[int], starts: list[int], slots: list[torch.Tensor]) -> None:
-        """table[rows[i], starts[i]:starts[i]+len(slots[i])] = slots[i] for every i, as one
-        index write with one host->device copy (per-row writes cost a copy each)."""
-        lens = [s.numel() for s in slots]
+    def write_many(self, rows: list[int], starts: list[int], slots: list[torch.Tensor] | list[list[int]]) -> None:
+        """table[rows[i], starts[i]:starts[i]+len(slots[i])] = slots[i] for every i (CPU
+        tensors or int lists), as one index write with one host->device copy (per-row
+        writes cost a copy each)."""
+        lens = [len(s) for s in slots]
         if not sum(lens):
             return
         r = [row for row, n in zip(rows, lens) for _ in range(n)]
         c = [start + i for start, n in zip(starts, lens) for i in range(n)]
-        dev_r, dev_c, dev_s = h2d_many([r, c, torch.cat(slots)], self.table.device)
+        flat = torch.cat(slots) if isinstance(slots[0], torch.Tensor) else [x for s in slots for x in s]
+        dev_r, dev_c, dev_s = h2d_many([r, c, flat], self.table.device)
         self.table[dev_r, dev_c] = dev_s
 
     def write_each(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:

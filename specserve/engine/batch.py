@@ -26,7 +26,7 @@ class ScheduleBatch:
     # Speculative verify: explicit positions (seq_len + depth), tree masks over each
     # request's new tokens, and logits for every new token instead of the last ones.
     positions: list[int] | torch.Tensor | None = None
-    custom_masks: list[torch.Tensor] | None = None  # host or device tensors
+    custom_masks: list[torch.Tensor] | torch.Tensor | None = None  # [n_b, n_b] each (or [B, N, N]), host or device
     all_logits: bool = False
     rows: list[int] | None = None  # table rows to read KV from, when not the requests' own
 

@@ -130,10 +130,11 @@ class CudaGraphRunner:
         st, b = self.static[fb.mode], fb.batch_size
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         self._fill(fb, st, b, bs)
-        masks = None
-        if fb.custom_masks is not None:  # padding requests: a full mask (their rows are dropped)
-            full = torch.ones(st.tokens, st.tokens, dtype=torch.bool, device=fb.custom_masks[0].device)
-            masks = list(fb.custom_masks) + [full] * (bs - b)
+        masks = fb.custom_masks
+        if masks is not None:
+            masks = masks if isinstance(masks, torch.Tensor) else torch.stack(list(masks))  # [b, N, N]
+            if bs > b:  # padding requests: a full mask (their rows are dropped)
+                masks = torch.cat([masks, masks.new_ones(bs - b, st.tokens, st.tokens)])
         static = self._static_batch(fb, fb.mode, bs, fb.prefix_lens + [0] * (bs - b), masks)
         self.backend.init_metadata_for_replay(static)
         self.graphs[(fb.mode, bs)].replay()
@@ -153,7 +154,7 @@ class CudaGraphRunner:
             st.req_rows[b:bs].copy_(fb.req_rows[:1].expand(bs - b))
 
     def _static_batch(self, template: ForwardBatch, mode: ForwardMode, bs: int, prefix_lens: list[int],
-                      masks: list[torch.Tensor] | None) -> ForwardBatch:
+                      masks: torch.Tensor | None) -> ForwardBatch:
         st = self.static[mode]
         t = bs * st.tokens
         return ForwardBatch(

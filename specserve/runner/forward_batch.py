@@ -38,8 +38,9 @@ class ForwardBatch:
     kv_pool: "KVPool"
     attn_backend: "AttentionBackend"
     # Per-request boolean masks over the new tokens ([n_i, n_i], True = may attend), for
-    # tree verify. None means causal. Attention to the cached prefix is always allowed.
-    custom_masks: list[torch.Tensor] | None = None
+    # tree verify (or one [B, N, N] tensor when every request has N). None means causal.
+    # Attention to the cached prefix is always allowed.
+    custom_masks: list[torch.Tensor] | torch.Tensor | None = None
     logit_rows: torch.Tensor | None = None  # [R] rows of T whose logits are wanted
     # DECODE only (tree drafting): [B, d] slots of positions [prefix_b, prefix_b + d), a
     # branch's draft ancestors then the new token itself; positions below prefix_b come

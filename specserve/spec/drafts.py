@@ -27,6 +27,8 @@ class Drafts:
     # Valid nodes per request, when the proposer knows them on the host (they are a prefix
     # of each row): lets verify size its batch without reading `valid` back from the device.
     counts: list[int] | None = None
+    # The tree mask when the proposer computed it already (inside its CUDA graph)
+    known_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -105,19 +107,7 @@ class Drafts:
 
     @cached_property
     def _mask(self) -> torch.Tensor:
-        """Ancestor-or-self closure by repeated squaring of the one-step relation
-        (self + parent): ceil(log2 N) batched matmuls on the drafts' device, no per-node
-        loop (trees may live on the GPU; a loop would be N launches per step)."""
-        bsz, n = self.tokens.shape
-        dev = self.parents.device
-        step = torch.eye(n, device=dev).repeat(bsz, 1, 1)
-        has_parent = self.parents >= 0
-        step.scatter_add_(2, self.parents.clamp_min(0)[:, :, None], has_parent[:, :, None].to(step.dtype))
-        reach = step > 0
-        for _ in range(math.ceil(math.log2(n)) if n > 1 else 0):
-            r = reach.to(torch.float32)  # path counts stay <= N: exact in float32
-            reach = torch.bmm(r, r) > 0
-        return reach
+        return self.known_mask if self.known_mask is not None else ancestor_mask(self.parents)
 
     def child_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(first_child, next_sibling), each [B, N] int64 with -1 for none; valid nodes only.
@@ -137,3 +127,18 @@ class Drafts:
         first = torch.where((first == n) | ~self.valid, -1, first)
         sibling = torch.where((sibling == n) | ~child, -1, sibling)
         return first, sibling
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] parents -> [B, N, N] bool ancestor-or-self relation, by repeated squaring of
+    the one-step relation (self + parent): ceil(log2 N) batched matmuls on the parents'
+    device, no per-node loop (trees live on the GPU; a loop would be N launches per step)."""
+    bsz, n = parents.shape
+    step = torch.eye(n, device=parents.device).repeat(bsz, 1, 1)
+    has_parent = parents >= 0
+    step.scatter_add_(2, parents.clamp_min(0)[:, :, None], has_parent[:, :, None].to(step.dtype))
+    reach = step > 0
+    for _ in range(math.ceil(math.log2(n)) if n > 1 else 0):
+        r = reach.to(torch.float32)  # path counts stay <= N: exact in float32
+        reach = torch.bmm(r, r) > 0
+    return reach

@@ -136,7 +136,8 @@ class EagleProposer:
             nodes += [b * n + i for i in verified.paths[b][:len(tokens)]]
         feats = verified.features.reshape(-1, verified.features.shape[-1])
         feats = feats[h2d(nodes, feats.device)]  # [sum(lens), F]: the accepted nodes' features
-        draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, ids, torch.cat(verified.kv_slots), starts, lens,
+        slots = torch.tensor([x for s in verified.kv_slots for x in s], dtype=torch.int64)
+        draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, ids, slots, starts, lens,
                               [True] * len(reqs))
         self._set_roots(reqs, *self._step(draft, feats))
 
@@ -163,7 +164,7 @@ class EagleProposer:
             start = req.kv_len - c
             ids += extend_tokens(req.all_ids, start, req.kv_len) + [0] * pad
             pos += range(start, start + L)
-            slots += verified.kv_slots[b].tolist() + [0] * pad  # padding K/V: the scratch slot
+            slots += verified.kv_slots[b] + [0] * pad  # padding K/V: the scratch slot
             feat_rows += [b * n + i for i in verified.paths[b][:c]] + [b * n] * pad
             last.append(b * L + c - 1)
             starts.append(start)

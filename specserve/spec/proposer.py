@@ -27,7 +27,7 @@ class Verified:
     paths: list[list[int]]  # tree nodes of the accepted path, root first; committed[b][i] follows paths[b][i]
     features: torch.Tensor | None  # [B, N, F] target features per tree node, when the proposer asked
     # per request, the slots now holding the committed positions [kv_len - len(committed), kv_len)
-    kv_slots: list[torch.Tensor] | None = None
+    kv_slots: list[list[int]] | None = None
 
 
 @dataclass

@@ -39,7 +39,7 @@ from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.runner.h2d import h2d_many
-from specserve.spec.drafts import Drafts
+from specserve.spec.drafts import Drafts, ancestor_mask
 
 
 @dataclass
@@ -87,10 +87,30 @@ def frontier_batch(frame: TreeStep, req_to_token: torch.Tensor, kv_pool, backend
 
 def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities, target token ids), each [R, k], of the k best draft tokens."""
-    logp, idx = logits.log_softmax(-1).topk(k, dim=-1)
+    best, idx = row_topk(logits, k)
+    logp = best.float() - logits.float().logsumexp(-1, keepdim=True)  # no [R, V] log_softmax written
     if token_map is not None:  # draft vocabulary (EAGLE-3 d2t, FR-Spec) -> target ids
         idx = token_map[idx]
     return logp, idx
+
+
+def row_topk(x: torch.Tensor, k: int, chunks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k) over the last dim of [R, V] rows, in two stages for long rows.
+
+    With few rows torch.topk runs one thread block per row (about 60 us for 4 rows of a
+    16k draft vocabulary on an H100, four times per tree). Cutting each row into `chunks`
+    pieces gives R * chunks short rows for the first top-k and R rows of chunks * k
+    candidates for the second: the same k best (ties in either order), a few us."""
+    r, v = x.shape
+    if v < 32 * chunks or k > v // chunks:
+        return x.topk(k, dim=-1)
+    piece = -(-v // chunks)
+    if piece * chunks != v:  # pad with -inf to whole pieces (never among the k best: k <= v)
+        x = torch.nn.functional.pad(x, (0, piece * chunks - v), value=float("-inf"))
+    vals, idx = x.reshape(r, chunks, piece).topk(k, dim=-1)  # [R, C, k]
+    idx = idx + torch.arange(0, piece * chunks, piece, device=x.device)[:, None]
+    best, pick = vals.reshape(r, chunks * k).topk(k, dim=-1)
+    return best, idx.reshape(r, chunks * k).gather(1, pick)
 
 
 class TreeDrafter:
@@ -123,13 +143,14 @@ class TreeDrafter:
             x = TreeInputs(first[0], first[1], states, roots, rows, tail_start,
                            slots.view(self.num_steps - 1, bsz * self.topk), start)
             if self.graphs is not None and self.graphs.can_run(bsz):
-                tokens, parents = self.graphs.replay(x)
+                tokens, parents, mask = self.graphs.replay(x)
             else:
                 tokens, parents = self.expand(x, self.step, num_nodes)
+                mask = ancestor_mask(parents)
         finally:
             self.kv.allocator.free(scratch)
         n = tokens.shape[1]
-        return Drafts(tokens, parents, torch.ones(bsz, n, dtype=torch.bool, device=dev), [n] * bsz)
+        return Drafts(tokens, parents, torch.ones(bsz, n, dtype=torch.bool, device=dev), [n] * bsz, mask)
 
     def expand(self, x: TreeInputs, step: DraftStep, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, parents), each [B, 1 + num_selected]: the trees, with device ops only."""

@@ -21,6 +21,7 @@ import bisect
 import torch
 
 from specserve.runner.cuda_graph import capture_each, capture_sizes
+from specserve.spec.drafts import ancestor_mask
 from specserve.spec.tree_draft import TreeDrafter, TreeInputs
 
 
@@ -43,8 +44,9 @@ class TreeDraftGraphs:
         return bsz <= self.sizes[-1]
 
     @torch.inference_mode()
-    def replay(self, x: TreeInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, parents) [B, 1 + num_selected] of `x`'s B trees; valid until the next replay."""
+    def replay(self, x: TreeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, parents) [B, 1 + num_selected] of `x`'s B trees and their tree masks
+        [B, N, N]; valid until the next replay."""
         b, k = x.roots.shape[0], self.drafter.topk
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         st = self.static
@@ -60,13 +62,15 @@ class TreeDraftGraphs:
             st.scratch[:, b * k:bs * k].zero_()
         if self.capture:
             self.graphs[bs].replay()
-            tokens, parents = self.outputs[bs]
+            tokens, parents, mask = self.outputs[bs]
         else:
-            tokens, parents = self._pass(bs)
-        return tokens[:b], parents[:b]
+            tokens, parents, mask = self._pass(bs)
+        return tokens[:b], parents[:b], mask[:b]
 
-    def _pass(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.drafter.expand(self._view(bs), self.drafter.step, self.num_nodes)
+    def _pass(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The trees and their masks (verify reads them: computed here, no launches of their own)."""
+        tokens, parents = self.drafter.expand(self._view(bs), self.drafter.step, self.num_nodes)
+        return tokens, parents, ancestor_mask(parents)
 
     def _view(self, bs: int) -> TreeInputs:
         st, k = self.static, self.drafter.topk

@@ -30,15 +30,18 @@ def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor], ful
     positions = torch.tensor([r.kv_len for r in reqs]).to(dev, non_blocking=True)[:, None] + drafts.depths()
     masks = drafts.tree_mask()
     if all(c == n for c in counts):
-        ids, pos, custom = drafts.tokens.reshape(-1), positions.reshape(-1), list(masks)
+        ids, pos, custom = drafts.tokens.reshape(-1), positions.reshape(-1), masks  # [B, N, N]: no per-request views
     else:
         idx = torch.tensor([b * n + i for b, c in enumerate(counts) for i in range(c)]).to(dev, non_blocking=True)
         ids, pos = drafts.tokens.reshape(-1)[idx], positions.reshape(-1)[idx]
         custom = [masks[b, :c, :c] for b, c in enumerate(counts)]
-    out_slots = []
-    for s, c, v in zip(slots, counts, valid):
-        s = s[:min(c, v)]
-        out_slots.append(torch.cat([s, s.new_zeros(c - s.numel())]) if c > s.numel() else s)
+    if all(c == v == s.numel() for s, c, v in zip(slots, counts, valid)):  # full trees: no per-request slicing
+        out_slots = slots
+    else:
+        out_slots = []
+        for s, c, v in zip(slots, counts, valid):
+            s = s[:min(c, v)]
+            out_slots.append(torch.cat([s, s.new_zeros(c - s.numel())]) if c > s.numel() else s)
     return ScheduleBatch(ForwardMode.VERIFY, reqs, ids, torch.cat(out_slots),
                          [r.kv_len for r in reqs], counts, [True] * len(reqs),
                          positions=pos, custom_masks=custom, all_logits=True)
@@ -68,18 +71,19 @@ def pad_rows(packed: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
 
 
 def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: list[list[int]],
-              kept: list[int]) -> list[torch.Tensor]:
+              kept: list[int]) -> list[list[int]]:
     """Keep the KV of paths[b][:kept[b]] at positions kv_len.. of each request's row, free
-    the rest of `slots`, advance kv_len; return each request's kept slots (host).
+    the rest of `slots`, advance kv_len; return each request's kept slots (host ints).
 
     `kept[b]` is the number of tokens request b committed: root + (kept - 1) accepted
     nodes have their KV at the right positions; the last committed token's KV comes next
-    step. All rows are written in one index write."""
-    keep_all, drop_all = [], []
+    step. All rows are written in one index write; the step's slots are read as one list."""
+    flat = torch.cat(slots).tolist()
+    keep_all, drop_all, start = [], [], 0
     for s, path, k in zip(slots, paths, kept):
-        ids = s.tolist()
+        ids, start = flat[start:start + s.numel()], start + s.numel()
+        keep_all.append([ids[i] for i in path[:k]])
         keep = set(path[:k])
-        keep_all.append(torch.tensor([ids[i] for i in path[:k]], dtype=torch.int64))
         drop_all += [x for i, x in enumerate(ids) if i not in keep]
     kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], keep_all)
     if drop_all:

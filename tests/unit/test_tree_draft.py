@@ -14,7 +14,7 @@ import torch
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
 from specserve.engine.sampling_params import SamplingParams
-from specserve.spec.tree_draft import TreeDrafter
+from specserve.spec.tree_draft import TreeDrafter, row_topk, top_children
 
 V, ROOT_KID = 4096, 4000  # the root's children are tokens 4000 + j
 
@@ -92,3 +92,22 @@ def _ancestry(slot: int, token_of_slot: dict[int, int]) -> list[int]:
     while (parent := _parent_slot(token_of_slot[chain[-1]])) != -1:
         chain.append(parent)
     return chain[::-1]
+
+
+@pytest.mark.parametrize("vocab", [16384, 32001, 3000, 100])
+@pytest.mark.parametrize("k", [1, 4, 10])
+def test_two_stage_topk_is_topk(vocab, k):
+    """row_topk (chunked, -inf padding for ragged rows) keeps torch.topk's values, order
+    and, without ties, its indices; top_children's log-probabilities are log_softmax's."""
+    x = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab + k))
+    got, idx = row_topk(x, k)
+    want, want_idx = x.topk(k, dim=-1)
+    assert torch.equal(got, want) and torch.equal(idx, want_idx)
+    logp, ids = top_children(x, k, None)
+    torch.testing.assert_close(logp, x.log_softmax(-1).topk(k, dim=-1).values)
+    assert torch.equal(ids, want_idx)
+    tied = torch.zeros(2, vocab)
+    tied[:, 7::vocab // 40] = 1.0  # more equal maxima than k: any k of them, each index once
+    vals, idx = row_topk(tied, k)
+    assert torch.equal(vals, torch.ones(2, k)) and torch.equal(tied.gather(1, idx), vals)
+    assert all(len(set(row)) == k for row in idx.tolist())
