@@ -4,13 +4,16 @@ Speculation pays when accepted tokens per second beat plain decoding's tokens pe
 second, and both depend on the batch size (a verify of N tokens per request is almost
 free at batch 1 and costs ~N decode steps once the GPU is compute-bound) and on the
 traffic (how often drafts are accepted). So the governor measures instead of modelling:
-per batch-size bucket it keeps the rate of the last few speculative steps and of the last
-few plain steps (mean tokens over median seconds), runs the better mode, and probes the
-other one so the estimate follows the traffic. Probes back off: a probe that confirms the
-choice doubles the wait before the next one (from `probe_every` up to `max_backoff` times
-it), or goes straight to the longest wait when the chosen mode is more than twice as fast
-(a probe then costs most and is least likely to flip); a probe faster than the chosen mode
-resets the wait. So a settled bucket spends well under 1% of its steps in the slower mode.
+per batch-size bucket it keeps each mode's rate (mean tokens of its last 64 steps over
+the median seconds of its last 8: at batch 1 a verify commits 1 to 6 tokens, so fewer
+steps give a noisy mean), runs the better mode, and probes the other one so the estimate
+follows the traffic. Probes back off: a probe that confirms a clear choice (the chosen
+mode more than CLOSE_CALL times faster) doubles the wait before the next one (from
+`probe_every` up to `max_backoff` times it), or goes straight to the longest wait when
+the chosen mode is more than twice as fast (a probe then costs most and is least likely
+to flip); a close call, or a probe step faster than the chosen mode, keeps the wait at
+`probe_every`, so the probed mode's estimate keeps up. A settled bucket spends well
+under 1% of its steps in a clearly slower mode, and about 3% in one that is close.
 A bucket not measured yet starts with the mode its nearest measured bucket prefers (batch
 sizes pass through many buckets as requests finish, and measuring the slower mode first in
 each is what exploration would otherwise cost); with no measured bucket it measures
@@ -32,12 +35,20 @@ from typing import Callable
 
 from specserve.runner.cuda_graph import capture_sizes
 
+# Within this factor the two modes are a close call: probes do not back off, so the
+# probed mode's estimate keeps up (a probe then costs at most this much on 1 step in 32).
+CLOSE_CALL = 1.5
+
 
 class SpecGovernor:
-    def __init__(self, enabled: bool, probe_every: int = 32, window: int = 8, max_backoff: int = 8,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, enabled: bool, probe_every: int = 32, window: int = 8, token_window: int = 64,
+                 max_backoff: int = 8, clock: Callable[[], float] = time.perf_counter) -> None:
         self.enabled, self.probe_every, self.clock = enabled, probe_every, clock
-        self.window = window  # a mode's rate comes from its last `window` steps
+        # A mode's rate: mean tokens of its last `token_window` steps over the median time of
+        # its last `window`. Step times are steady; tokens per step are not (at batch 1 a
+        # verify commits 1 to 6 tokens), and a mean of 8 was noisy enough (+-18%) to
+        # settle on plain decoding when speculation was 1.2x faster.
+        self.window, self.token_window = window, max(window, token_window)
         self.max_wait = probe_every * max_backoff
         self._samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # (bucket, speculated) -> (tokens, s)
         self._rate: dict[tuple[int, bool], float] = {}  # their medians
@@ -75,20 +86,23 @@ class SpecGovernor:
         if not self.enabled or seconds <= 0:
             return
         b = self._bucket(bs)
-        samples = self._samples.setdefault((b, speculated), deque(maxlen=self.window))
+        samples = self._samples.setdefault((b, speculated), deque(maxlen=self.token_window))
         samples.append((tokens, seconds))
+        recent = list(samples)[-self.window:]
         # Mean tokens (acceptance varies step to step; the mean is what a step yields) over
         # the median time (one slow step, a compile or a GC pause, is not the cost).
-        self._rate[(b, speculated)] = statistics.fmean(t for t, _ in samples) / statistics.median(
-            x for _, x in samples)
-        rate = tokens / seconds
+        self._rate[(b, speculated)] = rate = statistics.fmean(t for t, _ in samples) / statistics.median(
+            x for _, x in recent)
         if self._probing.get(b, speculated) != speculated:  # the probe: back off if it confirmed the choice
             self._probing.pop(b)
             chosen = self._rate.get((b, not speculated))
-            # Judged by the probe's own step: one that beat the chosen mode is probed again
-            # soon, so a change of traffic flips the choice within two probes.
-            confirmed = chosen is not None and rate <= chosen
-            wait = min(2 * self._wait.get(b, self.probe_every), self.max_wait) if confirmed else self.probe_every
+            # The choice follows the windows; the wait also heeds the step alone, so a
+            # probe that beat the chosen mode (a change of traffic, or luck at batch 1,
+            # where one step says little) is repeated soon and the window catches up.
+            confirmed = chosen is not None and rate <= chosen and tokens / seconds <= chosen
+            wait = self.probe_every
+            if confirmed and chosen > CLOSE_CALL * rate:  # a close call keeps its samples coming
+                wait = min(2 * self._wait.get(b, self.probe_every), self.max_wait)
             if confirmed and chosen > 2 * rate:
                 wait = self.max_wait
             self._wait[b] = wait

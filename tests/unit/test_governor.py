@@ -138,3 +138,20 @@ def test_switching_modes_keeps_outputs_exact(tiny, smollm2_dir, algo, overlap):
     assert not engine.scheduler.has_work and engine.scheduler._inflight is None
     engine.scheduler.kv.flush_cache()
     engine.scheduler.kv.assert_no_leak()
+
+
+@pytest.mark.parametrize("spec_ms,want_spec", [(3.3, True), (4.5, False)])
+def test_noisy_batch_one_acceptance_settles_on_the_faster_mode(spec_ms, want_spec):
+    """At batch 1 a verify commits 1 to 6 tokens: a few unlucky steps must not park the
+    governor on plain decoding when speculation is 1.24x faster (3.4 tokens in 3.3 ms vs
+    1 in 1.23 ms), nor keep it speculating when it is 0.92x (4.5 ms)."""
+    rng = random.Random(1)
+    gov = SpecGovernor(True)
+    modes = []
+    for _ in range(4000):
+        spec = gov.speculate(1)
+        modes.append(spec)
+        tokens = rng.choice([1, 2, 3, 4, 5, 6, 1, 3, 4, 5]) if spec else 1
+        gov.record(1, spec, tokens, (spec_ms if spec else 1.23) * rng.uniform(0.95, 1.05) / 1e3)
+    share = sum(modes[500:]) / len(modes[500:])
+    assert share > 0.9 if want_spec else share < 0.1
