@@ -41,40 +41,16 @@ from specserve.models.shipped_heads import shipped_head
 from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
-from specserve.runner.h2d import h2d, h2d_many
+from specserve.runner.h2d import h2d
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.spec.drafts import Drafts
 from specserve.spec.extend_graphs import DraftExtendGraphs
 from specserve.spec.proposer import Decoded, Verified
+from specserve.spec.root_states import RootStates
 from specserve.spec.tree_draft import TreeDrafter, TreeStep, frontier_batch, top_children
 from specserve.spec.tree_graphs import TreeDraftGraphs
 
 logger = logging.getLogger("specserve")
-
-
-class RootStates:
-    """Per table row, the draft's output at the row's last draft-KV position (kv_len - 1):
-    the root's top-k children and the hidden their depth-1 forwards take. Device buffers
-    indexed by row, written and read for a whole batch in one index op each."""
-
-    def __init__(self, rows: int, topk: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.logp = torch.zeros(rows, topk, dtype=torch.float32, device=device)  # log-probabilities
-        self.ids = torch.zeros(rows, topk, dtype=torch.int64, device=device)  # target token ids
-        self.hidden = torch.zeros(rows, width, dtype=dtype, device=device)
-        self.ready: set[str] = set()  # request ids whose row holds a state
-
-    def set(self, reqs: list[Req], logp: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor,
-            rows: torch.Tensor | None = None) -> None:
-        """Store the states of `reqs` (rows: their table rows on the device, if at hand)."""
-        if rows is None:
-            rows = h2d([r.row for r in reqs], self.logp.device)
-        for buf, value in ((self.logp, logp), (self.ids, ids), (self.hidden, hidden)):
-            buf.index_copy_(0, rows, value.to(buf.dtype))
-        self.ready.update(r.rid for r in reqs)
-
-    def get(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp [B, k], ids [B, k], hidden [B, H]) of table rows `rows` [B] (device)."""
-        return self.logp[rows], self.ids[rows], self.hidden[rows]
 
 
 def extend_tokens(all_ids: list[int], start: int, end: int) -> list[int]:
@@ -148,8 +124,9 @@ class EagleProposer:
         and the host's work here overlaps the GPU's before the step's read-back."""
         if self.decoded_graphs is not None and self.decoded_graphs.can_run(len(reqs)):
             b = torch.arange(len(reqs), device=self.runner.device)
-            index = [step.tokens, step.positions, step.slots, b, step.rows, b]
-            self.roots.set(reqs, *self.decoded_graphs.replay(index, step.features, step.prefix_lens), rows=step.rows)
+            self.decoded_graphs.replay([step.tokens, step.positions, step.slots, b, step.rows, b], step.features,
+                                       step.prefix_lens)
+            self.roots.mark(reqs)
             return
         draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, step.tokens, step.slots, step.prefix_lens,
                               [1] * len(reqs), [True] * len(reqs), positions=step.positions)
@@ -168,9 +145,9 @@ class EagleProposer:
             feat_rows += [b * n + i for i in verified.paths[b][:c]] + [b * n] * pad
             last.append(b * L + c - 1)
             starts.append(start)
-        index = h2d_many([ids, pos, slots, feat_rows, [r.row for r in reqs], last], self.runner.device)
         features = verified.features.reshape(-1, verified.features.shape[-1])
-        self.roots.set(reqs, *self.extend_graphs.replay(index, features, starts), rows=index[4])
+        self.extend_graphs.replay_host([ids, pos, slots, feat_rows], [[r.row for r in reqs], last], features, starts)
+        self.roots.mark(reqs)
 
     def _set_roots(self, reqs: list[Req], logits: torch.Tensor, hidden: torch.Tensor) -> None:
         self.roots.set(reqs, *top_children(logits, self.topk, self.token_map), hidden)
@@ -181,8 +158,11 @@ class EagleProposer:
         if not active:
             return Drafts.roots([r.last_id for r in reqs], self.runner.device)
         act = [reqs[b] for b in active]
-        logp, ids, hidden = self.roots.get(h2d([r.row for r in act], self.runner.device))
-        tree = self.tree.draft(act, (logp, ids), self.max_nodes, hidden)
+        if self.tree.graphs is not None and self.tree.graphs.can_run(len(act)):
+            tree = self.tree.draft(act, self.max_nodes)  # the graph reads the root states itself
+        else:
+            logp, ids, hidden = self.roots.get(h2d([r.row for r in act], self.runner.device))
+            tree = self.tree.draft(act, self.max_nodes, (logp, ids), hidden)
         if len(act) == len(reqs):
             return tree
         return Drafts.roots([r.last_id for r in reqs], self.runner.device).with_rows(active, tree)
@@ -195,8 +175,8 @@ class EagleProposer:
     def _capture_tree(self, runner: ModelRunner, max_running: int) -> TreeDraftGraphs:
         """One graph per batch size for the whole tree-drafting pass."""
         with torch.inference_mode():
-            return TreeDraftGraphs(self.tree, runner.graph_max_bs(max_running), self.max_nodes,
-                                   self.model.config.hidden_size, runner.dtype, runner.device)
+            return TreeDraftGraphs(self.tree, self.roots, runner.graph_max_bs(max_running), self.max_nodes,
+                                   runner.device)
 
     def _capture_extend(self, runner: ModelRunner, max_running: int, tokens_per_req: int) -> DraftExtendGraphs:
         """One graph per batch size for the draft extend of `tokens_per_req` tokens per request
@@ -206,7 +186,7 @@ class EagleProposer:
         with torch.inference_mode():
             return DraftExtendGraphs(self.model, self.backend, self.pool, self.kv.table.table,
                                      runner.graph_max_bs(max_running), tokens_per_req, width,
-                                     self.topk, self.token_map)
+                                     self.topk, self.token_map, self.roots)
 
     @torch.inference_mode()
     def _step(self, batch: ScheduleBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

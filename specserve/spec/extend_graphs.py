@@ -16,6 +16,11 @@ read through the first real request's table row and write only the scratch slot.
 With L = 1 (the draft's catch-up after a plain decode step: one committed token per
 request) the extend is a decode at position kv_len - 1 and runs on the decode kernel's
 graph state, which the L > 1 graphs do not use, so both can live on one backend.
+
+The graph also writes the root states into `RootStates` (padding requests into its
+scratch row), and every per-replay index lives in one flat static buffer, so a replay
+from host lists is one host->device copy, one feature gather, the metadata copy and the
+graph: a handful of launches instead of a few dozen.
 """
 from __future__ import annotations
 
@@ -25,15 +30,17 @@ import torch
 
 from specserve.runner.cuda_graph import capture_each, capture_sizes
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.spec.root_states import RootStates
 from specserve.spec.tree_draft import top_children
 
 
 class DraftExtendGraphs:
     def __init__(self, model, backend, kv_pool, req_to_token: torch.Tensor, max_bs: int, tokens_per_req: int,
-                 feature_width: int, topk: int, token_map: torch.Tensor | None, capture: bool = True) -> None:
+                 feature_width: int, topk: int, token_map: torch.Tensor | None, roots: RootStates,
+                 capture: bool = True) -> None:
         """`capture` False runs the same padded batches eagerly (any backend, CPU tests)."""
         self.model, self.backend, self.kv_pool, self.table = model, backend, kv_pool, req_to_token
-        self.L, self.topk, self.token_map = tokens_per_req, topk, token_map
+        self.L, self.topk, self.token_map, self.roots = tokens_per_req, topk, token_map, roots
         self.sizes = capture_sizes(max_bs)
         n, dev = self.sizes[-1], req_to_token.device
         dtype = next(p for p in model.parameters()).dtype
@@ -41,55 +48,83 @@ class DraftExtendGraphs:
         self.mode = ForwardMode.DECODE if self.L == 1 else ForwardMode.DRAFT_EXTEND
         if capture:
             backend.init_cuda_graph_state(n, self.L, causal=True)
-        zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
-        self.ids, self.pos, self.slots = zeros(n * self.L), zeros(n * self.L), zeros(n * self.L)
-        self.rows, self.last = zeros(n), zeros(n)  # last[b]: flat row of b's last committed token
-        self.features = zeros(n * self.L, feature_width, dtype=dtype)
-        self.graphs, self.outputs = {}, {}
+        # ids, positions, slots, feature rows [n*L] each; table rows, last, root-state rows [n] each
+        self._parts = [n * self.L] * 4 + [n] * 3
+        self.index = torch.zeros(sum(self._parts), dtype=torch.int64, device=dev)
+        self.ids, self.pos, self.slots, self.feat_rows, self.rows, self.last, self.dst = self.index.split(self._parts)
+        self.features = torch.zeros(n * self.L, feature_width, dtype=dtype, device=dev)
+        self.graphs = {}
         if capture:
             batches = {bs: self._batch(bs, [0] * bs) for bs in self.sizes}
-            self.graphs, self.outputs = capture_each(
+            self.graphs, _ = capture_each(
                 self.sizes, lambda bs: self._run(batches[bs], bs), dev,
                 prepare=lambda bs: backend.init_metadata_for_capture(batches[bs]))
 
     def can_run(self, bsz: int) -> bool:
         return bsz <= self.sizes[-1]
 
-    @torch.inference_mode()
-    def replay(self, index: list[torch.Tensor], features: torch.Tensor, prefix_lens: list[int]
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Root states (logp [B, k], ids [B, k], hidden [B, H]) after extending B requests.
+    def size_for(self, bsz: int) -> int:
+        """The captured batch size a batch of `bsz` is padded to."""
+        return self.sizes[bisect.bisect_left(self.sizes, bsz)]
 
-        `index` = [ids, positions, slots, feature rows] (each [B*L]), [rows, last] (each [B]),
-        on the device; `features` [B*N, F] the verify's per-node features; `prefix_lens` the
-        positions each request's extend starts at. Outputs are valid until the next replay."""
+    @torch.inference_mode()
+    def replay_host(self, tokens: list[list[int]], reqs: list[list[int]], features: torch.Tensor,
+                    prefix_lens: list[int]) -> None:
+        """Extend B requests and write their root states (rows reqs[0]) from host lists.
+
+        `tokens` = [ids, positions, slots, feature rows] (each [B*L]), `reqs` = [table rows,
+        last] (each [B]); `features` [*, F] the verify's per-node features; `prefix_lens`
+        the positions each request's extend starts at."""
+        b = len(reqs[0])
+        bs = self.size_for(b)
+        host = torch.zeros(self.index.numel(), dtype=torch.int64)
+        pad = bs - b
+        parts = [*tokens, reqs[0] + reqs[0][:1] * pad, reqs[1] + [i * self.L for i in range(b, bs)],
+                 reqs[0] + [self.roots.scratch_row] * pad]
+        offset = 0
+        for values, size in zip(parts, self._parts):  # padding tokens: id 0, position 0, slot 0, feature row 0
+            host[offset:offset + len(values)] = torch.tensor(values, dtype=torch.int64)
+            offset += size
+        self.index.copy_(host, non_blocking=True)  # pageable: staged before the call returns
+        self._go(bs, b, features, prefix_lens)
+
+    @torch.inference_mode()
+    def replay(self, index: list[torch.Tensor], features: torch.Tensor, prefix_lens: list[int]) -> None:
+        """The same from device tensors: `index` = [ids, positions, slots, feature rows]
+        (each [B*L]), [rows, last] (each [B]); root states go to `rows`."""
         ids, pos, slots, feat_rows, rows, last = index
         b, L = rows.shape[0], self.L
-        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
-        for static, value in ((self.ids, ids), (self.pos, pos), (self.slots, slots)):
+        bs = self.size_for(b)
+        for static, value in ((self.ids, ids), (self.pos, pos), (self.slots, slots), (self.feat_rows, feat_rows)):
             static[:b * L].copy_(value)
             static[b * L:bs * L].zero_()
-        torch.index_select(features, 0, feat_rows, out=self.features[:b * L])
         self.rows[:b].copy_(rows)
+        self.dst[:b].copy_(rows)
         self.last[:b].copy_(last)
         if bs > b:  # padding requests: the first real row, their own first token as "last"
             self.rows[b:bs].copy_(rows[:1].expand(bs - b))
             self.last[b:bs].copy_(torch.arange(b, bs, device=last.device) * L)
+            self.dst[b:bs].fill_(self.roots.scratch_row)
+        self._go(bs, b, features, prefix_lens)
+
+    def _go(self, bs: int, b: int, features: torch.Tensor, prefix_lens: list[int]) -> None:
+        t = bs * self.L
+        torch.index_select(features, 0, self.feat_rows[:t], out=self.features[:t])
         fb = self._batch(bs, prefix_lens + [0] * (bs - b))
         if not self.capture:
             self.backend.init_forward_metadata(fb)
-            return tuple(t[:b] for t in self._run(fb, bs))
+            self._run(fb, bs)
+            return
         self.backend.init_metadata_for_replay(fb)
         self.graphs[bs].replay()
-        return tuple(t[:b] for t in self.outputs[bs])
 
     def _batch(self, bs: int, prefix_lens: list[int]) -> ForwardBatch:
         t = bs * self.L
         return ForwardBatch(self.mode, self.ids[:t], self.pos[:t], self.slots[:t], self.rows[:bs],
                             prefix_lens, [self.L] * bs, self.table, self.kv_pool, self.backend)
 
-    def _run(self, fb: ForwardBatch, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _run(self, fb: ForwardBatch, bs: int) -> None:
         h_logits, h_next = self.model(fb, self.features[:bs * self.L])
         last = self.last[:bs]
         logp, ids = top_children(self.model.compute_logits(h_logits[last]), self.topk, self.token_map)
-        return logp, ids, h_next[last]
+        self.roots.write(self.dst[:bs], logp, ids, h_next[last])

@@ -88,7 +88,7 @@ class StandaloneProposer:
             return roots
         act = [reqs[b] for b in active]
         first = top_children(self._logits(self._catch_up(act)), self.tree.topk, None)
-        tree = self.tree.draft(act, first, self.max_nodes)
+        tree = self.tree.draft(act, self.max_nodes, first)
         return tree if len(act) == len(reqs) else roots.with_rows(active, tree)
 
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:

@@ -94,15 +94,20 @@ def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None) -
     return logp, idx
 
 
+# Above this many rows torch.topk spreads each row over several blocks and is faster than
+# two stages (H100: 256 rows of 16k, 15 two-stage top-ks a step took 0.93 ms, one-stage ~0.3)
+MAX_TWO_STAGE_ROWS = 16
+
+
 def row_topk(x: torch.Tensor, k: int, chunks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(x, k) over the last dim of [R, V] rows, in two stages for long rows.
 
     With few rows torch.topk runs one thread block per row (about 60 us for 4 rows of a
-    16k draft vocabulary on an H100, four times per tree). Cutting each row into `chunks`
+    16k draft vocabulary on an H100, four times per tree: batch 1). Cutting each row into `chunks`
     pieces gives R * chunks short rows for the first top-k and R rows of chunks * k
     candidates for the second: the same k best (ties in either order), a few us."""
     r, v = x.shape
-    if v < 32 * chunks or k > v // chunks:
+    if r > MAX_TWO_STAGE_ROWS or v < 32 * chunks or k > v // chunks:
         return x.topk(k, dim=-1)
     piece = -(-v // chunks)
     if piece * chunks != v:  # pad with -inf to whole pieces (never among the k best: k <= v)
@@ -128,29 +133,31 @@ class TreeDrafter:
         """Drafted nodes per tree (the root excluded)."""
         return min(num_nodes - 1, self.max_candidates)
 
-    def draft(self, reqs: list[Req], first: tuple[torch.Tensor, torch.Tensor], num_nodes: int,
+    def draft(self, reqs: list[Req], num_nodes: int, first: tuple[torch.Tensor, torch.Tensor] | None = None,
               states: torch.Tensor | None = None) -> Drafts:
-        """Trees of root + the best num_selected(num_nodes) nodes per request, on the device
-        of `first` = (logp [B, k], ids [B, k]), the root's children; `states` [B, H] is the
-        input state of every depth-1 node (None for a draft LLM)."""
-        bsz, dev = len(reqs), first[0].device
+        """Trees of root + the best num_selected(num_nodes) nodes per request. `first` =
+        (logp [B, k], ids [B, k]) are the root's children and `states` [B, H] the input
+        state of every depth-1 node (None for a draft LLM); with a captured graph for the
+        batch size both are read from the graph's RootStates instead (None here)."""
+        bsz = len(reqs)
         scratch = self.kv.alloc_slots(bsz * self.topk * (self.num_steps - 1))
         assert scratch is not None, "tree scratch slots were not reserved"
         try:
             start = [r.kv_len + 1 - self.shift for r in reqs]
-            roots, rows, tail_start, slots = h2d_many(
-                [[r.last_id for r in reqs], [r.row for r in reqs], start, scratch], dev)
-            x = TreeInputs(first[0], first[1], states, roots, rows, tail_start,
-                           slots.view(self.num_steps - 1, bsz * self.topk), start)
+            host = [[r.last_id for r in reqs], [r.row for r in reqs], start]
             if self.graphs is not None and self.graphs.can_run(bsz):
-                tokens, parents, mask = self.graphs.replay(x)
+                tokens, parents, mask = self.graphs.replay_host(*host, scratch)
             else:
+                assert first is not None, "an eager drafting pass needs the root's children"
+                roots, rows, tail_start, slots = h2d_many(host + [scratch], first[0].device)
+                x = TreeInputs(first[0], first[1], states, roots, rows, tail_start,
+                               slots.view(self.num_steps - 1, bsz * self.topk), start)
                 tokens, parents = self.expand(x, self.step, num_nodes)
                 mask = ancestor_mask(parents)
         finally:
             self.kv.allocator.free(scratch)
         n = tokens.shape[1]
-        return Drafts(tokens, parents, torch.ones(bsz, n, dtype=torch.bool, device=dev), [n] * bsz, mask)
+        return Drafts(tokens, parents, torch.ones(bsz, n, dtype=torch.bool, device=tokens.device), [n] * bsz, mask)
 
     def expand(self, x: TreeInputs, step: DraftStep, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, parents), each [B, 1 + num_selected]: the trees, with device ops only."""

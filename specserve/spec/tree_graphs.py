@@ -5,12 +5,14 @@ between them: eagerly several hundred small launches, each with its Python aroun
 which cost far more than the draft's arithmetic (a one-layer head on a few rows). The pass
 has fixed shapes for a given batch size (k branches per request, tails one column wider
 per depth, N-1 selected nodes) and reads no host value, so one graph per batch size
-captures all of it: forwards, scoring, frontier choice, tail gathers and the final rerank.
+captures all of it: the root states' gather from `RootStates`, forwards, scoring,
+frontier choice, tail gathers, the final rerank and the trees' masks.
 
-Static inputs mirror `TreeInputs`; static outputs are the trees' tokens and parents.
-Replay copies a pass's inputs in place and pads the batch to the next captured size with
-requests whose root children are token 0, state 0, tail_start 0, table row of the first
-real request and scratch slot 0 (their K/V land in the scratch slot; their trees are
+Static inputs are the requests' root tokens, table rows, tail starts and scratch slots,
+in one flat buffer that a replay fills with one host->device copy; static outputs are the
+trees' tokens, parents and masks. A batch is padded to the next captured size with
+requests of root token 0, tail_start 0, the first real request's table row (whose root
+state they read) and scratch slot 0 (their K/V land in the scratch slot; their trees are
 dropped). Inside the graph the attention metadata is built from device tensors
 (`AttentionBackend.init_tail_metadata`), so the draft's backend must support graphs.
 """
@@ -22,21 +24,21 @@ import torch
 
 from specserve.runner.cuda_graph import capture_each, capture_sizes
 from specserve.spec.drafts import ancestor_mask
+from specserve.spec.root_states import RootStates
 from specserve.spec.tree_draft import TreeDrafter, TreeInputs
 
 
 class TreeDraftGraphs:
-    def __init__(self, drafter: TreeDrafter, max_bs: int, num_nodes: int, state_width: int | None,
-                 state_dtype: torch.dtype, device: torch.device, capture: bool = True) -> None:
+    def __init__(self, drafter: TreeDrafter, roots: RootStates, max_bs: int, num_nodes: int,
+                 device: torch.device, capture: bool = True) -> None:
         """`capture` False runs the same padded passes eagerly (any backend, CPU tests)."""
-        self.drafter, self.num_nodes = drafter, num_nodes
+        self.drafter, self.roots, self.num_nodes = drafter, roots, num_nodes
         self.sizes = capture_sizes(max_bs)
         n, k, steps = self.sizes[-1], drafter.topk, drafter.num_steps
-        zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        self.static = TreeInputs(
-            first_logp=zeros(n, k, dtype=torch.float32), first_ids=zeros(n, k),
-            states=zeros(n, state_width, dtype=state_dtype) if state_width else None,
-            roots=zeros(n), rows=zeros(n), tail_start=zeros(n), scratch=zeros(steps - 1, n * k))
+        self._parts = [n, n, n, (steps - 1) * n * k]  # root tokens, table rows, tail starts, scratch
+        self.index = torch.zeros(sum(self._parts), dtype=torch.int64, device=device)
+        self.root_ids, self.rows, self.tail_start, scratch = self.index.split(self._parts)
+        self.scratch = scratch.view(steps - 1, n * k)
         self.capture = capture
         self.graphs, self.outputs = capture_each(self.sizes, self._pass, device) if capture else ({}, {})
 
@@ -44,22 +46,19 @@ class TreeDraftGraphs:
         return bsz <= self.sizes[-1]
 
     @torch.inference_mode()
-    def replay(self, x: TreeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, parents) [B, 1 + num_selected] of `x`'s B trees and their tree masks
-        [B, N, N]; valid until the next replay."""
-        b, k = x.roots.shape[0], self.drafter.topk
+    def replay_host(self, root_ids: list[int], rows: list[int], tail_start: list[int], scratch: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, parents) [B, 1 + num_selected] of B trees and their tree masks [B, N, N],
+        valid until the next replay; `scratch` [(num_steps - 1) * B * k] CPU slots."""
+        b, k = len(rows), self.drafter.topk
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
-        st = self.static
-        for static, value in ((st.first_logp, x.first_logp), (st.first_ids, x.first_ids), (st.states, x.states),
-                              (st.roots, x.roots), (st.rows, x.rows), (st.tail_start, x.tail_start)):
-            if static is not None:
-                static[:b].copy_(value)
-                if bs > b:
-                    static[b:bs].zero_()
-        st.scratch[:, :b * k].copy_(x.scratch)
-        if bs > b:  # padding requests read through the first real row and write slot 0
-            st.rows[b:bs].copy_(x.rows[:1].expand(bs - b))
-            st.scratch[:, b * k:bs * k].zero_()
+        n = self.sizes[-1]
+        host = torch.zeros(self.index.numel(), dtype=torch.int64)
+        host[:b] = torch.tensor(root_ids)
+        host[n:n + bs] = torch.tensor(rows + rows[:1] * (bs - b))  # padding reads the first real row
+        host[2 * n:2 * n + b] = torch.tensor(tail_start)
+        host[3 * n:].view(self.drafter.num_steps - 1, n * k)[:, :b * k] = scratch.view(-1, b * k)
+        self.index.copy_(host, non_blocking=True)  # pageable: staged before the call returns
         if self.capture:
             self.graphs[bs].replay()
             tokens, parents, mask = self.outputs[bs]
@@ -69,10 +68,9 @@ class TreeDraftGraphs:
 
     def _pass(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The trees and their masks (verify reads them: computed here, no launches of their own)."""
-        tokens, parents = self.drafter.expand(self._view(bs), self.drafter.step, self.num_nodes)
+        k = self.drafter.topk
+        rows = self.rows[:bs]
+        logp, ids, states = self.roots.get(rows)
+        x = TreeInputs(logp, ids, states, self.root_ids[:bs], rows, self.tail_start[:bs], self.scratch[:, :bs * k])
+        tokens, parents = self.drafter.expand(x, self.drafter.step, self.num_nodes)
         return tokens, parents, ancestor_mask(parents)
-
-    def _view(self, bs: int) -> TreeInputs:
-        st, k = self.static, self.drafter.topk
-        return TreeInputs(st.first_logp[:bs], st.first_ids[:bs], st.states[:bs] if st.states is not None else None,
-                          st.roots[:bs], st.rows[:bs], st.tail_start[:bs], st.scratch[:, :bs * k])

@@ -233,11 +233,10 @@ def _use_static_paths(engine: Engine, max_bs: int) -> None:
     runner = engine.scheduler.runner
     hidden = runner.model.config.hidden_size
     width = hidden * len(p.model.aux_layers) if p.model.feature_mode == "aux" else hidden
-    p.tree.graphs = TreeDraftGraphs(p.tree, max_bs, p.max_nodes, p.model.config.hidden_size, runner.dtype,
-                                    runner.device, capture=False)
+    p.tree.graphs = TreeDraftGraphs(p.tree, p.roots, max_bs, p.max_nodes, runner.device, capture=False)
     p.extend_graphs, p.decoded_graphs = (
         DraftExtendGraphs(p.model, p.backend, p.pool, engine.scheduler.kv.table.table, max_bs, n, width, p.topk,
-                          p.token_map, capture=False) for n in (p.extend_len, 1))
+                          p.token_map, p.roots, capture=False) for n in (p.extend_len, 1))
 
 
 @pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])

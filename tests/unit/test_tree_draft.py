@@ -66,8 +66,7 @@ def test_each_branch_attends_to_exactly_its_ancestors(shift, topk, steps):
     first_ids = torch.tensor([[ROOT_KID + j for j in range(topk)]] * len(reqs))
     first_logp = torch.tensor([[-0.1 * (j + 1) for j in range(topk)]] * len(reqs))
     free_rows, free_slots = kv.table.available, kv.allocator.available
-    drafts = drafter.draft(reqs, (first_logp, first_ids), 1 + topk * steps,
-                           states=torch.full((len(reqs), 4), -1.0))
+    drafts = drafter.draft(reqs, 1 + topk * steps, (first_logp, first_ids), states=torch.full((len(reqs), 4), -1.0))
     assert sorted(set(checked)) == list(range(1, steps))  # every depth but the last ran
     assert topk == 1 or mixed["yes"], "the test must make some branch's parent differ from its row"
     assert (kv.table.available, kv.allocator.available) == (free_rows, free_slots)  # scratch returned, no rows taken

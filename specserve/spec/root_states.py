@@ -1,0 +1,41 @@
+"""RootStates: EAGLE's per-request draft output at the root, kept on the device between steps.
+
+Per table row, the draft's output at the row's last draft-KV position (kv_len - 1): the
+root's top-k children and the hidden their depth-1 forwards take. Device buffers indexed
+by row, written and read for a whole batch in one index op each. One extra row past the
+table's (`scratch_row`) takes the writes of a CUDA graph's padding requests, so a padded
+batch never writes a real request's state twice in one index op.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.request import Req
+from specserve.runner.h2d import h2d
+
+
+class RootStates:
+    def __init__(self, rows: int, topk: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.scratch_row = rows
+        self.logp = torch.zeros(rows + 1, topk, dtype=torch.float32, device=device)  # log-probabilities
+        self.ids = torch.zeros(rows + 1, topk, dtype=torch.int64, device=device)  # target token ids
+        self.hidden = torch.zeros(rows + 1, width, dtype=dtype, device=device)
+        self.ready: set[str] = set()  # request ids whose row holds a state
+
+    def write(self, rows: torch.Tensor, logp: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Device only (CUDA graphs capture it): the states of table rows `rows` [B]."""
+        for buf, value in ((self.logp, logp), (self.ids, ids), (self.hidden, hidden)):
+            buf.index_copy_(0, rows, value.to(buf.dtype))
+
+    def set(self, reqs: list[Req], logp: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Store the states of `reqs` and mark them ready."""
+        self.write(h2d([r.row for r in reqs], self.logp.device), logp, ids, hidden)
+        self.mark(reqs)
+
+    def mark(self, reqs: list[Req]) -> None:
+        """`reqs` have states (written by a graph replay)."""
+        self.ready.update(r.rid for r in reqs)
+
+    def get(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logp [B, k], ids [B, k], hidden [B, H]) of table rows `rows` [B] (device)."""
+        return self.logp[rows], self.ids[rows], self.hidden[rows]
