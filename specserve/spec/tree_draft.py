@@ -94,20 +94,18 @@ def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None) -
     return logp, idx
 
 
-# Above this many rows torch.topk spreads each row over several blocks and is faster than
-# two stages (H100: 256 rows of 16k, 15 two-stage top-ks a step took 0.93 ms, one-stage ~0.3)
-MAX_TWO_STAGE_ROWS = 16
-
-
 def row_topk(x: torch.Tensor, k: int, chunks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(x, k) over the last dim of [R, V] rows, in two stages for long rows.
 
     With few rows torch.topk runs one thread block per row (about 60 us for 4 rows of a
-    16k draft vocabulary on an H100, four times per tree: batch 1). Cutting each row into `chunks`
+    16k draft vocabulary on an H100, four times per tree: batch 1); inside a CUDA graph
+    it is slow at 64 rows too (EAGLE's one-token draft extend after each plain step at
+    batch 64, H100, random SmolLM2 weights: plain steps in the EAGLE-3 engine at 9292
+    tok/s with one stage, 14761 with two; the plain engine 13305). Cutting each row into `chunks`
     pieces gives R * chunks short rows for the first top-k and R rows of chunks * k
     candidates for the second: the same k best (ties in either order), a few us."""
     r, v = x.shape
-    if r > MAX_TWO_STAGE_ROWS or v < 32 * chunks or k > v // chunks:
+    if v < 32 * chunks or k > v // chunks:
         return x.topk(k, dim=-1)
     piece = -(-v // chunks)
     if piece * chunks != v:  # pad with -inf to whole pieces (never among the k best: k <= v)
