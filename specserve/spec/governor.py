@@ -37,7 +37,7 @@ from specserve.runner.cuda_graph import capture_sizes
 
 # Within this factor the two modes are a close call: probes do not back off, so the
 # probed mode's estimate keeps up (a probe then costs at most this much on 1 step in 32).
-CLOSE_CALL = 1.5
+CLOSE_CALL = 1.2
 
 
 class SpecGovernor:

@@ -155,3 +155,14 @@ def test_noisy_batch_one_acceptance_settles_on_the_faster_mode(spec_ms, want_spe
         gov.record(1, spec, tokens, (spec_ms if spec else 1.23) * rng.uniform(0.95, 1.05) / 1e3)
     share = sum(modes[500:]) / len(modes[500:])
     assert share > 0.9 if want_spec else share < 0.1
+
+
+def test_a_clearly_slower_mode_backs_off_but_a_close_call_keeps_probing():
+    """Speculation 1.4x slower (batch 64 on H100) is probed ever more rarely; 1.1x slower
+    is probed every probe_every steps (its estimate must keep up)."""
+    for plain_rate, growing in ((1400.0, True), (1100.0, False)):
+        gov = SpecGovernor(True, probe_every=8, max_backoff=4)
+        modes = _measure(gov, 64, spec_rate=1000.0, plain_rate=plain_rate, steps=120)
+        probes = [i for i, m in enumerate(modes) if m][2:]
+        gaps = [b - a for a, b in zip(probes, probes[1:])]
+        assert (max(gaps) == 32) if growing else (set(gaps) == {8}), (plain_rate, gaps)
