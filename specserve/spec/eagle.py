@@ -158,7 +158,7 @@ class EagleProposer:
         if not active:
             return Drafts.roots([r.last_id for r in reqs], self.runner.device)
         act = [reqs[b] for b in active]
-        if self.tree.graphs is not None and self.tree.graphs.can_run(len(act)):
+        if self.tree.graphed(len(act)):
             tree = self.tree.draft(act, self.max_nodes)  # the graph reads the root states itself
         else:
             logp, ids, hidden = self.roots.get(h2d([r.row for r in act], self.runner.device))

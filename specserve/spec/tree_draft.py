@@ -131,6 +131,11 @@ class TreeDrafter:
         """Drafted nodes per tree (the root excluded)."""
         return min(num_nodes - 1, self.max_candidates)
 
+    def graphed(self, bsz: int) -> bool:
+        """Whether a pass over `bsz` requests replays a captured graph (which reads the
+        root states itself, so the caller need not gather them)."""
+        return self.graphs is not None and self.graphs.can_run(bsz)
+
     def draft(self, reqs: list[Req], num_nodes: int, first: tuple[torch.Tensor, torch.Tensor] | None = None,
               states: torch.Tensor | None = None) -> Drafts:
         """Trees of root + the best num_selected(num_nodes) nodes per request. `first` =
@@ -143,7 +148,7 @@ class TreeDrafter:
         try:
             start = [r.kv_len + 1 - self.shift for r in reqs]
             host = [[r.last_id for r in reqs], [r.row for r in reqs], start]
-            if self.graphs is not None and self.graphs.can_run(bsz):
+            if self.graphed(bsz):
                 tokens, parents, mask = self.graphs.replay_host(*host, scratch)
             else:
                 assert first is not None, "an eager drafting pass needs the root's children"
