@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -41,11 +42,31 @@ class AcceptResult:
         return [len(t) for t in self.tokens]
 
 
+@dataclass
+class DevicePaths:
+    """The accepted paths of a greedy walk before their read-back, padded to L columns:
+    what a proposer needs to start the next step's drafting from the device."""
+
+    nodes: torch.Tensor  # [B, L] accepted nodes, root first; 0 past lens
+    tokens: torch.Tensor  # [B, L] committed tokens: those of nodes[1:], then the bonus; 0 past lens
+    lens: torch.Tensor  # [B] committed tokens per request (path length, >= 1)
+
+
+# Called with the accepted paths on the device, before the host reads them back
+BeforeRead = Callable[[DevicePaths], None]
+
+
 def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch.Tensor,
            final_coins: torch.Tensor, threshold_single: float = 1.0, threshold_acc: float = 1.0,
-           force_greedy: bool = False, want_logprobs: bool = False) -> AcceptResult:
+           force_greedy: bool = False, want_logprobs: bool = False,
+           before_read: tuple[BeforeRead, int] | None = None) -> AcceptResult:
     """logits [B, N, V] float32; coins [B, N] (the coin drawn at node i decides among i's
-    children) and final_coins [B] (the bonus), uniforms in (0, 1); sb has [B] rows."""
+    children) and final_coins [B] (the bonus), uniforms in (0, 1); sb has [B] rows.
+
+    `before_read` = (hook, L): when every row walks greedily, hook(DevicePaths padded to L
+    >= the deepest path) runs after the walk is queued and before the host waits for it,
+    so GPU work the hook queues overlaps the read-back and what the host does next. It is
+    not called otherwise (the sampled walk runs on the host)."""
     bsz, n, _ = logits.shape
     assert drafts.tokens.shape == (bsz, n), f"drafts {tuple(drafts.tokens.shape)} vs {logits.shape}"
     assert coins.shape == (bsz, n) and final_coins.shape == (bsz,)
@@ -56,7 +77,8 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
 
     g_rows = [b for b in range(bsz) if greedy[b]]
     if g_rows:
-        for b, path, tok in zip(g_rows, *_accept_greedy(drafts, logits, None if len(g_rows) == bsz else g_rows)):
+        hook = before_read if len(g_rows) == bsz else None
+        for b, path, tok in zip(g_rows, *_accept_greedy(drafts, logits, None if len(g_rows) == bsz else g_rows, hook)):
             paths[b], tokens[b] = path, tok
 
     s_rows = [b for b in range(bsz) if not greedy[b]]
@@ -72,8 +94,8 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
     return AcceptResult(paths, tokens, logprobs)
 
 
-def _accept_greedy(drafts: Drafts, logits: torch.Tensor,
-                   rows: list[int] | None) -> tuple[list[list[int]], list[list[int]]]:
+def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
+                   before_read: tuple[BeforeRead, int] | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """(paths, tokens) of the greedy walk for `rows` (None: all), on the logits' device
     with one read back: the walk from the root that at each node takes the first child
     (in node order) carrying the target's argmax there.
@@ -100,13 +122,51 @@ def _accept_greedy(drafts: Drafts, logits: torch.Tensor,
     best = torch.where(accepted, depth, -1).argmax(-1)  # the path's deepest node
     on_path = mask[torch.arange(len(best), device=dev), best]  # [G, N]: its ancestors-or-self
     bonus = target.gather(1, best[:, None])
-    host = torch.cat([on_path.to(torch.int64), tok, bonus], dim=1).tolist()  # the one sync
+    packed = torch.cat([on_path.to(torch.int64), tok, bonus], dim=1)
+    if before_read is None:
+        host = packed.tolist()  # the one sync
+    else:
+        hook, length = before_read
+        host = _read_after(packed, lambda: hook(device_paths(on_path, tok, bonus[:, 0], length)))
     paths, tokens = [], []
     for row in host:
         path = [i for i in range(n) if row[i]]  # node order == depth order along a path
         paths.append(path)
         tokens.append([row[n + i] for i in path[1:]] + [row[2 * n]])
     return paths, tokens
+
+
+def device_paths(on_path: torch.Tensor, tok: torch.Tensor, bonus: torch.Tensor, length: int) -> DevicePaths:
+    """DevicePaths [G, length] from a walk's on_path [G, N] (ancestors-or-self of the deepest
+    accepted node), node tokens [G, N] and bonus tokens [G], with device ops only. The
+    caller guarantees length > the trees' depth (checking it would read the device)."""
+    g, n = on_path.shape
+    dev = on_path.device
+    idx = torch.arange(n, device=dev)
+    order = torch.where(on_path, idx, n).sort(dim=1).values  # path nodes first: node order is depth order
+    if length > n:
+        order = torch.cat([order, order.new_full((g, length - n), n)], dim=1)
+    lens = on_path.sum(1)
+    nodes = torch.where(order[:, :length] < n, order[:, :length], 0)
+    col = torch.arange(length, device=dev)
+    nxt = torch.cat([nodes[:, 1:], nodes[:, :1]], dim=1)  # committed token j comes from node j + 1 ...
+    tokens = torch.where(col < lens[:, None] - 1, tok.gather(1, nxt), 0)
+    tokens = torch.where(col == lens[:, None] - 1, bonus[:, None], tokens)  # ... and the last is the bonus
+    return DevicePaths(nodes, tokens, lens)
+
+
+def _read_after(t: torch.Tensor, work: Callable[[], None]) -> list:
+    """t.tolist(), with `work` queued on the device behind t's copy to the host: the host
+    waits for t alone, not for what `work` queues."""
+    if t.device.type != "cuda":
+        work()
+        return t.tolist()
+    host = t.to("cpu", non_blocking=True)  # lands in pinned memory: queued, not waited on
+    ready = torch.cuda.Event()
+    ready.record()
+    work()
+    ready.synchronize()
+    return host.tolist()
 
 
 def _walk_sampled(first: list[int], sibling: list[int], toks: list[int], q_tok: list[float],

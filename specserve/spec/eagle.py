@@ -23,6 +23,12 @@ Each extend's last position gives the root state: the draft's top-k children of 
 root and the hidden that their depth-1 forwards take. `propose` expands trees from it
 with `TreeDrafter` (shift 1: depth-d nodes at position kv_len + d - 1). Drafting is
 deterministic top-k, so verification stays lossless for sampling.
+
+Drafting ahead (CUDA graphs, greedy walks): `draft_ahead` runs between a verify's
+acceptance and its read-back, from the accepted paths on the device. It writes the
+committed positions' slots into the table rows, queues the draft extend and the next
+step's trees, and returns; the host then reads the step back and does its bookkeeping
+while the GPU drafts. The next `propose` over the same requests takes those trees.
 """
 from __future__ import annotations
 
@@ -41,7 +47,8 @@ from specserve.models.shipped_heads import shipped_head
 from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
-from specserve.runner.h2d import h2d
+from specserve.runner.h2d import h2d, h2d_many
+from specserve.spec.accept import DevicePaths
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.spec.drafts import Drafts
 from specserve.spec.extend_graphs import DraftExtendGraphs
@@ -76,6 +83,8 @@ class EagleProposer:
         self.roots = RootStates(kv.table.table.shape[0], spec.eagle_topk, c.hidden_size, runner.dtype, runner.device)
         self.extend_len = spec.num_steps + 1  # the most tokens one verify commits
         self.extend_graphs = self.decoded_graphs = None  # after a verify; after a plain step (1 token)
+        # (request ids, their trees) drafted ahead for the next propose over exactly those requests
+        self._ahead: tuple[list[str], Drafts] | None = None
         if self._can_capture(runner):
             self.tree.graphs = self._capture_tree(runner, max_running) if spec.num_steps > 1 else None
             self.extend_graphs = self._capture_extend(runner, max_running, self.extend_len)
@@ -87,6 +96,7 @@ class EagleProposer:
 
     def remove_request(self, req: Req) -> None:
         self.roots.ready.discard(req.rid)
+        self._ahead = None
 
     # -- keeping the draft KV in sync -----------------------------------------------------
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
@@ -100,6 +110,8 @@ class EagleProposer:
 
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
         """Draft-extend each request's committed positions with the target's features there."""
+        if verified.extended:  # draft_ahead queued it before the read-back
+            return
         if self.extend_graphs is not None and self.extend_graphs.can_run(len(reqs)):
             return self._extend_graphed(reqs, verified)
         ids, starts, lens, nodes = [], [], [], []
@@ -122,6 +134,7 @@ class EagleProposer:
         just sampled), so the draft KV invariant holds when speculation resumes. Every input
         is already on the device, so this queues behind the target's forward and sampling,
         and the host's work here overlaps the GPU's before the step's read-back."""
+        self._ahead = None  # trees drafted ahead are from before this token
         if self.decoded_graphs is not None and self.decoded_graphs.can_run(len(reqs)):
             b = torch.arange(len(reqs), device=self.runner.device)
             self.decoded_graphs.replay([step.tokens, step.positions, step.slots, b, step.rows, b], step.features,
@@ -149,11 +162,49 @@ class EagleProposer:
         self.extend_graphs.replay_host([ids, pos, slots, feat_rows], [[r.row for r in reqs], last], features, starts)
         self.roots.mark(reqs)
 
+    def can_draft_ahead(self, bsz: int) -> bool:
+        return self.extend_graphs is not None and self.extend_graphs.can_run(bsz)
+
+    def draft_ahead(self, reqs: list[Req], paths: DevicePaths, features: torch.Tensor, slots: torch.Tensor,
+                    trees: bool) -> None:
+        """on_verified (and with `trees` the next propose) from the device, before the
+        verify is read back: paths [B, >= num_steps + 1] of a verify of full trees,
+        features [B, N, F] its per-node features, slots [B, N] its slots; each request's
+        kv_len is still that before the verify. Padding past a request's path is what
+        `_extend_graphed` pads with (token 0, slot 0, its row-0 feature)."""
+        b, L, n = len(reqs), self.extend_len, slots.shape[1]
+        paths = _columns(paths, L)
+        dev = slots.device
+        starts = [r.kv_len for r in reqs]
+        rows, start = h2d_many([[r.row for r in reqs], starts], dev)  # one copy
+        col = torch.arange(L, device=dev)
+        committed = col < paths.lens[:, None]  # [B, L]
+        pos = start[:, None] + col
+        kept = torch.where(committed, slots.gather(1, paths.nodes), 0)  # path order; padding: scratch slot 0
+        # the commit's table write (commit_kv skips it): the extend reads its K/V through the table
+        table, cells = self.kv.table.table, (rows[:, None].expand(b, L), pos)
+        table[cells] = torch.where(committed, kept, table[cells])
+        feat_rows = torch.arange(b, device=dev)[:, None] * n + torch.where(committed, paths.nodes, 0)
+        last = torch.arange(b, device=dev) * L + paths.lens - 1
+        index = [torch.where(committed, paths.tokens, 0).reshape(-1), pos.reshape(-1), kept.reshape(-1),
+                 feat_rows.reshape(-1), rows, last]
+        self.extend_graphs.replay(index, features.reshape(-1, features.shape[-1]), starts)
+        self.roots.mark(reqs)
+        self._ahead = None
+        if trees and self.tree.graphed(b):
+            roots = paths.tokens.gather(1, (paths.lens - 1)[:, None])[:, 0]  # the bonus tokens
+            drafts = self.tree.draft_ahead(reqs, roots, start + paths.lens)
+            if drafts is not None:
+                self._ahead = ([r.rid for r in reqs], drafts)
+
     def _set_roots(self, reqs: list[Req], logits: torch.Tensor, hidden: torch.Tensor) -> None:
         self.roots.set(reqs, *top_children(logits, self.topk, self.token_map), hidden)
 
     # -- drafting -------------------------------------------------------------------------
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == [r.rid for r in reqs] and min(budgets) > 1:
+            return ahead[1]
         active = [b for b, n in enumerate(budgets) if n > 1]  # budget 1: root only (penalties)
         if not active:
             return Drafts.roots([r.last_id for r in reqs], self.runner.device)
@@ -205,6 +256,15 @@ class EagleProposer:
         fb = frontier_batch(frame, self.kv.table.table, self.pool, self.backend)
         h_logits, h_next = self.model(fb, hidden)
         return self.model.compute_logits(h_logits), h_next
+
+
+def _columns(paths: DevicePaths, L: int) -> DevicePaths:
+    """`paths` with exactly L columns: a path has at most num_steps + 1 = L nodes, so
+    columns past L are padding, and fewer columns (trees of N < L nodes) pad with 0."""
+    nodes, tokens = paths.nodes[:, :L], paths.tokens[:, :L]
+    if nodes.shape[1] < L:
+        nodes, tokens = (torch.nn.functional.pad(t, (0, L - t.shape[1])) for t in (nodes, tokens))
+    return DevicePaths(nodes, tokens, paths.lens)
 
 
 def _draft_dir(spec: SpecConfig, runner: ModelRunner):

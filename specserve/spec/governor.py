@@ -81,6 +81,18 @@ class SpecGovernor:
         self._probing[b] = best
         return not best
 
+    def leaning(self, bs: int) -> bool:
+        """Whether a step over `bs` requests will likely speculate: the mode `speculate`
+        prefers there (probes aside), without counting a step or scheduling a probe."""
+        if not self.enabled:
+            return True
+        b = self._bucket(bs)
+        spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
+        if spec is None or plain is None:
+            ratio = self._nearest_ratio(b)
+            return ratio is None or ratio >= 1.0
+        return spec >= plain
+
     def record(self, bs: int, speculated: bool, tokens: int, seconds: float) -> None:
         """One step over `bs` requests committed `tokens` in `seconds`."""
         if not self.enabled or seconds <= 0:

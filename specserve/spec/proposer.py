@@ -28,6 +28,7 @@ class Verified:
     features: torch.Tensor | None  # [B, N, F] target features per tree node, when the proposer asked
     # per request, the slots now holding the committed positions [kv_len - len(committed), kv_len)
     kv_slots: list[list[int]] | None = None
+    extended: bool = False  # the proposer's draft_ahead already ran on this step's device paths
 
 
 @dataclass
@@ -75,6 +76,11 @@ class Proposer(Protocol):
         its own GPU work behind them while the host waits for the read-back."""
         ...
 
+    def can_draft_ahead(self, bsz: int) -> bool:
+        """Whether `draft_ahead` (EAGLE's; see eagle.py) can run for a batch of `bsz`: a
+        proposer that says no is told of a step by `on_verified` alone."""
+        ...
+
 
 class NgramAdapter:
     """NgramProposer (keyed by request id) behind the Proposer protocol.
@@ -118,3 +124,6 @@ class NgramAdapter:
 
     def on_decoded(self, reqs: list[Req], step: Decoded) -> None:
         pass  # likewise
+
+    def can_draft_ahead(self, bsz: int) -> bool:
+        return False  # the trie drafts from host ids

@@ -103,6 +103,9 @@ class StandaloneProposer:
     def on_decoded(self, reqs: list[Req], step: Decoded) -> None:
         pass  # the draft catches up lazily in propose()
 
+    def can_draft_ahead(self, bsz: int) -> bool:
+        return False  # it catches up from host ids in propose()
+
     def _catch_up(self, reqs: list[Req]) -> ScheduleBatch:
         """EXTEND over each request's unseen committed tokens plus its root (logits at the root)."""
         ids, prefix, ext, slots = [], [], [], []

@@ -159,8 +159,22 @@ class TreeDrafter:
                 mask = ancestor_mask(parents)
         finally:
             self.kv.allocator.free(scratch)
-        n = tokens.shape[1]
-        return Drafts(tokens, parents, torch.ones(bsz, n, dtype=torch.bool, device=tokens.device), [n] * bsz, mask)
+        return _full_trees(tokens, parents, mask)
+
+    def draft_ahead(self, reqs: list[Req], roots: torch.Tensor, kv_lens: torch.Tensor) -> Drafts | None:
+        """draft() through the captured graph for requests whose root tokens and kv lengths
+        [B] exist on the device only: the step that committed them is not read back yet.
+        None when the scratch slots are not free (the caller drafts later instead)."""
+        bsz = len(reqs)
+        scratch = self.kv.alloc_slots(bsz * self.topk * (self.num_steps - 1))
+        if scratch is None:
+            return None
+        try:  # freed at once: whatever reuses the slots is queued behind this pass
+            tokens, parents, mask = self.graphs.replay_device(roots, [r.row for r in reqs],
+                                                              kv_lens + 1 - self.shift, scratch)
+        finally:
+            self.kv.allocator.free(scratch)
+        return _full_trees(tokens, parents, mask)
 
     def expand(self, x: TreeInputs, step: DraftStep, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, parents), each [B, 1 + num_selected]: the trees, with device ops only."""
@@ -193,6 +207,11 @@ class TreeDrafter:
             tail = tail[src]
         return _select(x.roots, torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
                        self.num_selected(num_nodes))
+
+
+def _full_trees(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor) -> Drafts:
+    bsz, n = tokens.shape
+    return Drafts(tokens, parents, torch.ones(bsz, n, dtype=torch.bool, device=tokens.device), [n] * bsz, mask)
 
 
 def _select(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,

@@ -50,15 +50,39 @@ class TreeDraftGraphs:
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens, parents) [B, 1 + num_selected] of B trees and their tree masks [B, N, N],
         valid until the next replay; `scratch` [(num_steps - 1) * B * k] CPU slots."""
-        b, k = len(rows), self.drafter.topk
-        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
-        n = self.sizes[-1]
+        b = len(rows)
+        self.index.copy_(self._host_index(root_ids, rows, tail_start, scratch), non_blocking=True)
+        return self._replay(b)
+
+    @torch.inference_mode()
+    def replay_device(self, root_ids: torch.Tensor, rows: list[int], tail_start: torch.Tensor,
+                      scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """replay_host with root tokens and tail starts [B] that exist on the device only
+        (committed by a step not read back yet): two device copies after the host's one."""
+        b = len(rows)
+        self.index.copy_(self._host_index([0] * b, rows, [0] * b, scratch), non_blocking=True)
+        self.root_ids[:b].copy_(root_ids)
+        self.tail_start[:b].copy_(tail_start)
+        return self._replay(b)
+
+    def _host_index(self, root_ids: list[int], rows: list[int], tail_start: list[int],
+                    scratch: torch.Tensor) -> torch.Tensor:
+        """The flat index buffer's host image; padding requests (up to the captured size)
+        have root token 0, tail start 0, the first real row and scratch slot 0."""
+        b, k, n = len(rows), self.drafter.topk, self.sizes[-1]
+        bs = self._size_for(b)
         host = torch.zeros(self.index.numel(), dtype=torch.int64)
         host[:b] = torch.tensor(root_ids)
         host[n:n + bs] = torch.tensor(rows + rows[:1] * (bs - b))  # padding reads the first real row
         host[2 * n:2 * n + b] = torch.tensor(tail_start)
         host[3 * n:].view(self.drafter.num_steps - 1, n * k)[:, :b * k] = scratch.view(-1, b * k)
-        self.index.copy_(host, non_blocking=True)  # pageable: staged before the call returns
+        return host  # pageable: a non_blocking copy is staged before the call returns
+
+    def _size_for(self, b: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, b)]
+
+    def _replay(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bs = self._size_for(b)
         if self.capture:
             self.graphs[bs].replay()
             tokens, parents, mask = self.outputs[bs]

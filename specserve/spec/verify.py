@@ -71,13 +71,15 @@ def pad_rows(packed: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
 
 
 def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: list[list[int]],
-              kept: list[int]) -> list[list[int]]:
+              kept: list[int], write_table: bool = True) -> list[list[int]]:
     """Keep the KV of paths[b][:kept[b]] at positions kv_len.. of each request's row, free
     the rest of `slots`, advance kv_len; return each request's kept slots (host ints).
 
     `kept[b]` is the number of tokens request b committed: root + (kept - 1) accepted
     nodes have their KV at the right positions; the last committed token's KV comes next
-    step. All rows are written in one index write; the step's slots are read as one list."""
+    step. All rows are written in one index write; the step's slots are read as one list.
+    `write_table` False: the device wrote them already (EAGLE's draft_ahead), possibly a
+    few more for a request that finished inside its path (past its kv_len: never read)."""
     flat = torch.cat(slots).tolist()
     keep_all, drop_all, start = [], [], 0
     for s, path, k in zip(slots, paths, kept):
@@ -85,7 +87,8 @@ def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: 
         keep_all.append([ids[i] for i in path[:k]])
         keep = set(path[:k])
         drop_all += [x for i, x in enumerate(ids) if i not in keep]
-    kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], keep_all)
+    if write_table:
+        kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], keep_all)
     if drop_all:
         kv.allocator.free(torch.tensor(drop_all, dtype=torch.int64))
     for req, k in zip(reqs, kept):

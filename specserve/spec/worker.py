@@ -134,42 +134,67 @@ class SpecWorker:
         fb = self.runner.forward_batch(batch, self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
         logits = pad_rows(logits, batch.extend_lens, drafts.num_nodes)
-        committed, paths, kept = self._accept_and_commit(reqs, drafts, logits, slots, [n > 1 for n in budgets])
         if features is not None:
             features = pad_rows(features, batch.extend_lens, drafts.num_nodes)
-        self.proposer.on_verified(reqs, Verified(committed, paths, features, kept))
+        ahead = self._ahead(reqs, drafts, features, fb, budgets)
+        committed, paths, kept = self._accept_and_commit(reqs, drafts, logits, slots, [n > 1 for n in budgets],
+                                                         ahead)
+        self.proposer.on_verified(reqs, Verified(committed, paths, features, kept, extended=bool(ahead and ahead[2])))
         return sum(map(len, committed))
 
+    def _ahead(self, reqs: list[Req], drafts, features: torch.Tensor | None, fb,
+               budgets: list[int]) -> tuple | None:
+        """The accept hook that lets the proposer draft ahead (eagle.py), when it can: full
+        trees for every request (their slots and features are [B, N] views) and the
+        proposer's graphs. Returns (hook, path length, ran) where `ran` records the call."""
+        n = drafts.num_nodes
+        if features is None or n != self.proposer.max_nodes or min(budgets) < n or fb.out_slots.numel() != len(reqs) * n \
+                or not self.proposer.can_draft_ahead(len(reqs)):
+            return None
+        ran: list[bool] = []
+        trees = self.governor.leaning(len(reqs))  # trees for a step the governor will likely speculate
+
+        def hook(paths) -> None:
+            self.proposer.draft_ahead(reqs, paths, features, fb.out_slots.view(len(reqs), n), trees)
+            ran.append(True)
+        return hook, n, ran  # a path has at most N nodes
+
     def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor],
-                           drafted: list[bool]) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
-        """drafted[b]: request b was given a draft budget (a speculative step, no penalties)."""
+                           drafted: list[bool], ahead: tuple | None = None
+                           ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+        """drafted[b]: request b was given a draft budget (a speculative step, no penalties);
+        `ahead` from `_ahead` (its hook runs only where acceptance walks on the device)."""
         sb = sampling_batch(reqs, self.runner.vocab_size, logits.device)
         if sb.has_penalties:  # only root rows carry penalties (budget 1 for those requests)
             logits = logits.clone()  # may be a view of a graph's output or an inference tensor
             logits[:, 0] = apply_penalties(logits[:, 0], sb)
-        result = self._accept(drafts, logits, sb)
+        result = self._accept(drafts, logits, sb, ahead[:2] if ahead else None)
         committed = []
         for b, req in enumerate(reqs):
             done = self._commit_tokens(req, result.tokens[b], result.paths[b], logits[b])
             committed.append(done)
             self._record(req, len(done), drafted[b])
-        kept = commit_kv(self.kv, reqs, slots, result.paths, [len(c) for c in committed])
+        ran = bool(ahead and ahead[2])  # then the table already holds the committed slots
+        kept = commit_kv(self.kv, reqs, slots, result.paths, [len(c) for c in committed], write_table=not ran)
         return committed, result.paths, kept
 
-    def _accept(self, drafts, logits: torch.Tensor, sb) -> AcceptResult:
+    def _accept(self, drafts, logits: torch.Tensor, sb, before_read=None) -> AcceptResult:
         """Exact Gumbel verification by default; SGLang's coin walk when thresholds relax it.
 
         At thresholds 1.0 both are lossless, but the Gumbel form also reproduces seeded
         plain sampling token for token (the coin walk's draws depend on the draft tree).
+        `before_read` goes to `accept` on the greedy walks (the coin walk reads back first).
         """
         force_greedy = self.spec.ngram_force_greedy_verify and self.spec.algorithm == "NGRAM"
         relaxed = self.spec.accept_threshold_single < 1.0 or self.spec.accept_threshold_acc < 1.0
         unused = torch.zeros(drafts.batch_size, drafts.num_nodes + 1)  # greedy walks draw nothing
         if sb.all_greedy or force_greedy:
-            return accept(drafts, logits, sb, unused[:, :-1], unused[:, -1], force_greedy=True)
+            return accept(drafts, logits, sb, unused[:, :-1], unused[:, -1], force_greedy=True,
+                          before_read=before_read)
         if not relaxed:
             targets = gumbel_targets(logits, sb, drafts.depths())
-            return accept(drafts, targets, sb, unused[:, :-1], unused[:, -1], force_greedy=True)
+            return accept(drafts, targets, sb, unused[:, :-1], unused[:, -1], force_greedy=True,
+                          before_read=before_read)
         noise = uniform_noise(sb.seeds, sb.counters + SPEC_NOISE_SALT, drafts.num_nodes + 1)
         return accept(drafts, logits, sb, noise[:, :-1], noise[:, -1], self.spec.accept_threshold_single,
                       self.spec.accept_threshold_acc, force_greedy=force_greedy)

@@ -139,6 +139,32 @@ def test_greedy_equals_plain_greedy_decoding(case: tuple[Drafts, torch.Tensor]) 
 
 
 @settings(max_examples=100, deadline=None)
+@given(_random_trees(), st.integers(0, 3))
+def test_device_paths_before_the_read_back_match_the_result(case: tuple[Drafts, torch.Tensor], extra: int) -> None:
+    """The hook sees, on the device, the paths and committed tokens the host reads back
+    (padded with 0 to the length asked for), and runs exactly once."""
+    drafts, logits = case
+    seen = []
+    length = drafts.num_nodes + extra
+    res = _greedy(drafts, logits, before_read=(seen.append, length))
+    assert len(seen) == 1
+    got = seen[0]
+    assert got.nodes.shape == got.tokens.shape == (drafts.batch_size, length)
+    for b, (path, toks) in enumerate(zip(res.paths, res.tokens)):
+        k = len(path)
+        assert int(got.lens[b]) == k
+        assert got.nodes[b].tolist() == path + [0] * (length - k)
+        assert got.tokens[b].tolist() == toks + [0] * (length - k)
+
+
+def test_the_hook_is_not_called_for_sampled_walks() -> None:
+    drafts, logits = _worked_example()
+    seen = []
+    accept(drafts, logits, _sb(1), *_coins(1, 6), before_read=(seen.append, 6))
+    assert seen == []
+
+
+@settings(max_examples=100, deadline=None)
 @given(_random_trees(), st.integers(0, 2**20))
 def test_sampled_paths_are_valid_and_bonus_avoids_rejected_children(
         case: tuple[Drafts, torch.Tensor], salt: int) -> None:

@@ -261,6 +261,79 @@ def test_graph_shaped_paths_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, 
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
 
 
+def _count_calls(obj, name: str, counts: dict, monkeypatch) -> None:
+    """Count calls of obj.name into counts[name], calling through."""
+    real = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(obj, name, counted)
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_drafting_ahead_keeps_a_perfect_draft_perfect(tmp_path, smollm2_dir, kind, sampled, monkeypatch):
+    """With the graph-shaped paths each verify queues the next step's draft extend and
+    trees before its read-back, from the accepted paths on the device (draft_ahead):
+    the next propose takes those trees (no drafting pass of its own), the output is plain
+    decoding's (greedy, and seeded sampling through the Gumbel walk), and every request's
+    acceptance is what it is without drafting ahead (a wrong table slot, root token or
+    tail start would cut it; greedy, a perfect draft stays at full depth). Requests that
+    finish at different steps change the batch: trees drafted for the old one are dropped."""
+    base = {"temperature": 1.0, "seed": 3} if sampled else {"temperature": 0}
+    params = [dict(base, max_new_tokens=m) for m in (33, 21, 33)]  # 1 from prefill + 8 (or 5) verifies of 4
+    prompts = _prompts(3, seed=2)
+    runs = []
+    for ahead in (False, True):
+        engine = _perfect_engine(kind, tmp_path / str(ahead), smollm2_dir, "tree")
+        _use_static_paths(engine, max_bs=4)
+        p, counts = engine.scheduler.spec.proposer, {}
+        if not ahead:
+            monkeypatch.setattr(p, "can_draft_ahead", lambda bsz: False)
+        _count_calls(p, "draft_ahead", counts, monkeypatch)
+        _count_calls(p.tree, "draft", counts, monkeypatch)
+        runs.append((_run(engine, prompts, params), counts))
+    (before, _), (outs, counts) = runs
+    plain = _engine(tmp_path / "True" / "target", smollm2_dir)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in _run(plain, prompts, params)]
+    lengths = [o["meta_info"]["spec_accept_length"] for o in outs]
+    assert lengths == [o["meta_info"]["spec_accept_length"] for o in before]
+    assert sampled or min(lengths) > 3.5, lengths
+    # every verify ran ahead (8 or more steps); drafting passes of their own only where the
+    # batch changed (admissions, then the shorter request's finish)
+    assert counts["draft_ahead"] >= 8 and counts["draft"] <= 3, counts
+
+
+@pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])
+def test_trees_drafted_ahead_are_the_trees_drafted_after_the_read_back(tiny, smollm2_dir, head, monkeypatch):
+    """Random heads (whose drafts depend on every input: the root token, its state, the
+    positions and the KV each branch reads) propose the same trees, step for step, with
+    and without drafting ahead; batch 8 and 3, requests finishing at different steps."""
+    target, prompts, ref, heads = tiny
+    params = [dict(GREEDY, max_new_tokens=24 - 3 * (i % 3)) for i in range(8)]
+    proposals, counts = [], {}
+    for ahead in (False, True):
+        engine = _engine(target, smollm2_dir, **_spec_flags(head, heads[head], "tree"))
+        _use_static_paths(engine, max_bs=8)
+        p, seen = engine.scheduler.spec.proposer, []
+        if not ahead:
+            monkeypatch.setattr(p, "can_draft_ahead", lambda bsz: False)
+        else:
+            _count_calls(p, "draft_ahead", counts, monkeypatch)
+        real = p.propose
+
+        def recorded(reqs, budgets, real=real, seen=seen):
+            drafts = real(reqs, budgets)
+            seen.append((drafts.tokens.tolist(), drafts.parents.tolist()))
+            return drafts
+        monkeypatch.setattr(p, "propose", recorded)
+        outs = _run(engine, prompts, params) + _run(engine, prompts[:3], params[:3])
+        assert [o["output_ids"] for o in outs] == [r[:m["max_new_tokens"]] for r, m in zip(ref + ref[:3], params + params[:3])]
+        proposals.append(seen)
+    assert counts["draft_ahead"] > 10 and proposals[0] == proposals[1]
+
+
 class _SomePlain(SpecGovernor):
     """A governor that runs two steps speculatively, then `plain_run` plainly, and again."""
 

@@ -37,6 +37,27 @@ def test_slow_speculation_is_turned_down_and_probed_with_backoff():
     assert spec == pytest.approx(500.0) and plain == pytest.approx(1000.0)
 
 
+def test_leaning_is_the_better_mode_and_asks_nothing():
+    """`leaning` (whether to draft the next step's trees ahead) follows the estimates (a
+    bucket not measured: its nearest measured one; none: speculation) and leaves the
+    probe schedule alone."""
+    gov = SpecGovernor(True, probe_every=8, max_backoff=4)
+    assert gov.leaning(64)  # nothing measured
+    _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=40)
+    asked = SpecGovernor(True, probe_every=8, max_backoff=4)
+    modes = []
+    for _ in range(40):
+        if len(modes) == 4:
+            for _ in range(10):
+                asked.leaning(64)
+        modes.append(asked.speculate(64))
+        asked.record(64, modes[-1], 100, 100 / (500.0 if modes[-1] else 1000.0))
+    assert not gov.leaning(64) and not asked.leaning(64)
+    assert modes == _measure(SpecGovernor(True, probe_every=8, max_backoff=4), 64, 500.0, 1000.0, 40)
+    assert not gov.leaning(512)  # not measured: as batch 64
+    assert SpecGovernor(False).leaning(1)
+
+
 def test_fast_speculation_stays_on_and_a_wide_gap_backs_off_at_once():
     gov = SpecGovernor(True, probe_every=8, max_backoff=4)
     modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=500.0, steps=64)
