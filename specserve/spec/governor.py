@@ -4,7 +4,7 @@ Speculation pays when accepted tokens per second beat plain decoding's tokens pe
 second, and both depend on the batch size (a verify of N tokens per request is almost
 free at batch 1 and costs ~N decode steps once the GPU is compute-bound) and on the
 traffic (how often drafts are accepted). So the governor measures instead of modelling:
-per batch-size bucket it keeps each mode's rate (mean tokens of its last 64 steps over
+per batch-size bucket it keeps each mode's rate (mean tokens per request of its last 64 steps over
 the median seconds of its last 8: at batch 1 a verify commits 1 to 6 tokens, so fewer
 steps give a noisy mean), runs the better mode, and probes the other one so the estimate
 follows the traffic. Probes back off: a probe that confirms a clear choice (the chosen
@@ -99,7 +99,10 @@ class SpecGovernor:
             return
         b = self._bucket(bs)
         samples = self._samples.setdefault((b, speculated), deque(maxlen=self.token_window))
-        samples.append((tokens, seconds))
+        # Tokens per request: a bucket spans batch sizes (9..16 is one) and a batch shrinks
+        # as requests finish, so the two modes' samples may come from different sizes; per
+        # batch, a mode sampled at 16 requests would outscore one sampled at 9.
+        samples.append((tokens / bs, seconds))
         recent = list(samples)[-self.window:]
         # Mean tokens (acceptance varies step to step; the mean is what a step yields) over
         # the median time (one slow step, a compile or a GC pause, is not the cost).
@@ -111,7 +114,7 @@ class SpecGovernor:
             # The choice follows the windows; the wait also heeds the step alone, so a
             # probe that beat the chosen mode (a change of traffic, or luck at batch 1,
             # where one step says little) is repeated soon and the window catches up.
-            confirmed = chosen is not None and rate <= chosen and tokens / seconds <= chosen
+            confirmed = chosen is not None and rate <= chosen and tokens / bs / seconds <= chosen
             wait = self.probe_every
             if confirmed and chosen > CLOSE_CALL * rate:  # a close call keeps its samples coming
                 wait = min(2 * self._wait.get(b, self.probe_every), self.max_wait)
@@ -130,6 +133,6 @@ class SpecGovernor:
         return self._rate[(near, True)] / self._rate[(near, False)]
 
     def rates(self, bs: int) -> tuple[float | None, float | None]:
-        """(speculative, plain) tokens/s estimates for a batch of `bs` (None: not measured)."""
+        """(speculative, plain) tokens/s per request for a batch of `bs` (None: not measured)."""
         b = self._bucket(bs)
         return self._rate.get((b, True)), self._rate.get((b, False))

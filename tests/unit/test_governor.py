@@ -18,12 +18,12 @@ from tests.unit.model_utils import save_tiny_hf
 
 
 def _measure(gov: SpecGovernor, bs: int, spec_rate: float, plain_rate: float, steps: int) -> list[bool]:
-    """Run `steps` decisions, recording each mode at its given tokens/s; return the modes."""
+    """Run `steps` decisions, recording each mode at its given tokens/s per request; return the modes."""
     modes = []
     for _ in range(steps):
         spec = gov.speculate(bs)
         modes.append(spec)
-        gov.record(bs, spec, 100, 100 / (spec_rate if spec else plain_rate))
+        gov.record(bs, spec, 100 * bs, 100 / (spec_rate if spec else plain_rate))
     return modes
 
 
@@ -51,7 +51,7 @@ def test_leaning_is_the_better_mode_and_asks_nothing():
             for _ in range(10):
                 asked.leaning(64)
         modes.append(asked.speculate(64))
-        asked.record(64, modes[-1], 100, 100 / (500.0 if modes[-1] else 1000.0))
+        asked.record(64, modes[-1], 6400, 100 / (500.0 if modes[-1] else 1000.0))
     assert not gov.leaning(64) and not asked.leaning(64)
     assert modes == _measure(SpecGovernor(True, probe_every=8, max_backoff=4), 64, 500.0, 1000.0, 40)
     assert not gov.leaning(512)  # not measured: as batch 64
@@ -88,6 +88,20 @@ def test_traffic_change_flips_the_choice_after_a_few_probes():
     assert [i - first for i, m in enumerate(modes[:first + 12]) if m][:3] == [0, 4, 8]
     assert all(modes[first + 12:first + 16])  # the window now says speculation
     assert False in modes[first + 16:]  # and plain is probed in turn
+
+
+def test_modes_sampled_at_different_sizes_of_one_bucket_compare_per_request():
+    """9..16 is one bucket and a batch shrinks as requests finish, so the two modes may be
+    sampled at different sizes: speculation at 16 requests (35 tokens in 3 ms) is slower
+    per request than plain steps at 9 (9 tokens in 1 ms), though per batch it commits more
+    tokens per second."""
+    gov = SpecGovernor(True, probe_every=8)
+    modes = []
+    for _ in range(200):
+        spec = gov.speculate(16)
+        modes.append(spec)
+        gov.record(16, True, 35, 3e-3) if spec else gov.record(9, False, 9, 1e-3)
+    assert sum(modes[20:]) <= 8  # plain, with a probe now and then
 
 
 def test_one_slow_step_does_not_decide():
