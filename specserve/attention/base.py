@@ -23,6 +23,9 @@ from specserve.runner.forward_batch import ForwardBatch
 
 class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
+    # forward reads the new tokens' K/V from fb.kv_pool after storing them at fb.out_slots:
+    # a caller may store them itself (the fused RoPE + KV write) and pass k = v = None
+    pooled_kv: bool = True
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -31,7 +34,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
-        """Write k, v at fb.out_slots of layer `layer_id`, then attend; return [T, H*D]."""
+        """Write k, v at fb.out_slots of layer `layer_id` (None: already there, see
+        `pooled_kv`), then attend; return [T, H*D]."""
 
     # -- CUDA graph hooks (backends with supports_cuda_graph = True) ------------------
     def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int, causal: bool = False) -> None:

@@ -90,7 +90,8 @@ class TorchRefBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
-        fb.kv_pool.write(layer_id, fb.out_slots, k, v)
+        if k is not None:  # else stored by the caller (pooled_kv)
+            fb.kv_pool.write(layer_id, fb.out_slots, k, v)
         m: _Meta = fb.attn_meta
         bsz, max_new = m.q_index.shape
         heads, dim = q.shape[1], q.shape[2]

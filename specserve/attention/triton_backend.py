@@ -99,7 +99,8 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
-        fb.kv_pool.write(layer_id, fb.out_slots, k, v)
+        if k is not None:  # else stored by the caller (pooled_kv)
+            fb.kv_pool.write(layer_id, fb.out_slots, k, v)
         m: TritonMeta = fb.attn_meta
         k_pool, v_pool = fb.kv_pool.k[layer_id], fb.kv_pool.v[layer_id]
         assert q.shape[1] % k_pool.shape[1] == 0, "query heads must be a multiple of kv heads"

@@ -3,7 +3,8 @@
 Owns the decision "fused kernel or torch path" (`use_fused`) and thin entry points that
 import the Triton modules on first call, so this package imports without triton. The
 kernels (`norm.py`, `activation.py`, `rope.py`) replace chains of small elementwise
-launches on CUDA: per decoder layer, add+RMSNorm twice, RoPE once, SiLU*mul once.
+launches on CUDA: per decoder layer, add+RMSNorm twice, RoPE with the KV-cache write
+once, SiLU*mul once.
 The model files call these only when `use_fused(tensor)` says so; everywhere else
 (CPU) they keep their exact torch path.
 
@@ -78,3 +79,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     from specserve.kernels import rope
 
     return rope.apply_rope(x, cos, sin)
+
+
+def rope_store_kv(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """RoPE on qkv [T, heads + 2 kvH, D]'s queries and keys, keys and values stored at
+    k_cache/v_cache[slots]; returns the rotated queries [T, heads, D] (rope.py)."""
+    from specserve.kernels import rope
+
+    return rope.rope_store_kv(qkv, heads, cos, sin, k_cache, v_cache, slots)

@@ -7,6 +7,12 @@ product and the sum are rounded to the output dtype, as torch's three elementwis
 do (in fp32 the compiler may contract to an FMA: ~1 ulp). One program per (token, head);
 x [T, heads, D] may be a strided view (last dim contiguous); cos/sin [T, 1, D] or [T, D].
 The output is a new contiguous [T, heads, D].
+
+`rope_store_kv` does one attention layer's RoPE and KV-cache write in one launch: from
+the fused projection qkv [T, H + 2 kvH, D] it rotates the queries into a new [T, H, D]
+and the keys straight into the cache rows of the tokens' slots, and copies the values
+there (rotate, then round to the cache dtype: what apply_rope and then the pool's index
+write give). Per layer that is one launch where there were three.
 """
 from __future__ import annotations
 
@@ -51,3 +57,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     _rope_kernel[(tokens * heads,)](x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), dim,
                                     HALF_D=dim // 2, BLOCK=triton.next_power_of_2(dim), num_warps=1)
     return out
+
+
+@triton.jit
+def _rope_store_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slots_ptr, H, KVH,
+                       sx0, sx1, sc, sk0, sk1, sv0, sv1, D, HALF_D: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    j = tl.program_id(1)  # head: H queries, then kvH keys, then kvH values
+    d = tl.arange(0, BLOCK)
+    mask = d < D
+    base = x_ptr + t * sx0 + j * sx1
+    x = tl.load(base + d, mask=mask, other=0.0)
+    if j >= H + KVH:  # a value: copied
+        slot = tl.load(slots_ptr + t)
+        tl.store(v_cache + slot * sv0 + (j - H - KVH) * sv1 + d, x.to(v_cache.dtype.element_ty), mask=mask)
+    else:
+        xf = x.to(tl.float32)
+        xr = tl.load(base + (d + HALF_D) % D, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + t * sc + d, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * sc + d, mask=mask, other=0.0).to(tl.float32)
+        ty = q_ptr.dtype.element_ty  # apply_rope's output dtype, then the cache's
+        a = (xf * c).to(ty).to(tl.float32)
+        b = (xr * s).to(ty).to(tl.float32)
+        y = (a + b).to(ty)
+        if j < H:
+            tl.store(q_ptr + (t * H + j) * D + d, y, mask=mask)
+        else:
+            slot = tl.load(slots_ptr + t)
+            tl.store(k_cache + slot * sk0 + (j - H) * sk1 + d, y.to(k_cache.dtype.element_ty), mask=mask)
+
+
+def rope_store_kv(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """qkv [T, heads + 2 kvH, D] (last dim contiguous) -> rotated queries [T, heads, D];
+    rotated keys and the values stored at k_cache/v_cache[slots[t]] ([slots, kvH, D])."""
+    assert qkv.dim() == 3 and qkv.stride(-1) == 1 and qkv.shape[-1] % 2 == 0, qkv.shape
+    tokens, total, dim = qkv.shape
+    kv_heads = (total - heads) // 2
+    assert total == heads + 2 * kv_heads and k_cache.shape[1:] == (kv_heads, dim) == v_cache.shape[1:]
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and slots.shape == (tokens,)
+    cos, sin = _table_2d(cos, tokens), _table_2d(sin, tokens)
+    assert cos.shape == sin.shape == (tokens, dim) and cos.stride(0) == sin.stride(0), (cos.shape, sin.shape)
+    q = torch.empty(tokens, heads, dim, dtype=torch.promote_types(qkv.dtype, cos.dtype), device=qkv.device)
+    if tokens == 0:
+        return q
+    _rope_store_kernel[(tokens, total)](qkv, cos, sin, q, k_cache, v_cache, slots, heads, kv_heads,
+                                        qkv.stride(0), qkv.stride(1), cos.stride(0), k_cache.stride(0),
+                                        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), dim,
+                                        HALF_D=dim // 2, BLOCK=triton.next_power_of_2(dim), num_warps=1)
+    return q

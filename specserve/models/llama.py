@@ -118,6 +118,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         h, kv = self.heads, self.kv_heads
         qkv = self.qkv_proj(x).view(-1, h + 2 * kv, self.head_dim)  # [T, H + 2 kvH, D]
+        if self.q_norm is None and kernels.use_fused(qkv) and fb.attn_backend.pooled_kv:
+            # one launch: RoPE, and the keys and values written into this layer's cache
+            pool = fb.kv_pool
+            q = kernels.rope_store_kv(qkv, h, *rope, pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots)
+            return self.o_proj(fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale))
         qk, v = qkv[:, :h + kv], qkv[:, h + kv:]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)

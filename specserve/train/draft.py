@@ -114,6 +114,8 @@ class TTTAttention(AttentionBackend):
     layer (module docstring for the mask). Padding sits after each sequence's end, so the
     causal step-0 part never lets a real query see it."""
 
+    pooled_kv = False  # keys and values live in self.keys, per TTT step
+
     def __init__(self, batch: int, seqlen: int) -> None:
         self.batch, self.seqlen = batch, seqlen
         self.keys: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer -> per step (k, v)

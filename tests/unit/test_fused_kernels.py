@@ -108,6 +108,31 @@ def test_rope_on_qk_view(tokens, heads, kv_heads, dim, dtype):
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 16), (6, 9, 3, 64), (3, 2, 1, 128)])
+def test_rope_store_kv_is_rope_then_the_pool_write(tokens, heads, kv_heads, dim, dtype):
+    """One launch: the queries rotated, the keys rotated and the values copied into the
+    cache rows of the tokens' slots, exactly as apply_rope followed by the pool's index
+    write; the other rows untouched."""
+    rot = RotaryEmbedding(dim, 256, 10000.0, None)
+    rot.build(DEV, dtype)
+    cos, sin = rot.lookup(torch.randint(0, 256, (tokens,), device=DEV))
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, device=DEV).to(dtype)
+    slots = torch.tensor([5, 0, 3, 2, 7, 1][:tokens], device=DEV)
+    k_cache, v_cache = (torch.randn(8, kv_heads, dim, device=DEV).to(dtype) for _ in range(2))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    with kernels.fused_kernels(True):
+        q = kernels.rope_store_kv(qkv, heads, cos, sin, k_cache, v_cache, slots)
+        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)
+    k_ref[slots], v_ref[slots] = qk[:, heads:], qkv[:, heads + kv_heads:]  # KVPool.write
+    assert torch.equal(v_cache, v_ref)
+    for got, ref in ((q, qk[:, :heads]), (k_cache, k_ref)):
+        if dtype == torch.float32 and DEV.type == "cuda":  # either kernel's sum may be an FMA
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, ref)
+
+
 def _logits(model, fused: bool) -> list[torch.Tensor]:
     """Logits of a 9-token extend, then of a 1-token decode."""
     with kernels.fused_kernels(fused):
