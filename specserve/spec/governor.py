@@ -123,6 +123,16 @@ class SpecGovernor:
             self._wait[b] = wait
             self._next_probe[b] = self._steps[b] - 1 + wait  # counted from the probe step
 
+    def unmeasured(self, bs: int, speculated: bool) -> None:
+        """A step that `speculate` decided will not be recorded (other work ran before the
+        next step, so its cost is unknown). If it was a probe, the next step probes again:
+        left in flight, the probe would block every later one in its bucket (at batch 1,
+        where each request's last step precedes the next one's prefill, the governor
+        then stayed on plain decoding for good)."""
+        b = self._bucket(bs)
+        if self._probing.get(b, speculated) != speculated:
+            self._probing.pop(b)
+
     def _nearest_ratio(self, bucket: int) -> float | None:
         """spec / plain tokens/s of the nearest bucket where both are measured (None: none is)."""
         both = [b for b in self._steps if (b, True) in self._rate and (b, False) in self._rate]

@@ -80,7 +80,9 @@ class SpecWorker:
 
     def on_extend(self, batch, features: torch.Tensor | None) -> None:
         """A target prefill chunk ran (and was sampled): let the proposer see it."""
-        self._open = None  # the prefill sits between the last decode step and the next
+        if self._open is not None:  # the prefill sits between the last decode step and the next:
+            self.governor.unmeasured(self._open[0], self._open[1])  # that step goes unmeasured
+            self._open = None
         self.proposer.on_extend(batch, features)
 
     def choose(self, bs: int) -> bool:

@@ -104,6 +104,21 @@ def test_modes_sampled_at_different_sizes_of_one_bucket_compare_per_request():
     assert sum(modes[20:]) <= 8  # plain, with a probe now and then
 
 
+def test_a_probe_left_unmeasured_is_retried():
+    """A probe step followed by a prefill is never recorded; the governor must probe again
+    rather than wait for its result forever."""
+    gov = SpecGovernor(True, probe_every=8)
+    modes = _measure(gov, 1, spec_rate=1000.0, plain_rate=2000.0, steps=10)
+    probe = len(modes)
+    while gov.speculate(1) is False:  # plain until the probe
+        gov.record(1, False, 1, 1 / 2000.0)
+        probe += 1
+    gov.unmeasured(1, True)  # a prefill ran after the probe step
+    assert gov.speculate(1)  # probed again at once
+    gov.record(1, True, 1, 1 / 1000.0)
+    assert _measure(gov, 1, spec_rate=1000.0, plain_rate=2000.0, steps=200).count(True) >= 2  # probing goes on
+
+
 def test_one_slow_step_does_not_decide():
     """A cold step (a kernel compiling, a GC pause) is outvoted: the time is a median."""
     gov = SpecGovernor(True, probe_every=4)
