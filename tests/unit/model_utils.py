@@ -48,6 +48,7 @@ class BareRunner:
         self.table = ReqToTokenTable(max_reqs, 512, dev)
         self.backend = TorchRefBackend()
         self.next_slot = 1
+        self.dev = dev
 
     def slots(self, n: int) -> torch.Tensor:
         s = torch.arange(self.next_slot, self.next_slot + n)
@@ -67,10 +68,11 @@ class BareRunner:
         if positions is None:
             positions = [[p + i for i in range(len(t))] for p, t in zip(prefix_lens, tokens)]
         flat = [t for ts in tokens for t in ts]
-        fb = ForwardBatch(mode, torch.tensor(flat), torch.tensor([q for ps in positions for q in ps]),
-                          torch.cat(out_slots), torch.tensor(rows), prefix_lens, [len(t) for t in tokens],
-                          self.table.table, self.pool, self.backend, custom_masks=masks,
-                          logit_rows=torch.arange(len(flat)))
+        ids, pos, slots, req_rows, logit_rows = (t.to(self.dev) for t in (
+            torch.tensor(flat), torch.tensor([q for ps in positions for q in ps]), torch.cat(out_slots),
+            torch.tensor(rows), torch.arange(len(flat))))  # on the model's device (GPU runs too)
+        fb = ForwardBatch(mode, ids, pos, slots, req_rows, prefix_lens, [len(t) for t in tokens],
+                          self.table.table, self.pool, self.backend, custom_masks=masks, logit_rows=logit_rows)
         self.backend.init_forward_metadata(fb)
         hidden, _ = self.model(fb)
         return self.model.compute_logits(hidden)
