@@ -44,29 +44,42 @@ class AcceptResult:
 
 @dataclass
 class DevicePaths:
-    """The accepted paths of a greedy walk before their read-back, padded to L columns:
-    what a proposer needs to start the next step's drafting from the device."""
+    """The accepted paths of a greedy walk before their read-back, padded to L columns."""
 
     nodes: torch.Tensor  # [B, L] accepted nodes, root first; 0 past lens
     tokens: torch.Tensor  # [B, L] committed tokens: those of nodes[1:], then the bonus; 0 past lens
     lens: torch.Tensor  # [B] committed tokens per request (path length, >= 1)
 
 
-# Called with the accepted paths on the device, before the host reads them back
-BeforeRead = Callable[[DevicePaths], None]
+@dataclass
+class GreedyWalk:
+    """A greedy walk's outcome on the device, before its read-back: what a proposer needs
+    to start the next step's drafting (EAGLE's draft_ahead)."""
+
+    on_path: torch.Tensor  # [B, N] bool: the accepted nodes (ancestors-or-self of the deepest)
+    tokens: torch.Tensor  # [B, N] the trees' tokens
+    bonus: torch.Tensor  # [B] the target's token after the deepest accepted node
+
+    def paths(self, length: int) -> DevicePaths:
+        """The paths padded to `length` (> the trees' depth), with torch ops on the device."""
+        return device_paths(self.on_path, self.tokens, self.bonus, length)
+
+
+# Called with the walk on the device, before the host reads it back
+BeforeRead = Callable[[GreedyWalk], None]
 
 
 def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch.Tensor,
            final_coins: torch.Tensor, threshold_single: float = 1.0, threshold_acc: float = 1.0,
            force_greedy: bool = False, want_logprobs: bool = False,
-           before_read: tuple[BeforeRead, int] | None = None) -> AcceptResult:
+           before_read: BeforeRead | None = None) -> AcceptResult:
     """logits [B, N, V] float32; coins [B, N] (the coin drawn at node i decides among i's
     children) and final_coins [B] (the bonus), uniforms in (0, 1); sb has [B] rows.
 
-    `before_read` = (hook, L): when every row walks greedily, hook(DevicePaths padded to L
-    >= the deepest path) runs after the walk is queued and before the host waits for it,
-    so GPU work the hook queues overlaps the read-back and what the host does next. It is
-    not called otherwise (the sampled walk runs on the host)."""
+    `before_read`: when every row walks greedily, before_read(GreedyWalk) runs after the
+    walk is queued and before the host waits for it, so GPU work it queues overlaps the
+    read-back and what the host does next. It is not called otherwise (the sampled walk
+    runs on the host)."""
     bsz, n, _ = logits.shape
     assert drafts.tokens.shape == (bsz, n), f"drafts {tuple(drafts.tokens.shape)} vs {logits.shape}"
     assert coins.shape == (bsz, n) and final_coins.shape == (bsz,)
@@ -95,7 +108,7 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
 
 
 def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
-                   before_read: tuple[BeforeRead, int] | None = None) -> tuple[list[list[int]], list[list[int]]]:
+                   before_read: BeforeRead | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """(paths, tokens) of the greedy walk for `rows` (None: all), on the logits' device
     with one read back: the walk from the root that at each node takes the first child
     (in node order) carrying the target's argmax there.
@@ -126,8 +139,7 @@ def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
     if before_read is None:
         host = packed.tolist()  # the one sync
     else:
-        hook, length = before_read
-        host = _read_after(packed, lambda: hook(device_paths(on_path, tok, bonus[:, 0], length)))
+        host = _read_after(packed, lambda: before_read(GreedyWalk(on_path, tok, bonus[:, 0])))
     paths, tokens = [], []
     for row in host:
         path = [i for i in range(n) if row[i]]  # node order == depth order along a path

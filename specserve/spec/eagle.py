@@ -36,6 +36,7 @@ import logging
 
 import torch
 
+from specserve import kernels
 from specserve.cache.kv_pool import KVPool
 from specserve.config import SpecConfig
 from specserve.engine.batch import ScheduleBatch
@@ -47,8 +48,8 @@ from specserve.models.shipped_heads import shipped_head
 from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
-from specserve.runner.h2d import h2d, h2d_many
-from specserve.spec.accept import DevicePaths
+from specserve.runner.h2d import h2d
+from specserve.spec.accept import DevicePaths, GreedyWalk
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.spec.drafts import Drafts
 from specserve.spec.extend_graphs import DraftExtendGraphs
@@ -165,18 +166,42 @@ class EagleProposer:
     def can_draft_ahead(self, bsz: int) -> bool:
         return self.extend_graphs is not None and self.extend_graphs.can_run(bsz)
 
-    def draft_ahead(self, reqs: list[Req], paths: DevicePaths, features: torch.Tensor, slots: torch.Tensor,
+    def draft_ahead(self, reqs: list[Req], walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor,
                     trees: bool) -> None:
         """on_verified (and with `trees` the next propose) from the device, before the
-        verify is read back: paths [B, >= num_steps + 1] of a verify of full trees,
-        features [B, N, F] its per-node features, slots [B, N] its slots; each request's
-        kv_len is still that before the verify. Padding past a request's path is what
-        `_extend_graphed` pads with (token 0, slot 0, its row-0 feature)."""
-        b, L, n = len(reqs), self.extend_len, slots.shape[1]
-        paths = _columns(paths, L)
+        verify is read back: `walk` over full trees [B, N], features [B, N, F] their
+        per-node features, slots [B, N] their slots; each request's kv_len is still that
+        before the verify. On CUDA one kernel does the bookkeeping (ahead_kernel.py)."""
+        b, L = len(reqs), self.extend_len
         dev = slots.device
         starts = [r.kv_len for r in reqs]
-        rows, start = h2d_many([[r.row for r in reqs], starts], dev)  # one copy
+        row_start = h2d([r.row for r in reqs] + starts, dev)  # [2B]: rows, then kv_lens
+        feats = features.reshape(-1, features.shape[-1])
+        if _ahead_kernel_enabled(slots):
+            from specserve.spec import ahead_kernel
+
+            roots, kv_lens = ahead_kernel.draft_ahead_index(
+                walk.on_path, walk.tokens, walk.bonus, slots, row_start, self.kv.table.table,
+                self.extend_graphs.static_index(), self.extend_graphs.size_for(b), L, self.roots.scratch_row)
+            self.extend_graphs.replay_filled(b, feats, starts)
+        else:
+            roots, kv_lens = self._extend_ahead(walk.paths(L), feats, slots, row_start, starts)
+        self.roots.mark(reqs)
+        self._ahead = None
+        if trees and self.tree.graphed(b):
+            drafts = self.tree.draft_ahead(reqs, roots, kv_lens)
+            if drafts is not None:
+                self._ahead = ([r.rid for r in reqs], drafts)
+
+    def _extend_ahead(self, paths: DevicePaths, features: torch.Tensor, slots: torch.Tensor, row_start: torch.Tensor,
+                      starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft_ahead's bookkeeping and extend with torch ops (the kernel's reference):
+        returns the bonus tokens and kv_len after the commit, [B] each. Padding past a
+        request's path is what `_extend_graphed` pads with (token 0, slot 0, its row-0
+        feature)."""
+        (b, L), n = paths.nodes.shape, slots.shape[1]
+        dev = slots.device
+        rows, start = row_start[:b], row_start[b:]
         col = torch.arange(L, device=dev)
         committed = col < paths.lens[:, None]  # [B, L]
         pos = start[:, None] + col
@@ -188,14 +213,8 @@ class EagleProposer:
         last = torch.arange(b, device=dev) * L + paths.lens - 1
         index = [torch.where(committed, paths.tokens, 0).reshape(-1), pos.reshape(-1), kept.reshape(-1),
                  feat_rows.reshape(-1), rows, last]
-        self.extend_graphs.replay(index, features.reshape(-1, features.shape[-1]), starts)
-        self.roots.mark(reqs)
-        self._ahead = None
-        if trees and self.tree.graphed(b):
-            roots = paths.tokens.gather(1, (paths.lens - 1)[:, None])[:, 0]  # the bonus tokens
-            drafts = self.tree.draft_ahead(reqs, roots, start + paths.lens)
-            if drafts is not None:
-                self._ahead = ([r.rid for r in reqs], drafts)
+        self.extend_graphs.replay(index, features, starts)
+        return paths.tokens.gather(1, (paths.lens - 1)[:, None])[:, 0], start + paths.lens
 
     def _set_roots(self, reqs: list[Req], logits: torch.Tensor, hidden: torch.Tensor) -> None:
         self.roots.set(reqs, *top_children(logits, self.topk, self.token_map), hidden)
@@ -258,13 +277,10 @@ class EagleProposer:
         return self.model.compute_logits(h_logits), h_next
 
 
-def _columns(paths: DevicePaths, L: int) -> DevicePaths:
-    """`paths` with exactly L columns: a path has at most num_steps + 1 = L nodes, so
-    columns past L are padding, and fewer columns (trees of N < L nodes) pad with 0."""
-    nodes, tokens = paths.nodes[:, :L], paths.tokens[:, :L]
-    if nodes.shape[1] < L:
-        nodes, tokens = (torch.nn.functional.pad(t, (0, L - t.shape[1])) for t in (nodes, tokens))
-    return DevicePaths(nodes, tokens, paths.lens)
+def _ahead_kernel_enabled(t: torch.Tensor) -> bool:
+    """draft_ahead's bookkeeping as one Triton launch: on CUDA (tests also force it on the
+    CPU, under TRITON_INTERPRET)."""
+    return kernels.use_fused(t)
 
 
 def _draft_dir(spec: SpecConfig, runner: ModelRunner):

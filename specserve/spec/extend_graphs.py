@@ -107,6 +107,18 @@ class DraftExtendGraphs:
             self.dst[b:bs].fill_(self.roots.scratch_row)
         self._go(bs, b, features, prefix_lens)
 
+    def static_index(self) -> list[torch.Tensor]:
+        """The static per-replay inputs a caller may fill itself on the device (then
+        `replay_filled`): [ids, positions, slots, feature rows] ([max_bs * L] each), then
+        [table rows, last rows, root-state rows] ([max_bs] each), padding included."""
+        return [self.ids, self.pos, self.slots, self.feat_rows, self.rows, self.last, self.dst]
+
+    @torch.inference_mode()
+    def replay_filled(self, b: int, features: torch.Tensor, prefix_lens: list[int]) -> None:
+        """Replay for B requests whose static inputs, padding requests included, the caller
+        wrote (eagle.py's draft-ahead kernel)."""
+        self._go(self.size_for(b), b, features, prefix_lens)
+
     def _go(self, bs: int, b: int, features: torch.Tensor, prefix_lens: list[int]) -> None:
         t = bs * self.L
         torch.index_select(features, 0, self.feat_rows[:t], out=self.features[:t])

@@ -141,14 +141,14 @@ class SpecWorker:
         ahead = self._ahead(reqs, drafts, features, fb, budgets)
         committed, paths, kept = self._accept_and_commit(reqs, drafts, logits, slots, [n > 1 for n in budgets],
                                                          ahead)
-        self.proposer.on_verified(reqs, Verified(committed, paths, features, kept, extended=bool(ahead and ahead[2])))
+        self.proposer.on_verified(reqs, Verified(committed, paths, features, kept, extended=bool(ahead and ahead[1])))
         return sum(map(len, committed))
 
     def _ahead(self, reqs: list[Req], drafts, features: torch.Tensor | None, fb,
                budgets: list[int]) -> tuple | None:
         """The accept hook that lets the proposer draft ahead (eagle.py), when it can: full
         trees for every request (their slots and features are [B, N] views) and the
-        proposer's graphs. Returns (hook, path length, ran) where `ran` records the call."""
+        proposer's graphs. Returns (hook, ran) where `ran` records the call."""
         n = drafts.num_nodes
         if features is None or n != self.proposer.max_nodes or min(budgets) < n or fb.out_slots.numel() != len(reqs) * n \
                 or not self.proposer.can_draft_ahead(len(reqs)):
@@ -156,10 +156,10 @@ class SpecWorker:
         ran: list[bool] = []
         trees = self.governor.leaning(len(reqs))  # trees for a step the governor will likely speculate
 
-        def hook(paths) -> None:
-            self.proposer.draft_ahead(reqs, paths, features, fb.out_slots.view(len(reqs), n), trees)
+        def hook(walk) -> None:
+            self.proposer.draft_ahead(reqs, walk, features, fb.out_slots.view(len(reqs), n), trees)
             ran.append(True)
-        return hook, n, ran  # a path has at most N nodes
+        return hook, ran
 
     def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor],
                            drafted: list[bool], ahead: tuple | None = None
@@ -170,13 +170,13 @@ class SpecWorker:
         if sb.has_penalties:  # only root rows carry penalties (budget 1 for those requests)
             logits = logits.clone()  # may be a view of a graph's output or an inference tensor
             logits[:, 0] = apply_penalties(logits[:, 0], sb)
-        result = self._accept(drafts, logits, sb, ahead[:2] if ahead else None)
+        result = self._accept(drafts, logits, sb, ahead[0] if ahead else None)
         committed = []
         for b, req in enumerate(reqs):
             done = self._commit_tokens(req, result.tokens[b], result.paths[b], logits[b])
             committed.append(done)
             self._record(req, len(done), drafted[b])
-        ran = bool(ahead and ahead[2])  # then the table already holds the committed slots
+        ran = bool(ahead and ahead[1])  # then the table already holds the committed slots
         kept = commit_kv(self.kv, reqs, slots, result.paths, [len(c) for c in committed], write_table=not ran)
         return committed, result.paths, kept
 

@@ -146,9 +146,9 @@ def test_device_paths_before_the_read_back_match_the_result(case: tuple[Drafts, 
     drafts, logits = case
     seen = []
     length = drafts.num_nodes + extra
-    res = _greedy(drafts, logits, before_read=(seen.append, length))
+    res = _greedy(drafts, logits, before_read=seen.append)
     assert len(seen) == 1
-    got = seen[0]
+    got = seen[0].paths(length)
     assert got.nodes.shape == got.tokens.shape == (drafts.batch_size, length)
     for b, (path, toks) in enumerate(zip(res.paths, res.tokens)):
         k = len(path)
@@ -160,7 +160,7 @@ def test_device_paths_before_the_read_back_match_the_result(case: tuple[Drafts, 
 def test_the_hook_is_not_called_for_sampled_walks() -> None:
     drafts, logits = _worked_example()
     seen = []
-    accept(drafts, logits, _sb(1), *_coins(1, 6), before_read=(seen.append, 6))
+    accept(drafts, logits, _sb(1), *_coins(1, 6), before_read=seen.append)
     assert seen == []
 
 
