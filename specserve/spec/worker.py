@@ -62,8 +62,11 @@ class SpecWorker:
         self.stats = SpecStats()
         adaptive = spec.adaptive == "on" or (spec.adaptive == "auto" and runner.device.type == "cuda")
         self.governor = SpecGovernor(adaptive)
-        self._open: tuple[int, bool, int, float] | None = None  # the last step: (bs, speculated, tokens, start)
+        # the last step: (bs, speculated, tokens, start, switched: the step before it ran in the other mode)
+        self._open: tuple[int, bool, int, float, bool] | None = None
         self._start = 0.0  # when the step `choose` was asked about started
+        self._last_mode: bool | None = None  # the mode of the last decode step
+        self._switched = False  # the step `choose` was asked about switches mode
 
     @property
     def num_draft_tokens(self) -> int:
@@ -96,12 +99,14 @@ class SpecWorker:
             torch.cuda.synchronize(self.runner.device)
         self._start = self.governor.clock()
         self._close_last_step(self._start)
+        self._switched = self._last_mode is not None and self._last_mode != speculate
+        self._last_mode = speculate
         return speculate
 
     def step(self, reqs: list[Req]) -> None:
         """One speculative step over every request (`choose` said so); the caller checked
         slots_needed(reqs) are free."""
-        self._open = (len(reqs), True, self._speculative_step(reqs), self._start)
+        self._open = (len(reqs), True, self._speculative_step(reqs), self._start, self._switched)
 
     def on_plain_step(self, reqs: list[Req], decoded: Decoded) -> None:
         """The scheduler ran a plain decode step (`choose` said so), its tokens still on the
@@ -110,15 +115,15 @@ class SpecWorker:
         self.proposer.on_decoded(reqs, decoded)
         for req in reqs:
             self._record(req, 1, drafted=False)
-        self._open = (len(reqs), False, len(reqs), self._start)
+        self._open = (len(reqs), False, len(reqs), self._start, self._switched)
 
     def _close_last_step(self, now: float) -> None:
         """A step's cost, for the governor, is the time from its start to the next step's
         start: its forward and read-back, and the engine's work on its outputs (per token,
         so it weighs more on plain steps than the step alone shows)."""
         if self._open is not None:
-            bs, speculated, tokens, start = self._open
-            self.governor.record(bs, speculated, tokens, now - start)
+            bs, speculated, tokens, start, switched = self._open
+            self.governor.record(bs, speculated, tokens, now - start, switched=switched)
         self._open = None
 
     def _speculative_step(self, reqs: list[Req]) -> int:

@@ -18,21 +18,25 @@ from tests.unit.model_utils import save_tiny_hf
 
 
 def _measure(gov: SpecGovernor, bs: int, spec_rate: float, plain_rate: float, steps: int) -> list[bool]:
-    """Run `steps` decisions, recording each mode at its given tokens/s per request; return the modes."""
+    """Run `steps` decisions, recording each mode at its given tokens/s per request, a step
+    after a mode switch flagged as the worker does; return the modes."""
     modes = []
     for _ in range(steps):
         spec = gov.speculate(bs)
+        switched = bool(modes) and modes[-1] != spec
         modes.append(spec)
-        gov.record(bs, spec, 100 * bs, 100 / (spec_rate if spec else plain_rate))
+        gov.record(bs, spec, 100 * bs, 100 / (spec_rate if spec else plain_rate), switched=switched)
     return modes
 
 
 def test_slow_speculation_is_turned_down_and_probed_with_backoff():
     gov = SpecGovernor(True, probe_every=8, max_backoff=4)
     modes = _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=200)
-    assert modes[:4] == [True, True, False, False]  # measure speculation, then plain
+    assert modes[:4] == [True, True, False, False]  # measure speculation, then plain (its first step is a switch)
     probes = [i for i, m in enumerate(modes) if m][2:]
-    assert probes == [11, 27, 59, 91, 123, 155, 187]  # waits 8, 16, 32, then capped at 4 * 8
+    # probes of two steps (the first a switch step); waits 8, 16, 32, then capped at 4 * 8,
+    # counted from a probe's last step
+    assert probes == [12, 13, 29, 30, 62, 63, 95, 96, 128, 129, 161, 162, 194, 195]
     spec, plain = gov.rates(64)
     assert spec == pytest.approx(500.0) and plain == pytest.approx(1000.0)
 
@@ -51,7 +55,8 @@ def test_leaning_is_the_better_mode_and_asks_nothing():
             for _ in range(10):
                 asked.leaning(64)
         modes.append(asked.speculate(64))
-        asked.record(64, modes[-1], 6400, 100 / (500.0 if modes[-1] else 1000.0))
+        asked.record(64, modes[-1], 6400, 100 / (500.0 if modes[-1] else 1000.0),
+                     switched=len(modes) > 1 and modes[-2] != modes[-1])
     assert not gov.leaning(64) and not asked.leaning(64)
     assert modes == _measure(SpecGovernor(True, probe_every=8, max_backoff=4), 64, 500.0, 1000.0, 40)
     assert not gov.leaning(512)  # not measured: as batch 64
@@ -61,8 +66,9 @@ def test_leaning_is_the_better_mode_and_asks_nothing():
 def test_fast_speculation_stays_on_and_a_wide_gap_backs_off_at_once():
     gov = SpecGovernor(True, probe_every=8, max_backoff=4)
     modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=500.0, steps=64)
-    # plain measured at step 2, probed at 11; 4x slower, so the next wait is the longest (32)
-    assert [i for i, m in enumerate(modes) if not m] == [2, 11, 43]
+    # plain measured at steps 2-3 (2 a switch step), probed at 12-13; 4x slower, so the next
+    # wait is the longest (32)
+    assert [i for i, m in enumerate(modes) if not m] == [2, 3, 12, 13, 45, 46]
     assert gov.rates(3) == gov.rates(4)  # 3 and 4 share the capture bucket 4
     assert gov.rates(64) == (None, None)  # another batch size is measured on its own
 
@@ -85,9 +91,9 @@ def test_traffic_change_flips_the_choice_after_a_few_probes():
     _measure(gov, 8, spec_rate=600.0, plain_rate=1000.0, steps=16)
     modes = _measure(gov, 8, spec_rate=4000.0, plain_rate=1000.0, steps=60)  # drafts start to hit
     first = modes.index(True)  # a probe that beats the choice is repeated probe_every steps on
-    assert [i - first for i, m in enumerate(modes[:first + 12]) if m][:3] == [0, 4, 8]
-    assert all(modes[first + 12:first + 16])  # the window now says speculation
-    assert False in modes[first + 16:]  # and plain is probed in turn
+    assert [i - first for i, m in enumerate(modes[:first + 12]) if m][:4] == [0, 1, 5, 6]  # probes of 2 steps
+    assert all(modes[first + 10:first + 15])  # the window now says speculation
+    assert False in modes[first + 15:]  # and plain is probed in turn
 
 
 def test_modes_sampled_at_different_sizes_of_one_bucket_compare_per_request():
@@ -119,13 +125,32 @@ def test_a_probe_left_unmeasured_is_retried():
     assert _measure(gov, 1, spec_rate=1000.0, plain_rate=2000.0, steps=200).count(True) >= 2  # probing goes on
 
 
+def test_a_switch_step_is_not_a_sample():
+    """The first step in a mode after the other one pays for the switch (no tree drafted
+    ahead, the other mode's work drained): a probe runs two steps and only the second is
+    measured. Speculation slower at first, then 1.4x faster in steady state (3 tokens in
+    2.1 ms against 1 in 1.0) though each of its switch steps takes 4.5 ms: the probes
+    still find it, and it wins."""
+    gov = SpecGovernor(True, probe_every=8)
+    modes = []
+    for i in range(400):
+        spec = gov.speculate(1)
+        switched = bool(modes) and modes[-1] != spec
+        modes.append(spec)
+        steady = 3.6 if i < 60 else 2.1  # ms per speculative step: the traffic changes at step 60
+        cost = (4.5 if switched else steady) if spec else 1.0
+        gov.record(1, spec, 3 if spec else 1, cost / 1e3, switched=switched)
+    assert sum(modes[20:60]) <= 10  # plain while speculation is slower (probes of 2 steps aside)
+    assert sum(modes[300:]) >= 90  # speculation once it is faster, plain probed now and then
+
+
 def test_one_slow_step_does_not_decide():
     """A cold step (a kernel compiling, a GC pause) is outvoted: the time is a median."""
     gov = SpecGovernor(True, probe_every=4)
     spec = gov.speculate(1)
     gov.record(1, spec, 100, 1.0)  # the first step compiled something: 1 s
     modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=1000.0, steps=16)
-    assert all(modes[6:10]) and sum(modes[6:]) >= 9  # the first good probe's sample outvotes it
+    assert all(modes[7:12]) and sum(modes[7:]) >= 7  # the first good probe's sample outvotes it
 
 
 def test_disabled_governor_always_speculates():
@@ -213,6 +238,6 @@ def test_a_clearly_slower_mode_backs_off_but_a_close_call_keeps_probing():
     for plain_rate, growing in ((1400.0, True), (1100.0, False)):
         gov = SpecGovernor(True, probe_every=8, max_backoff=4)
         modes = _measure(gov, 64, spec_rate=1000.0, plain_rate=plain_rate, steps=120)
-        probes = [i for i, m in enumerate(modes) if m][2:]
-        gaps = [b - a for a, b in zip(probes, probes[1:])]
+        starts = [i for i in range(3, len(modes)) if modes[i] and not modes[i - 1]]  # probes of 2 steps
+        gaps = [b - (a + 1) for a, b in zip(starts, starts[1:])]  # from a probe's last step to the next
         assert (max(gaps) == 32) if growing else (set(gaps) == {8}), (plain_rate, gaps)
