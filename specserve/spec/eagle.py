@@ -49,8 +49,8 @@ from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.h2d import h2d
-from specserve.spec.accept import DevicePaths, GreedyWalk
 from specserve.runner.model_runner import ModelRunner, make_backend
+from specserve.spec.accept import DevicePaths, GreedyWalk
 from specserve.spec.drafts import Drafts
 from specserve.spec.extend_graphs import DraftExtendGraphs
 from specserve.spec.proposer import Decoded, Verified

@@ -81,6 +81,12 @@ class Proposer(Protocol):
         proposer that says no is told of a step by `on_verified` alone."""
         ...
 
+    def draft_ahead(self, reqs: list[Req], walk, features: torch.Tensor, slots: torch.Tensor, trees: bool) -> None:
+        """Where can_draft_ahead: on_verified's work (and with `trees` the next propose's)
+        queued from a greedy walk (`accept.GreedyWalk`) on the device, before the verify is
+        read back; slots and features [B, N, ...] are the verify's."""
+        ...
+
 
 class NgramAdapter:
     """NgramProposer (keyed by request id) behind the Proposer protocol.

@@ -146,28 +146,24 @@ class SpecWorker:
         ahead = self._ahead(reqs, drafts, features, fb, budgets)
         committed, paths, kept = self._accept_and_commit(reqs, drafts, logits, slots, [n > 1 for n in budgets],
                                                          ahead)
-        self.proposer.on_verified(reqs, Verified(committed, paths, features, kept, extended=bool(ahead and ahead[1])))
+        extended = ahead is not None and ahead.ran
+        self.proposer.on_verified(reqs, Verified(committed, paths, features, kept, extended=extended))
         return sum(map(len, committed))
 
     def _ahead(self, reqs: list[Req], drafts, features: torch.Tensor | None, fb,
-               budgets: list[int]) -> tuple | None:
+               budgets: list[int]) -> "_DraftAhead | None":
         """The accept hook that lets the proposer draft ahead (eagle.py), when it can: full
         trees for every request (their slots and features are [B, N] views) and the
-        proposer's graphs. Returns (hook, ran) where `ran` records the call."""
+        proposer's graphs."""
         n = drafts.num_nodes
         if features is None or n != self.proposer.max_nodes or min(budgets) < n or fb.out_slots.numel() != len(reqs) * n \
                 or not self.proposer.can_draft_ahead(len(reqs)):
             return None
-        ran: list[bool] = []
         trees = self.governor.leaning(len(reqs))  # trees for a step the governor will likely speculate
-
-        def hook(walk) -> None:
-            self.proposer.draft_ahead(reqs, walk, features, fb.out_slots.view(len(reqs), n), trees)
-            ran.append(True)
-        return hook, ran
+        return _DraftAhead(self.proposer, reqs, features, fb.out_slots.view(len(reqs), n), trees)
 
     def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor],
-                           drafted: list[bool], ahead: tuple | None = None
+                           drafted: list[bool], ahead: "_DraftAhead | None" = None
                            ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         """drafted[b]: request b was given a draft budget (a speculative step, no penalties);
         `ahead` from `_ahead` (its hook runs only where acceptance walks on the device)."""
@@ -175,13 +171,13 @@ class SpecWorker:
         if sb.has_penalties:  # only root rows carry penalties (budget 1 for those requests)
             logits = logits.clone()  # may be a view of a graph's output or an inference tensor
             logits[:, 0] = apply_penalties(logits[:, 0], sb)
-        result = self._accept(drafts, logits, sb, ahead[0] if ahead else None)
+        result = self._accept(drafts, logits, sb, ahead)
         committed = []
         for b, req in enumerate(reqs):
             done = self._commit_tokens(req, result.tokens[b], result.paths[b], logits[b])
             committed.append(done)
             self._record(req, len(done), drafted[b])
-        ran = bool(ahead and ahead[1])  # then the table already holds the committed slots
+        ran = ahead is not None and ahead.ran  # then the table already holds the committed slots
         kept = commit_kv(self.kv, reqs, slots, result.paths, [len(c) for c in committed], write_table=not ran)
         return committed, result.paths, kept
 
@@ -230,6 +226,20 @@ class SpecWorker:
         meta["spec_accept_length"] = (meta["spec_accept_token_num"] + meta["spec_verify_ct"]) / meta["spec_verify_ct"]
         meta["spec_accept_rate"] = meta["spec_accept_token_num"] / max(meta["spec_draft_token_num"], 1)
         self.stats.add(1, committed)
+
+
+class _DraftAhead:
+    """`accept`'s before-read hook: the proposer's draft_ahead over this step's requests,
+    features [B, N, F] and slots [B, N]; `ran` once it was called (greedy walks only)."""
+
+    def __init__(self, proposer: Proposer, reqs: list[Req], features: torch.Tensor, slots: torch.Tensor,
+                 trees: bool) -> None:
+        self.proposer, self.reqs, self.features, self.slots, self.trees = proposer, reqs, features, slots, trees
+        self.ran = False
+
+    def __call__(self, walk) -> None:
+        self.proposer.draft_ahead(self.reqs, walk, self.features, self.slots, self.trees)
+        self.ran = True
 
 
 def _logprob_entry(req: Req, token: int, row: torch.Tensor) -> TokenLogprob:
