@@ -22,21 +22,28 @@ import triton.language as tl
 
 
 @triton.jit
+def _rotated(base, cos_ptr, sin_ptr, t, sc, d, mask, D, HALF_D: tl.constexpr, out_ptr):
+    """x * cos + roll(x, D/2) * sin for the head row at `base` (token t), each product and
+    the sum rounded to out_ptr's dtype as torch's elementwise ops do."""
+    ty = out_ptr.dtype.element_ty
+    x = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+    xr = tl.load(base + (d + HALF_D) % D, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * sc + d, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * sc + d, mask=mask, other=0.0).to(tl.float32)
+    a = (x * c).to(ty).to(tl.float32)
+    b = (xr * s).to(ty).to(tl.float32)
+    return (a + b).to(ty)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sx0, sx1, sc, D,
                  HALF_D: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t, h = pid // heads, pid % heads
     d = tl.arange(0, BLOCK)
     mask = d < D
-    base = x_ptr + t * sx0 + h * sx1
-    x = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
-    xr = tl.load(base + (d + HALF_D) % D, mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * sc + d, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * sc + d, mask=mask, other=0.0).to(tl.float32)
-    ty = out_ptr.dtype.element_ty
-    a = (x * c).to(ty).to(tl.float32)
-    b = (xr * s).to(ty).to(tl.float32)
-    tl.store(out_ptr + pid * D + d, (a + b).to(ty), mask=mask)
+    y = _rotated(x_ptr + t * sx0 + h * sx1, cos_ptr, sin_ptr, t, sc, d, mask, D, HALF_D, out_ptr)
+    tl.store(out_ptr + pid * D + d, y, mask=mask)
 
 
 def _table_2d(t: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -67,19 +74,12 @@ def _rope_store_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slots_p
     d = tl.arange(0, BLOCK)
     mask = d < D
     base = x_ptr + t * sx0 + j * sx1
-    x = tl.load(base + d, mask=mask, other=0.0)
     if j >= H + KVH:  # a value: copied
         slot = tl.load(slots_ptr + t)
+        x = tl.load(base + d, mask=mask, other=0.0)
         tl.store(v_cache + slot * sv0 + (j - H - KVH) * sv1 + d, x.to(v_cache.dtype.element_ty), mask=mask)
-    else:
-        xf = x.to(tl.float32)
-        xr = tl.load(base + (d + HALF_D) % D, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + t * sc + d, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + t * sc + d, mask=mask, other=0.0).to(tl.float32)
-        ty = q_ptr.dtype.element_ty  # apply_rope's output dtype, then the cache's
-        a = (xf * c).to(ty).to(tl.float32)
-        b = (xr * s).to(ty).to(tl.float32)
-        y = (a + b).to(ty)
+    else:  # rounded to apply_rope's output dtype, then (keys) to the cache's
+        y = _rotated(base, cos_ptr, sin_ptr, t, sc, d, mask, D, HALF_D, q_ptr)
         if j < H:
             tl.store(q_ptr + (t * H + j) * D + d, y, mask=mask)
         else:
