@@ -2,9 +2,10 @@
 
 Owns the decision "fused kernel or torch path" (`use_fused`) and thin entry points that
 import the Triton modules on first call, so this package imports without triton. The
-kernels (`norm.py`, `activation.py`, `rope.py`) replace chains of small elementwise
+kernels (`norm.py`, `activation.py`, `rope.py`, `topk.py`, `frontier.py`) replace chains of small
 launches on CUDA: per decoder layer, add+RMSNorm twice, RoPE with the KV-cache write
-once, SiLU*mul once.
+once, SiLU*mul once; per tree-drafting depth, the children's top-k log-probabilities
+(`topk.py`) and the frontier's bookkeeping (`frontier.py`).
 The model files call these only when `use_fused(tensor)` says so; everywhere else
 (CPU) they keep their exact torch path.
 
@@ -88,3 +89,25 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.T
     from specserve.kernels import rope
 
     return rope.rope_store_kv(qkv, heads, cos, sin, k_cache, v_cache, slots)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int,
+                  token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(log-softmax values float32 [R, k], ids int64 [R, k]) of each row's k largest logits,
+    ids through `token_map` when given, in one launch (topk.py); None when the row is too
+    long for the kernel (the caller takes its torch path)."""
+    from specserve.kernels import topk
+
+    if not topk.supports(logits.shape[-1], k):
+        return None
+    return topk.topk_logprobs(logits, k, token_map)
+
+
+def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
+                  states: torch.Tensor | None, tail: torch.Tensor | None,
+                  next_slots: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """One tree-drafting depth's scores, parents, next frontier, and moved branch states
+    and tails, in one launch (frontier.py; `spec.tree_draft._advance` is the reference)."""
+    from specserve.kernels import frontier as f
+
+    return f.tree_frontier(score, logp, kid, frontier, size, states, tail, next_slots)

@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from specserve import kernels
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
@@ -87,6 +88,10 @@ def frontier_batch(frame: TreeStep, req_to_token: torch.Tensor, kv_pool, backend
 
 def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities, target token ids), each [R, k], of the k best draft tokens."""
+    if kernels.use_fused(logits):
+        fused = kernels.topk_logprobs(logits, k, token_map)  # one launch instead of ~15
+        if fused is not None:
+            return fused
     best, idx = row_topk(logits, k)
     logp = best.float() - logits.float().logsumexp(-1, keepdim=True)  # no [R, V] log_softmax written
     if token_map is not None:  # draft vocabulary (EAGLE-3 d2t, FR-Spec) -> target ids
@@ -182,31 +187,50 @@ class TreeDrafter:
         bsz, dev = x.first_logp.shape[0], x.first_logp.device
         score, token = x.first_logp, x.first_ids
         scores, tokens, parents = [score], [token], [torch.full((bsz, k), -1, dtype=torch.int64, device=dev)]
-        frontier = torch.arange(k, device=dev).expand(bsz, k)  # [B, k] candidate indices
+        frontier = torch.arange(k, device=dev).repeat(bsz, 1)  # [B, k] candidate indices
         states = x.states.repeat_interleave(k, dim=0) if x.states is not None else None  # [B*k, H]
         rows, tail_start = x.rows.repeat_interleave(k), x.tail_start.repeat_interleave(k)
         host_start = [s for s in x.host_tail_start for _ in range(k)] if x.host_tail_start is not None else None
-        tail = x.scratch[:0].t()  # [B*k, 0]
+        tail = x.scratch[0][:, None]  # [B*k, depth]: ancestors' slots, then the node's own
         size = k
         for depth in range(1, self.num_steps):
-            slots = x.scratch[depth - 1]
-            tail = torch.cat([tail, slots[:, None]], dim=1)  # [B*k, depth]: ancestors, then the node
-            frame = TreeStep(token.reshape(-1), tail_start + (depth - 1), slots, rows, tail_start, tail, host_start)
+            frame = TreeStep(token.reshape(-1), tail_start + (depth - 1), x.scratch[depth - 1], rows, tail_start,
+                             tail, host_start)
             logits, out_states = step(frame, states)
             logp, kid = top_children(logits, k, self.token_map)  # [B*k, k]
-            kid_score = (score[:, :, None] + logp.view(bsz, k, k)).view(bsz, k * k)
+            next_slots = x.scratch[depth] if depth + 1 < self.num_steps else None  # None: no later forward
+            kid_score, par, score, token, frontier, states, tail = _advance(score, logp, kid, frontier, size,
+                                                                            out_states, tail, next_slots)
             scores.append(kid_score)
             tokens.append(kid.view(bsz, k * k))
-            parents.append(frontier[:, :, None].expand(bsz, k, k).reshape(bsz, k * k))
-            score, pick = kid_score.topk(k, dim=1)  # the next frontier: [B, k] of the k*k
-            token, frontier = tokens[-1].gather(1, pick), size + pick
+            parents.append(par)
             size += k * k
-            # flat index (b*k + j) of the branch each new frontier node extends
-            src = (torch.arange(bsz, device=dev)[:, None] * k + pick // k).reshape(-1)
-            states = out_states[src] if out_states is not None else None
-            tail = tail[src]
         return _select(x.roots, torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
                        self.num_selected(num_nodes))
+
+
+def _advance(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
+             states: torch.Tensor | None, tail: torch.Tensor, next_slots: torch.Tensor | None) -> tuple:
+    """One depth's bookkeeping after its draft forward: the k*k children's path scores
+    [B, k*k] and parents [B, k*k], the next frontier's scores, tokens and candidate indices
+    [B, k] each, and (unless next_slots is None: the last depth) each chosen child's branch
+    state [B*k, H] and tail [B*k, depth + 1] (its parent branch's, then its next slot).
+    One launch on CUDA (kernels/frontier.py); these torch ops are its reference."""
+    if kernels.use_fused(score):
+        return kernels.tree_frontier(score, logp, kid, frontier, size, states,
+                                     tail if next_slots is not None else None, next_slots)
+    bsz, k = score.shape
+    kid_score = (score[:, :, None] + logp.view(bsz, k, k)).view(bsz, k * k)
+    parents = frontier[:, :, None].expand(bsz, k, k).reshape(bsz, k * k)
+    new_score, pick = kid_score.topk(k, dim=1)  # the next frontier: [B, k] of the k*k
+    new_token = kid.view(bsz, k * k).gather(1, pick)
+    if next_slots is None:
+        return kid_score, parents, new_score, new_token, size + pick, None, None
+    # flat index (b*k + j) of the branch each new frontier node extends
+    src = (torch.arange(bsz, device=score.device)[:, None] * k + pick // k).reshape(-1)
+    states = states[src] if states is not None else None
+    tail = torch.cat([tail[src], next_slots[:, None]], dim=1)
+    return kid_score, parents, new_score, new_token, size + pick, states, tail
 
 
 def _full_trees(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor) -> Drafts:

@@ -173,3 +173,72 @@ def test_aux_states_fused_match_torch(tmp_path):
     assert torch.equal(aux[0], aux0[0])  # the embeddings, untouched
     for a, b in zip(aux[1:], aux0[1:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,vocab,k", [(1, 16384, 4), (6, 1000, 8), (3, 77, 1), (2, 32768, 2)])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_topk_logprobs_is_the_tree_drafters_torch_path(rows, vocab, k, mapped, dtype):
+    """One launch gives what top_children's torch path gives: the k best entries in
+    descending order, their log-softmax values, their ids through the draft vocabulary's
+    map (random logits: no ties)."""
+    from specserve.spec.tree_draft import top_children
+
+    torch.manual_seed(vocab + k)
+    logits = (4 * torch.randn(rows, vocab, device=DEV)).to(dtype)
+    token_map = torch.randperm(5 * vocab, device=DEV)[:vocab] if mapped else None
+    (logp, ids), (logp0, ids0) = _both(lambda: top_children(logits, k, token_map))
+    torch.testing.assert_close(logp, logp0, rtol=1e-5, atol=1e-5)
+    assert logp.dtype == torch.float32 and bool((logp[:, :-1] >= logp[:, 1:]).all())
+    assert ids.dtype == torch.int64
+    if dtype == torch.float32:  # no ties
+        assert torch.equal(ids, ids0)
+    else:  # fp16 rounds some logits together: a tie may come in either order, but each
+        # id is a distinct entry carrying its value
+        where = torch.arange(vocab, device=DEV) if token_map is None else \
+            torch.full((5 * vocab,), -1, device=DEV).index_put_((token_map,), torch.arange(vocab, device=DEV))
+        pos = where[ids]
+        assert all(len(set(row)) == k for row in pos.tolist())
+        torch.testing.assert_close(logits.float().gather(1, pos), logits.float().gather(1, where[ids0]))
+
+
+def test_topk_logprobs_leaves_long_rows_to_torch():
+    assert kernels.topk_logprobs(torch.zeros(1, 40000, device=DEV), 4) is None
+
+
+@pytest.mark.parametrize("bsz,k,steps,hidden", [(1, 4, 5, 8), (3, 2, 4, 0), (2, 4, 2, 16), (2, 1, 3, 4)])
+def test_tree_expansion_fused_is_the_torch_path(bsz, k, steps, hidden):
+    """A whole drafting pass (TreeDrafter.expand) with the fused per-depth kernels (top-k
+    children, frontier bookkeeping) against the torch ops they replace: every draft forward
+    sees the same frontier (tokens, positions, tails of ancestor slots, branch states) and
+    the trees are the same. The draft is a random function of all of those."""
+    from specserve.spec.tree_draft import TreeDrafter, TreeInputs
+
+    vocab = 50
+    g = torch.Generator().manual_seed(bsz * 100 + k * 10 + steps)
+    emb, pos_w, slot_w = (torch.randn(n, vocab, generator=g).to(DEV) for n in (vocab, 64, 512))
+    state_w = torch.randn(max(hidden, 1), vocab, generator=g).to(DEV)
+    first_logp = torch.randn(bsz, k, generator=g).sort(dim=1, descending=True).values.to(DEV) - 1
+    first_ids = torch.randint(0, vocab, (bsz, k), generator=g).to(DEV)
+    states = torch.randn(bsz, hidden, generator=g).to(DEV) if hidden else None
+    scratch = (torch.randperm(500, generator=g)[:(steps - 1) * bsz * k] + 1).view(steps - 1, bsz * k).to(DEV)
+    x = TreeInputs(first_logp, first_ids, states, torch.arange(bsz, device=DEV), torch.arange(bsz, device=DEV),
+                   torch.randint(0, 30, (bsz,), generator=g).to(DEV), scratch)
+
+    def run(fused: bool):
+        seen = []
+
+        def step(frame, st):
+            seen.append((frame.ids.tolist(), frame.positions.tolist(), frame.tail.tolist(),
+                         None if st is None else st.tolist()))
+            logits = emb[frame.ids] + pos_w[frame.positions] + slot_w[frame.tail].sum(1)
+            if st is not None:
+                logits = logits + st @ state_w
+                st = torch.tanh(st + emb[frame.ids][:, :hidden])
+            return 3 * logits, st
+
+        with kernels.fused_kernels(fused), torch.no_grad():
+            tokens, parents = TreeDrafter(None, None, k, steps).expand(x, step, 1 + k + (steps - 1) * k)
+        return tokens.tolist(), parents.tolist(), seen
+
+    assert run(True) == run(False)  # the frames each forward saw, then the trees

@@ -1,0 +1,95 @@
+"""One tree-drafting depth's bookkeeping in one Triton launch (`spec.tree_draft.expand`).
+
+After a draft forward over a depth's B*k frontier branches and their top-k children,
+the torch path scores the k*k children of each request by path log-probability, records
+their parents, takes the request's k best as the next frontier, and moves each chosen
+child's branch state and attention tail (its ancestors' scratch slots) to its new row,
+appending the next depth's slot: about a dozen launches per depth. Here one program per
+request does all of it.
+
+Per request b (branch j of b is row b*k + j; child c = j*k + i is child i of branch j):
+  kid_score[b, c] = score[b, j] + logp[b*k + j, i]     parents[b, c] = frontier[b, j]
+  the k best children p_0..p_{k-1} in descending score (ties: lower index first):
+  new_score[b, t] = kid_score[b, p_t]    new_token[b, t] = kid[b*k + p_t // k, p_t % k]
+  new_frontier[b, t] = size + p_t        (candidate numbering: this depth starts at size)
+  and, unless this is the last depth, with src = b*k + p_t // k:
+  new_states[b*k + t] = states[src]      new_tail[b*k + t] = [tail[src], next_slots[b*k + t]]
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _frontier_kernel(score_ptr, logp_ptr, kid_ptr, frontier_ptr, size,
+                     kid_score_ptr, parent_ptr, new_score_ptr, new_token_ptr, new_frontier_ptr,
+                     states_ptr, new_states_ptr, H, tail_ptr, new_tail_ptr, D, next_slots_ptr,
+                     K: tl.constexpr, KK: tl.constexpr, HB: tl.constexpr, DB: tl.constexpr,
+                     MOVE: tl.constexpr, HAS_STATES: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.arange(0, KK)
+    valid = c < K * K
+    branch = c // K
+    s = tl.load(score_ptr + b * K + branch, mask=valid, other=0.0) + \
+        tl.load(logp_ptr + b * K * K + c, mask=valid, other=0.0)
+    s = tl.where(valid, s, float("-inf"))
+    tl.store(kid_score_ptr + b * K * K + c, s, mask=valid)
+    tl.store(parent_ptr + b * K * K + c, tl.load(frontier_ptr + b * K + branch, mask=valid, other=0), mask=valid)
+    for t in tl.static_range(K):
+        best = tl.max(s, axis=0)
+        p = tl.argmax(s, axis=0, tie_break_left=True)
+        tl.store(new_score_ptr + b * K + t, best)
+        tl.store(new_token_ptr + b * K + t, tl.load(kid_ptr + b * K * K + p))
+        tl.store(new_frontier_ptr + b * K + t, size + p)
+        if MOVE:
+            src = b * K + p // K
+            dst = b * K + t
+            if HAS_STATES:
+                for h0 in range(0, H, HB):
+                    h = h0 + tl.arange(0, HB)
+                    tl.store(new_states_ptr + dst * H + h, tl.load(states_ptr + src * H + h, mask=h < H), mask=h < H)
+            d = tl.arange(0, DB)
+            tl.store(new_tail_ptr + dst * (D + 1) + d, tl.load(tail_ptr + src * D + d, mask=d < D), mask=d < D)
+            tl.store(new_tail_ptr + dst * (D + 1) + D, tl.load(next_slots_ptr + dst))
+        s = tl.where(c == p, float("-inf"), s)  # the winner leaves
+
+
+def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
+                  states: torch.Tensor | None = None, tail: torch.Tensor | None = None,
+                  next_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """score [B, k] f32, logp / kid [B*k, k] (f32 / int64), frontier [B, k] int64, and for a
+    depth that is not the last the branch states [B*k, H] (or None), tail [B*k, D] int64 and
+    next_slots [B*k] int64 (see the module docstring). Returns (kid_score [B, k*k],
+    parents [B, k*k], new_score [B, k], new_token [B, k], new_frontier [B, k], new_states
+    [B*k, H] or None, new_tail [B*k, D + 1] or None)."""
+    bsz, k = score.shape
+    dev = score.device
+    score, logp, kid, frontier = (t.contiguous() for t in (score, logp, kid, frontier))
+    kid_score = torch.empty(bsz, k * k, dtype=torch.float32, device=dev)
+    parents = torch.empty(bsz, k * k, dtype=torch.int64, device=dev)
+    new_score = torch.empty(bsz, k, dtype=torch.float32, device=dev)
+    new_token = torch.empty(bsz, k, dtype=torch.int64, device=dev)
+    new_frontier = torch.empty(bsz, k, dtype=torch.int64, device=dev)
+    move = tail is not None
+    new_states = new_tail = None
+    h = d = 1
+    if move:
+        assert next_slots is not None and tail.dtype == torch.int64, "a moving depth needs its tail and next slots"
+        tail, next_slots = tail.contiguous(), next_slots.contiguous()
+        d = tail.shape[1]
+        new_tail = torch.empty(bsz * k, d + 1, dtype=torch.int64, device=dev)
+        if states is not None:
+            states = states.contiguous()
+            h = states.shape[1]
+            new_states = torch.empty_like(states)
+    if bsz == 0:
+        return kid_score, parents, new_score, new_token, new_frontier, new_states, new_tail
+    _frontier_kernel[(bsz,)](
+        score, logp, kid, frontier, size, kid_score, parents, new_score, new_token, new_frontier,
+        states if new_states is not None else score, new_states if new_states is not None else score, h,
+        tail if move else frontier, new_tail if move else frontier, d, next_slots if move else frontier,
+        K=k, KK=triton.next_power_of_2(k * k), HB=min(1024, triton.next_power_of_2(h)),
+        DB=triton.next_power_of_2(d), MOVE=move, HAS_STATES=new_states is not None, num_warps=4)
+    return kid_score, parents, new_score, new_token, new_frontier, new_states, new_tail
