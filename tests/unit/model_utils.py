@@ -76,3 +76,18 @@ class BareRunner:
         self.backend.init_forward_metadata(fb)
         hidden, _ = self.model(fb)
         return self.model.compute_logits(hidden)
+
+
+# On a GPU an engine sizes its KV pool from the free memory (most of it): a test that
+# builds a second engine while the first is still referenced would fail at start-up.
+GPU_TEST_KV_SLOTS = 16384
+
+
+def tiny_engine(target: Path, tokenizer_dir: Path, **flags):
+    """An Engine over a tiny saved target with the default model's tokenizer; on CUDA its
+    KV pool is bounded (GPU_TEST_KV_SLOTS) so several fit on one GPU at once."""
+    from specserve import Engine
+
+    if torch.cuda.is_available():
+        flags.setdefault("max_total_tokens", GPU_TEST_KV_SLOTS)
+    return Engine(str(target), tokenizer_path=str(tokenizer_dir), log_level="warning", **flags)

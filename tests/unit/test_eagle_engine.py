@@ -20,7 +20,7 @@ from tests.unit import perfect_draft as pd
 from specserve.models.draft_layouts import add_mtp_deepseek, add_mtp_mimo, save_eagle2, save_eagle3
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.spec.governor import SpecGovernor
-from tests.unit.model_utils import BareRunner, save_tiny_hf
+from tests.unit.model_utils import BareRunner, save_tiny_hf, tiny_engine
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def _engine(target, smollm2_dir, **flags) -> Engine:
-    return Engine(str(target), tokenizer_path=str(smollm2_dir), log_level="warning", **flags)
+    return tiny_engine(target, smollm2_dir, **flags)
 
 
 def _spec_flags(algo: str, draft, tree: str) -> dict:

@@ -14,7 +14,7 @@ import pytest
 from specserve import Engine
 from specserve.models.draft_layouts import save_eagle3
 from specserve.spec.governor import SpecGovernor
-from tests.unit.model_utils import save_tiny_hf
+from tests.unit.model_utils import save_tiny_hf, tiny_engine
 
 
 def _measure(gov: SpecGovernor, bs: int, spec_rate: float, plain_rate: float, steps: int) -> list[bool]:
@@ -182,7 +182,7 @@ def tiny(tmp_path_factory, smollm2_dir):
 
 
 def _engine(target, smollm2_dir, **flags) -> Engine:
-    return Engine(str(target), tokenizer_path=str(smollm2_dir), log_level="warning", **flags)
+    return tiny_engine(target, smollm2_dir, **flags)
 
 
 @pytest.mark.slow
