@@ -191,7 +191,8 @@ class TreeDrafter:
         states = x.states.repeat_interleave(k, dim=0) if x.states is not None else None  # [B*k, H]
         rows, tail_start = x.rows.repeat_interleave(k), x.tail_start.repeat_interleave(k)
         host_start = [s for s in x.host_tail_start for _ in range(k)] if x.host_tail_start is not None else None
-        tail = x.scratch[0][:, None]  # [B*k, depth]: ancestors' slots, then the node's own
+        # [B*k, depth]: ancestors' slots, then the node's own (no scratch: one step, no forward)
+        tail = x.scratch[0][:, None] if self.num_steps > 1 else None
         size = k
         for depth in range(1, self.num_steps):
             frame = TreeStep(token.reshape(-1), tail_start + (depth - 1), x.scratch[depth - 1], rows, tail_start,

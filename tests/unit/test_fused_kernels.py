@@ -206,7 +206,7 @@ def test_topk_logprobs_leaves_long_rows_to_torch():
     assert kernels.topk_logprobs(torch.zeros(1, 40000, device=DEV), 4) is None
 
 
-@pytest.mark.parametrize("bsz,k,steps,hidden", [(1, 4, 5, 8), (3, 2, 4, 0), (2, 4, 2, 16), (2, 1, 3, 4)])
+@pytest.mark.parametrize("bsz,k,steps,hidden", [(1, 4, 5, 8), (3, 2, 4, 0), (2, 4, 2, 16), (2, 1, 3, 4), (2, 4, 1, 8)])
 def test_tree_expansion_fused_is_the_torch_path(bsz, k, steps, hidden):
     """A whole drafting pass (TreeDrafter.expand) with the fused per-depth kernels (top-k
     children, frontier bookkeeping) against the torch ops they replace: every draft forward
