@@ -70,11 +70,23 @@ def collate(seqs: list[Sequence], device: torch.device) -> Batch:
 
 
 def split_validation(seqs: list[Sequence], size: int | None, seed: int) -> tuple[list[Sequence], list[Sequence]]:
-    """(train, held out): a seeded choice of `size` sequences (None: 2%, at most 64) held out."""
+    """(train, held out): about `size` sequences (None: 2%, at most 64) held out, chosen as
+    whole prompts in a seeded order, so no answer to a held-out prompt is trained on (a
+    prompt regenerated at several temperatures has several). With one answer per prompt
+    this is a seeded choice of `size` sequences."""
     if size is None:
         size = min(64, len(seqs) // 50)
     if size >= len(seqs):
         raise ValueError(f"cannot hold out {size} of {len(seqs)} sequences")
-    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed)).tolist()
-    held = set(order[:size])
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(seqs):
+        groups.setdefault(tuple(s.ids[:s.prompt_len].tolist()), []).append(i)
+    members = list(groups.values())
+    held: set[int] = set()
+    for g in torch.randperm(len(members), generator=torch.Generator().manual_seed(seed)).tolist():
+        if len(held) >= size:
+            break
+        held.update(members[g])
+    if len(held) >= len(seqs):
+        raise ValueError(f"cannot hold out {size} of {len(seqs)} sequences and keep a prompt to train on")
     return [s for i, s in enumerate(seqs) if i not in held], [seqs[i] for i in sorted(held)]

@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from specserve.train.regen import RegenIncomplete
 from specserve.train.trainer import TrainConfig, TrainResult, train_draft
 
 _ALGORITHMS = {"EAGLE3": "EAGLE3", "EAGLE": "EAGLE", "EAGLE2": "EAGLE"}  # EAGLE2 spells EAGLE-2
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len", type=_positive, default=2048,
                    help="prompt + answer cap; prompts longer than half of it are skipped")
     g.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0: greedy)")
+    g.add_argument("--extra-temperatures", type=_temperatures, default=(),
+                   help="comma-separated temperatures: each prompt gets one more answer, sampled, at each "
+                        "(e.g. 0.7,1.0 triples the data; default: none)")
     g.add_argument("--shard-size", type=_positive, default=256, help="prompts per regeneration shard")
     g.add_argument("--mem-fraction-static", type=float, default=None,
                    help="GPU memory fraction for the regeneration engine (default: its own)")
@@ -92,6 +96,16 @@ def _algorithm(value: str) -> str:
     return algo
 
 
+def _temperatures(value: str) -> tuple[float, ...]:
+    try:
+        temps = tuple(float(t) for t in value.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated temperatures, got {value!r}") from None
+    if not temps or any(not 0 < t <= 100 for t in temps):
+        raise argparse.ArgumentTypeError(f"extra temperatures must be in (0, 100], got {value!r}")
+    return temps
+
+
 def _positive(value: str) -> int:
     n = int(value)
     if n < 1:
@@ -118,7 +132,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=args.model, algorithm=args.algorithm, output=args.output, dataset=args.dataset,
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
-        temperature=args.temperature, draft_vocab_size=args.draft_vocab_size or _DEFAULT_DRAFT_VOCAB,
+        temperature=args.temperature, extra_temperatures=args.extra_temperatures,
+        draft_vocab_size=args.draft_vocab_size or _DEFAULT_DRAFT_VOCAB,
         ttt_steps=args.ttt_steps, step_decay=args.step_decay, epochs=args.epochs, max_steps=args.max_steps,
         lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         batch_tokens=args.batch_tokens, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
@@ -143,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         result = train_draft(cfg)
+    except RegenIncomplete as e:  # --time-limit: what was made is kept
+        print(f"train-draft: {e}; continue with --resume")
+        return 0
     except ValueError as e:  # bad settings or data
         print(f"error: {e}", file=sys.stderr)
         return 2

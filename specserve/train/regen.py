@@ -1,7 +1,10 @@
 """On-policy answers: the target regenerates every training answer through `Engine`.
 
 A draft head is scored on the target's own continuations, so it is trained on them: each
-prompt (chat template applied) is answered by the target itself, greedy by default. The
+prompt (chat template applied) is answered by the target itself, greedy by default, and
+once more per `extra_temperatures` entry, sampled with a seed of its own (more on-policy
+contexts from the same prompts; held-out splits keep a prompt's answers together). Jobs
+are answer-major: every prompt's first answer, then every prompt's second, ... The
 results are token-id shards in the output directory:
 
     <out>/regen.json           the settings the shards were made with (+ the EOS ids)
@@ -19,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -44,6 +48,12 @@ class RegenConfig:
     temperature: float = 0.0
     seed: int = 0
     shard_size: int = 256
+    extra_temperatures: tuple[float, ...] = ()  # one more answer per prompt at each of these
+
+    @property
+    def temperatures(self) -> tuple[float, ...]:
+        """The temperature of each answer a prompt gets, in job order."""
+        return (self.temperature,) + tuple(self.extra_temperatures)
 
 
 @dataclass(frozen=True)
@@ -59,8 +69,17 @@ class Sequence:
 EngineFactory = Callable[[], Any]  # () -> specserve.Engine, built only when a shard is missing
 
 
-def regenerate(out: Path, cfg: RegenConfig, make_engine: EngineFactory) -> list[int]:
-    """Make every missing shard of `out`; returns the EOS ids of the target's tokenizer."""
+class RegenIncomplete(Exception):
+    """The deadline passed with shards still missing; those made are kept (rerun to go on)."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__(f"time limit reached while regenerating answers: {done} of {total} shards made")
+        self.done, self.total = done, total
+
+
+def regenerate(out: Path, cfg: RegenConfig, make_engine: EngineFactory, deadline: float = math.inf) -> list[int]:
+    """Make every missing shard of `out`; returns the EOS ids of the target's tokenizer.
+    Past `deadline` (time.monotonic()) no new shard is started: RegenIncomplete."""
     out = Path(out)
     (out / SHARDS).mkdir(parents=True, exist_ok=True)
     meta = _check_meta(out, cfg)
@@ -69,15 +88,18 @@ def regenerate(out: Path, cfg: RegenConfig, make_engine: EngineFactory) -> list[
         engine = make_engine()
         prompts = choose_prompts(load_prompts(cfg.dataset), engine.tokenizer, cfg)
         _write_jsonl(out / PROMPTS, prompts)
-        meta = dataclasses.asdict(cfg) | {"eos_ids": sorted(engine.tokenizer.eos_token_ids)}
+        meta = _as_json(cfg) | {"eos_ids": sorted(engine.tokenizer.eos_token_ids)}
         (out / META).write_text(json.dumps(meta, indent=2))
     prompts = [json.loads(line) for line in (out / PROMPTS).read_text().splitlines()]
-    chunks = [prompts[i:i + cfg.shard_size] for i in range(0, len(prompts), cfg.shard_size)]
+    jobs = answer_jobs(prompts, cfg)
+    chunks = [jobs[i:i + cfg.shard_size] for i in range(0, len(jobs), cfg.shard_size)]
     todo = [k for k in range(len(chunks)) if not shard_path(out, k).is_file()]
     if todo:
         engine = engine or make_engine()
         with _quiet("specserve"):  # the engine's per-batch log lines; the progress bar says enough
-            _generate_shards(out, engine, chunks, todo, cfg)
+            made = _generate_shards(out, engine, chunks, todo, cfg, deadline)
+        if made < len(todo):
+            raise RegenIncomplete(len(chunks) - len(todo) + made, len(chunks))
     return meta["eos_ids"]
 
 
@@ -96,6 +118,15 @@ def choose_prompts(texts: list[str], tokenizer: Any, cfg: RegenConfig) -> list[d
     if not chosen:
         raise ValueError(f"no prompt of {cfg.dataset!r} fits --max-seq-len {cfg.max_seq_len}")
     return chosen
+
+
+def answer_jobs(prompts: list[dict], cfg: RegenConfig) -> list[dict]:
+    """One {"ids", "temperature", "seed"} per answer to make, answer-major (module docstring).
+    A sampled answer's seed depends on (cfg.seed, answer, prompt) only, so a resumed run
+    makes the same answers."""
+    return [{"ids": p["ids"], "temperature": t,
+             "seed": None if t <= 0 else (cfg.seed * 1_000_003 + a) * 10_000_019 + i}
+            for a, t in enumerate(cfg.temperatures) for i, p in enumerate(prompts)]
 
 
 def shard_path(out: Path, k: int) -> Path:
@@ -119,8 +150,9 @@ def _check_meta(out: Path, cfg: RegenConfig) -> dict | None:
     if not path.is_file():
         return None
     meta = json.loads(path.read_text())
-    wanted = dataclasses.asdict(cfg)
-    diff = {k: (meta.get(k), v) for k, v in wanted.items() if meta.get(k) != v}
+    wanted = _as_json(cfg)
+    defaults = _as_json(RegenConfig("", "", 0, 0, 0))  # keys newer than the directory's regen.json
+    diff = {k: (meta.get(k, defaults[k]), v) for k, v in wanted.items() if meta.get(k, defaults[k]) != v}
     if diff:
         detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
         raise ValueError(f"{out} holds answers regenerated with other settings ({detail}): "
@@ -128,20 +160,30 @@ def _check_meta(out: Path, cfg: RegenConfig) -> dict | None:
     return meta
 
 
+def _as_json(cfg: RegenConfig) -> dict:
+    """The settings as regen.json holds them (tuples as lists, so the two compare equal)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+
+
 def _generate_shards(out: Path, engine: Any, chunks: list[list[dict]], todo: list[int],
-                     cfg: RegenConfig) -> None:
+                     cfg: RegenConfig, deadline: float) -> int:
+    """Make the shards `todo` in order until `deadline`; returns how many were made."""
     bar = tqdm(total=len(chunks), initial=len(chunks) - len(todo), desc="regenerate", unit="shard")
-    made, start = 0, time.perf_counter()
+    made, shards, start = 0, 0, time.perf_counter()
     for k in todo:
-        ids = [p["ids"] for p in chunks[k]]
-        params = [{"temperature": cfg.temperature,
-                   "max_new_tokens": max(1, min(cfg.max_new_tokens, cfg.max_seq_len - len(p)))} for p in ids]
+        if time.monotonic() >= deadline:
+            break
+        ids = [job["ids"] for job in chunks[k]]
+        params = [{"temperature": job["temperature"], "seed": job["seed"],
+                   "max_new_tokens": max(1, min(cfg.max_new_tokens, cfg.max_seq_len - len(job["ids"])))}
+                  for job in chunks[k]]
         answers = [o["output_ids"] for o in engine.generate(input_ids=ids, sampling_params=params)]
         _save_shard(shard_path(out, k), ids, answers)
-        made += sum(len(a) for a in answers)
+        made, shards = made + sum(len(a) for a in answers), shards + 1
         bar.update(1)
         bar.set_postfix(gen_tok_s=f"{made / (time.perf_counter() - start):.0f}")
     bar.close()
+    return shards
 
 
 def _save_shard(path: Path, prompts: list[list[int]], answers: list[list[int]]) -> None:

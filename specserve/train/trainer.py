@@ -15,9 +15,10 @@ warm-up then cosine decay to zero over the run's steps, gradient clipping, bf16 
 on CUDA and plain fp32 on CPU. The run's length is `max_steps` if given, else `epochs`
 passes over the data. A resumed run rebuilds the same epoch plans and continues at the
 next batch; its steps equal an uninterrupted run's (the tests check this on CPU).
-`time_limit` bounds one invocation's wall clock (regeneration included): when it is up the
-loop saves and returns, so a run on a time-limited machine ends at a checkpoint and
-continues with `resume`. `max_steps` may change on resume (the cosine follows the new total).
+`time_limit` bounds one invocation's wall clock, regeneration included: when it is up
+during regeneration no new shard starts (RegenIncomplete), during training the loop saves
+and returns, so a run on a time-limited machine ends at a checkpoint and continues with
+`resume`. `max_steps` may change on resume (the cosine follows the new total).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from specserve.train import draft as heads
 from specserve.train.batching import collate, plan_epoch, split_validation
 from specserve.train.features import Teacher
 from specserve.train.loss import Objective, StepStats, answer_rows
-from specserve.train.regen import RegenConfig, Sequence, load_sequences, regenerate
+from specserve.train.regen import META, RegenConfig, Sequence, load_sequences, regenerate
 from specserve.train.vocab import DraftVocab, answer_token_counts, build_draft_vocab
 
 logger = logging.getLogger("specserve")
@@ -51,7 +52,8 @@ logger = logging.getLogger("specserve")
 STATE, LOG, VAL_LOG = "train_state.pt", "train_log.jsonl", "val_log.jsonl"
 # Settings a resumed run must share with the run it continues.
 _RESUME_KEYS = ("model", "algorithm", "dataset", "num_prompts", "max_new_tokens", "max_seq_len",
-                "draft_vocab_size", "ttt_steps", "batch_tokens", "batch_size", "val_size", "seed")
+                "draft_vocab_size", "ttt_steps", "batch_tokens", "batch_size", "val_size", "seed",
+                "extra_temperatures")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class TrainConfig:
     max_new_tokens: int = 512
     max_seq_len: int = 2048
     temperature: float = 0.0
+    extra_temperatures: tuple[float, ...] = ()  # one more sampled answer per prompt at each
     draft_vocab_size: int = 32000  # EAGLE3 only; capped at the target's vocabulary
     ttt_steps: int = 7
     step_decay: float = 0.8
@@ -115,7 +118,7 @@ def train_draft(cfg: TrainConfig) -> TrainResult:
     model_dir = resolve_model_dir(cfg.model)
     device = pick_device(cfg.device)
     hf = read_hf_config(model_dir)
-    eos = regenerate(out, _regen_config(cfg), lambda: _engine(model_dir, cfg))
+    eos = regenerate(out, _regen_config(cfg), lambda: _engine(model_dir, cfg), deadline)
     gc.collect()  # the regeneration engine (KV pool, CUDA graphs) is garbage now: free it first
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -131,13 +134,13 @@ def _check_resume(out: Path, cfg: TrainConfig) -> None:
     if (out / STATE).is_file() and not cfg.resume:
         raise ValueError(f"{out} already holds a training run ({STATE}): pass --resume to continue it, "
                          "or choose another --output")
-    if cfg.resume and not (out / STATE).is_file():
-        raise ValueError(f"--resume: {out} has no {STATE} to resume from")
+    if cfg.resume and not (out / STATE).is_file() and not (out / META).is_file():
+        raise ValueError(f"--resume: {out} has no {STATE} to resume from")  # nor answers to go on making
 
 
 def _regen_config(cfg: TrainConfig) -> RegenConfig:
     return RegenConfig(cfg.model, cfg.dataset, cfg.num_prompts, cfg.max_new_tokens, cfg.max_seq_len,
-                       cfg.temperature, cfg.seed, cfg.shard_size)
+                       cfg.temperature, cfg.seed, cfg.shard_size, tuple(cfg.extra_temperatures))
 
 
 def _engine(model_dir: Path, cfg: TrainConfig) -> Any:
@@ -155,7 +158,8 @@ class _Run:
         self.cfg, self.out, self.seqs = cfg, out, seqs
         self.device = target.model.embed_tokens.weight.device
         self.eagle3 = cfg.algorithm == heads.EAGLE3
-        saved = torch.load(out / STATE, weights_only=True) if cfg.resume else None
+        resumed = cfg.resume and (out / STATE).is_file()  # else only the regeneration was cut short
+        saved = torch.load(out / STATE, weights_only=True) if resumed else None
         if saved is not None:
             _check_same_run(saved["config"], cfg)
         self.vocab, self.coverage = self._vocab(target.config.vocab_size, eos, saved)
@@ -334,8 +338,9 @@ def _resume_view(cfg: TrainConfig) -> dict:
 
 
 def _check_same_run(saved: dict, cfg: TrainConfig) -> None:
-    now = _resume_view(cfg)
-    diff = [f"{k}: {saved.get(k)!r} then, {now[k]!r} now" for k in _RESUME_KEYS if saved.get(k) != now[k]]
+    now, default = _resume_view(cfg), _resume_view(TrainConfig("", "", Path()))  # keys newer than the run
+    then = {k: saved.get(k, default[k]) for k in _RESUME_KEYS}
+    diff = [f"{k}: {then[k]!r} then, {now[k]!r} now" for k in _RESUME_KEYS if then[k] != now[k]]
     if diff:
         raise ValueError(f"--resume with different settings ({'; '.join(diff)}): use the original "
                          "settings or another --output")

@@ -38,7 +38,8 @@ from specserve.train.draft import (EAGLE2, EAGLE3, build_draft, default_aux_laye
                                    unroll)
 from specserve.train.features import Teacher
 from specserve.train.loss import answer_rows
-from specserve.train.regen import load_sequences
+from specserve.train.batching import split_validation
+from specserve.train.regen import RegenConfig, load_sequences, regenerate
 from specserve.train.trainer import TrainConfig, train_draft
 from specserve.train.vocab import answer_token_counts, build_draft_vocab
 from tests.unit.model_utils import save_tiny_hf
@@ -366,10 +367,53 @@ def test_time_limit_saves_and_a_resume_finishes(tiny, eagle3_run, tmp_path, monk
     assert done.steps == 4 and [r["step"] for r in _log(out)] == [1, 2, 3, 4]
 
 
+def test_time_limit_during_regeneration_keeps_shards_and_resume_goes_on(tiny, tmp_path, capsys):
+    _, target, data = tiny
+    out = tmp_path / "regen_cut"
+    args = ["train-draft", "--model", str(target), "--output", str(out), "--dataset", str(data),
+            "--num-prompts", "8", "--max-new-tokens", "8", "--max-seq-len", "128", "--shard-size", "4",
+            "--draft-vocab-size", "64", "--ttt-steps", "2", "--max-steps", "1", "--batch-tokens", "2048",
+            "--device", "cpu"]
+    assert specserve_main(args + ["--time-limit", "1e-9"]) == 0
+    assert "0 of 2 shards made; continue with --resume" in capsys.readouterr().out
+    assert (out / "regen.json").is_file() and not list((out / "shards").glob("*.pt"))
+    assert specserve_main(args + ["--resume"]) == 0
+    assert "after 1 steps" in capsys.readouterr().out and len(load_sequences(out)) == 8
+
+
 def test_other_settings_in_the_same_output_are_refused(tiny, eagle3_run, tmp_path):
     out = _copy_answers(eagle3_run[0], tmp_path / "other")
     with pytest.raises(ValueError, match="max_new_tokens"):
         train_draft(_config(tiny, out, max_new_tokens=12))
+
+
+def test_extra_temperatures_add_seeded_sampled_answers(tiny, eagle3_run, tmp_path, monkeypatch):
+    """Each prompt's first answer is the greedy one a plain run makes; one more per extra
+    temperature is sampled with its own seed (the same on a rerun); a held-out split keeps
+    a prompt's answers together."""
+    _, target, data = tiny
+    cfg = RegenConfig(str(target), str(data), 8, 24, 128, extra_temperatures=(50.0,))
+    make = lambda: Engine(str(target), device="cpu", log_level="warning")  # noqa: E731
+    regenerate(tmp_path / "a", cfg, make)
+    regenerate(tmp_path / "b", cfg, make)
+    seqs, greedy = load_sequences(tmp_path / "a"), load_sequences(eagle3_run[0])
+    assert len(seqs) == 16 and [s.ids.tolist() for s in seqs[:8]] == [s.ids.tolist() for s in greedy]
+    assert [s.ids[:s.prompt_len].tolist() for s in seqs[8:]] == [s.ids[:s.prompt_len].tolist() for s in greedy]
+    sampled = sum(a.ids.tolist() != b.ids.tolist() for a, b in zip(seqs[8:], greedy))
+    assert sampled >= 6, sampled
+    assert [s.ids.tolist() for s in load_sequences(tmp_path / "b")] == [s.ids.tolist() for s in seqs]
+    train, held = split_validation(seqs, 3, seed=0)
+    prompt = lambda s: tuple(s.ids[:s.prompt_len].tolist())  # noqa: E731
+    assert len(held) == 4 and not {prompt(s) for s in held} & {prompt(s) for s in train}
+    # a directory made before extra temperatures existed is still the same settings
+    old = _copy_answers(eagle3_run[0], tmp_path / "old")
+    meta = json.loads((old / "regen.json").read_text())
+    del meta["extra_temperatures"]
+    (old / "regen.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(trainer, "_engine", lambda *a: pytest.fail("answers exist: no engine needed"))
+    assert train_draft(_config(tiny, old, max_steps=1)).steps == 1
+    with pytest.raises(ValueError, match="extra_temperatures"):
+        regenerate(old, cfg, make)  # extra answers into a greedy-only directory
 
 
 # -- data and command line ---------------------------------------------------------------------
@@ -399,3 +443,8 @@ def test_cli(tiny, tmp_path, capsys):
     args = ["--model", "m", "--output", "o", "--max-running-requests", "512", "--time-limit", "60"]
     cfg = config_from_args(build_parser().parse_args(args))
     assert cfg.engine_args == {"max_running_requests": 512} and cfg.time_limit == 60
+    assert config_from_args(build_parser().parse_args(args + ["--extra-temperatures", "0.7,1"])) \
+        .extra_temperatures == (0.7, 1.0)
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(args + ["--extra-temperatures", "0,1"])
+    assert e.value.code == 2 and "must be in (0, 100]" in capsys.readouterr().err
