@@ -17,13 +17,13 @@ from specserve.train.trainer import TrainConfig, TrainResult, train_draft
 _ALGORITHMS = {"EAGLE3": "EAGLE3", "EAGLE": "EAGLE", "EAGLE2": "EAGLE"}  # EAGLE2 spells EAGLE-2
 _DEFAULT_DRAFT_VOCAB = 32000
 
-EXAMPLE = """example (SmolLM2-135M on one H100: ~8 min to regenerate 13.9k answers, 4.0M tokens, at
-~8k tok/s, then 1600 steps of 16k tokens, ~4 epochs, at ~77k tok/s in 5 min 11 s, 17 GiB peak;
-held-out acc per TTT step 0.77 0.74 0.72 0.69 0.67, the 16k draft vocab covering 99.4%):
+EXAMPLE = """example (the shipped SmolLM2-135M head, on one H100: ~17 min to regenerate 41.8k answers,
+11.7M tokens, greedy and at T=0.7 and 1.0, at 13-19k tok/s, then 2400 steps of 16k tokens, ~2 epochs,
+at ~80k tok/s in 7.5 min, 17.4 GiB peak; held-out acc per TTT step 0.61 0.58 0.55 0.53 0.52):
   specserve train-draft --model smollm2-135m --algorithm EAGLE3 --output heads/smollm2-eagle3 \\
-      --num-prompts 14000 --max-new-tokens 384 --max-seq-len 1024 --shard-size 1024 \\
-      --max-running-requests 512 --draft-vocab-size 16384 --ttt-steps 5 --batch-tokens 16384 \\
-      --max-steps 1600 --save-every 100
+      --num-prompts 16000 --extra-temperatures 0.7,1.0 --max-new-tokens 384 --max-seq-len 1024 \\
+      --shard-size 1024 --max-running-requests 256 --draft-vocab-size 16384 --ttt-steps 5 \\
+      --batch-tokens 16384 --max-steps 2400 --save-every 200
 (on a machine lent for a few minutes at a time add --time-limit SECONDS, rerun with --resume)
 then serve with:
   specserve serve --model smollm2-135m --speculative-algorithm EAGLE3 \\
