@@ -2,10 +2,11 @@
 
 Owns the decision "fused kernel or torch path" (`use_fused`) and thin entry points that
 import the Triton modules on first call, so this package imports without triton. The
-kernels (`norm.py`, `activation.py`, `rope.py`, `topk.py`, `frontier.py`) replace chains of small
-launches on CUDA: per decoder layer, add+RMSNorm twice, RoPE with the KV-cache write
-once, SiLU*mul once; per tree-drafting depth, the children's top-k log-probabilities
-(`topk.py`) and the frontier's bookkeeping (`frontier.py`).
+kernels (`norm.py`, `activation.py`, `rope.py`, `topk.py`, `frontier.py`, `gumbel.py`) replace
+chains of small launches on CUDA: per decoder layer, add+RMSNorm twice, RoPE with the
+KV-cache write once, SiLU*mul once; per tree-drafting depth, the children's top-k
+log-probabilities (`topk.py`) and the frontier's bookkeeping (`frontier.py`); per sampled
+step, the seeded Gumbel noise (`gumbel.py`).
 The model files call these only when `use_fused(tensor)` says so; everywhere else
 (CPU) they keep their exact torch path.
 
@@ -111,3 +112,11 @@ def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, fr
     from specserve.kernels import frontier as f
 
     return f.tree_frontier(score, logp, kid, frontier, size, states, tail, next_slots)
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
+    """[R, width] float32 -log(-log(runner.sampler.uniform_noise(seeds, counters, width)))
+    in one launch (gumbel.py)."""
+    from specserve.kernels import gumbel
+
+    return gumbel.gumbel_noise(seeds, counters, width)

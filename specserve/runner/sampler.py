@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve import kernels
+
 _M1, _M2 = 0x7FEB352D, 0x2C1B3C6D  # odd multipliers < 2**31: products stay inside int64
 _MASK32 = 0xFFFFFFFF
 
@@ -33,6 +35,15 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> to
     h = _mix32(h ^ _mix32(counters[:, None] & _MASK32))
     h = _mix32(h ^ col)
     return ((h >> 8).float() + 0.5) / float(1 << 24)
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] float32 Gumbel(0, 1) noise, -log(-log(uniform_noise(...))): one Triton
+    launch on a GPU (kernels/gumbel.py), these torch ops elsewhere. Every sampled path
+    draws its noise here, so plain and speculative sampling agree under a seed."""
+    if kernels.use_fused(seeds):
+        return kernels.gumbel_noise(seeds, counters, width)
+    return -torch.log(-torch.log(uniform_noise(seeds, counters, width)))
 
 
 @dataclass(frozen=True)
@@ -100,10 +111,14 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return logits - sb.freq_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
 
 
+def temperatures(sb: SamplingBatch) -> torch.Tensor:
+    """[B] the divisor of each row's logits: its temperature (1 for greedy rows), >= 1e-5."""
+    return torch.where(sb.greedy, 1.0, sb.temperature).clamp_min(1e-5)
+
+
 def filter_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Temperature-scaled logits with -inf outside top-k, top-p and min-p."""
-    t = torch.where(sb.greedy, 1.0, sb.temperature).clamp_min(1e-5)
-    scaled = logits / t[:, None]
+    scaled = logits / temperatures(sb)[:, None]
     vocab = logits.shape[-1]
     if sb.needs_sort(vocab):
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
@@ -129,8 +144,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
         next_ids = logits.argmax(-1)
     else:
         scaled = filter_logits(logits, sb)
-        gumbel = -torch.log(-torch.log(uniform_noise(sb.seeds, sb.counters, logits.shape[-1])))
-        sampled = (scaled + gumbel).argmax(-1)
+        sampled = (scaled + gumbel_noise(sb.seeds, sb.counters, logits.shape[-1])).argmax(-1)
         next_ids = torch.where(sb.greedy, logits.argmax(-1), sampled)
     out = SampleOutput(next_ids)
     if sb.want_logprobs:

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from specserve.runner.sampler import SamplingBatch, filter_logits, uniform_noise
+from specserve.runner.sampler import SamplingBatch, filter_logits, gumbel_noise, temperatures
 from specserve.spec.drafts import Drafts
 
 
@@ -263,12 +263,14 @@ def gumbel_targets(logits: torch.Tensor, sb: SamplingBatch, depths: torch.Tensor
     for token, whatever the draft tree was.
     """
     b, n, vocab = logits.shape
-    node_sb = per_node_batch(sb, torch.arange(b), n)
-    flat = logits.reshape(b * n, vocab)
-    counters = node_sb.counters + depths.to(node_sb.counters.device).reshape(-1)
-    gumbel = -torch.log(-torch.log(uniform_noise(node_sb.seeds, counters, vocab)))
-    perturbed = torch.where(node_sb.greedy[:, None], flat, filter_logits(flat, node_sb) + gumbel)
-    return perturbed.reshape(b, n, vocab)
+    counters = sb.counters[:, None] + depths.to(sb.counters.device)  # [B, N]: output index at each node
+    noise = gumbel_noise(sb.seeds.repeat_interleave(n), counters.reshape(-1), vocab).view(b, n, vocab)
+    if sb.needs_sort(vocab) or sb.needs_min_p:  # filters: each request's params on its N rows
+        flat = logits.reshape(b * n, vocab)
+        scaled = filter_logits(flat, per_node_batch(sb, torch.arange(b), n)).view(b, n, vocab)
+    else:  # temperature alone: no per-node copies of the params
+        scaled = logits / temperatures(sb)[:, None, None]
+    return torch.where(sb.greedy[:, None, None], logits, scaled + noise)
 
 
 def _sample_residual(q: torch.Tensor, tried: list[list[int]], u: torch.Tensor) -> list[int]:

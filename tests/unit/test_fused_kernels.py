@@ -242,3 +242,25 @@ def test_tree_expansion_fused_is_the_torch_path(bsz, k, steps, hidden):
         return tokens.tolist(), parents.tolist(), seen
 
     assert run(True) == run(False)  # the frames each forward saw, then the trees
+
+
+@pytest.mark.parametrize("width", [1, 1000, 4096 + 17])
+def test_gumbel_noise_is_the_samplers_hash(width):
+    """The kernel's noise is the torch path's -log(-log(uniform_noise)): same hash (large
+    seeds use their high 32 bits too), logs equal to float32 rounding; and the sampler
+    and speculative verification draw the same noise through it."""
+    from specserve.runner.sampler import gumbel_noise, uniform_noise
+
+    seeds = torch.tensor([0, 7, 2**40 + 3, 2**63 - 1, 7], device=DEV)
+    counters = torch.tensor([0, 5, 5, 2**31 + 9, 6], device=DEV)
+    got, ref = _both(lambda: gumbel_noise(seeds, counters, width))
+    assert got.shape == (5, width) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(ref, -torch.log(-torch.log(uniform_noise(seeds, counters, width))))
+    assert not torch.equal(got[1], got[4])  # the counter moves the noise
+    if width > 1:
+        assert not torch.equal(got[1], got[2])  # and so does the seed
+    u = torch.exp(-torch.exp(-got.double()))  # back to the uniforms: (0, 1), about mean 1/2
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    if width >= 1000:
+        assert abs(float(u.mean()) - 0.5) < 0.02
