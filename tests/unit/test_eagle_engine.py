@@ -144,6 +144,8 @@ def test_a_perfect_draft_is_accepted_to_full_depth(tmp_path, smollm2_dir, kind, 
 
 def test_shifting_the_pairing_by_one_collapses_acceptance(tmp_path, smollm2_dir, monkeypatch):
     engine = _perfect_engine("EAGLE", tmp_path, smollm2_dir, "chain")
+    # the pairing under test is the host's (extend_tokens); drafting ahead (CUDA) pairs on the device
+    monkeypatch.setattr(engine.scheduler.spec.proposer, "can_draft_ahead", lambda bsz: False)
     good = _run(engine, _prompts(2, seed=4), {"temperature": 0, "max_new_tokens": 33})
     assert min(o["meta_info"]["spec_accept_length"] for o in good) > 3.5
     # pair feature p with token p instead of p+1: the draft now predicts the current token's successor
@@ -160,8 +162,12 @@ def test_draft_inputs_follow_the_training_convention(tiny, smollm2_dir, head, mo
     """Extends pair feature p with token p+1 (across prefill chunks and verifies) and cover
     every committed position once; depth-d tree nodes run at position kv_len + d - 1."""
     target, prompts, _, heads = tiny
-    engine = _engine(target, smollm2_dir, chunked_prefill_size=7, **_spec_flags(head, heads[head], "tree"))
+    # eager, not drafting ahead: the spies watch the host-built extends (on CUDA the graphs
+    # and drafting ahead build them on the device; other tests cover those paths)
+    engine = _engine(target, smollm2_dir, chunked_prefill_size=7, disable_cuda_graph=True,
+                     **_spec_flags(head, heads[head], "tree"))
     proposer = engine.scheduler.spec.proposer
+    monkeypatch.setattr(proposer, "can_draft_ahead", lambda bsz: False)
     extends, decodes = [], {}  # extends: (positions, ids, features); decodes: kv_len -> positions
     real_step, real_tree_step = proposer._step, proposer.tree.step
 
@@ -199,9 +205,10 @@ def _target_features(engine: Engine, seq: list[int], head: str) -> torch.Tensor:
     n = len(seq) - 1
     slots = runner.slots(n)
     runner.table.write(0, 0, slots)
-    fb = ForwardBatch(ForwardMode.EXTEND, torch.tensor(seq[:-1]), torch.arange(n), slots,
-                      torch.tensor([0]), [0], [n], runner.table.table, runner.pool, runner.backend,
-                      logit_rows=torch.arange(n))
+    ids, pos, rows, logit_rows = (t.to(runner.dev) for t in (torch.tensor(seq[:-1]), torch.arange(n),
+                                                              torch.tensor([0]), torch.arange(n)))
+    fb = ForwardBatch(ForwardMode.EXTEND, ids, pos, slots.to(runner.dev), rows, [0], [n], runner.table.table,
+                      runner.pool, runner.backend, logit_rows=logit_rows)
     with torch.inference_mode():
         runner.backend.init_forward_metadata(fb)
         hidden, aux = model(fb)
