@@ -125,7 +125,7 @@ def answer_jobs(prompts: list[dict], cfg: RegenConfig) -> list[dict]:
     A sampled answer's seed depends on (cfg.seed, answer, prompt) only, so a resumed run
     makes the same answers."""
     return [{"ids": p["ids"], "temperature": t,
-             "seed": None if t <= 0 else (cfg.seed * 1_000_003 + a) * 10_000_019 + i}
+             "seed": None if t <= 0 else ((cfg.seed * 1_000_003 + a) * 10_000_019 + i) % (1 << 63)}
             for a, t in enumerate(cfg.temperatures) for i, p in enumerate(prompts)]
 
 
