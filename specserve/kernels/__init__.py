@@ -2,11 +2,12 @@
 
 Owns the decision "fused kernel or torch path" (`use_fused`) and thin entry points that
 import the Triton modules on first call, so this package imports without triton. The
-kernels (`norm.py`, `activation.py`, `rope.py`, `topk.py`, `frontier.py`, `gumbel.py`) replace
-chains of small launches on CUDA: per decoder layer, add+RMSNorm twice, RoPE with the
-KV-cache write once, SiLU*mul once; per tree-drafting depth, the children's top-k
-log-probabilities (`topk.py`) and the frontier's bookkeeping (`frontier.py`); per sampled
-step, the seeded Gumbel noise (`gumbel.py`).
+kernels (`norm.py`, `activation.py`, `rope.py`, `topk.py`, `frontier.py`, `gumbel.py`,
+`walk.py`) replace chains of small launches on CUDA: per decoder layer, add+RMSNorm twice,
+RoPE with the KV-cache write once, SiLU*mul once; per tree-drafting depth, the children's
+top-k log-probabilities (`topk.py`) and the frontier's bookkeeping (`frontier.py`); per
+sampled step, the seeded Gumbel noise (`gumbel.py`); per verify, the greedy accept walk
+(`walk.py`).
 The model files call these only when `use_fused(tensor)` says so; everywhere else
 (CPU) they keep their exact torch path.
 
@@ -120,3 +121,15 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> tor
     from specserve.kernels import gumbel
 
     return gumbel.gumbel_noise(seeds, counters, width)
+
+
+def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
+                target: torch.Tensor) -> torch.Tensor | None:
+    """The greedy accept walk of [B, N] trees given the target's argmax at each node:
+    int64 [B, 2N + 1] rows [on_path, tokens, bonus] in one launch (walk.py); None when
+    the trees are too large for the kernel (the caller takes its torch path)."""
+    from specserve.kernels import walk
+
+    if not walk.supports(tokens.shape[1]):
+        return None
+    return walk.greedy_walk(tokens, parents, valid, target)

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from specserve import kernels
 from specserve.runner.sampler import SamplingBatch, filter_logits, gumbel_noise, temperatures
 from specserve.spec.drafts import Drafts
 
@@ -118,24 +119,22 @@ def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
     unique per parent, so the accepted nodes form one path from the root, and the walk
     ends at its deepest node, whose argmax is the bonus token."""
     dev = logits.device
-    fields = (drafts.tokens, drafts.parents, drafts.valid, drafts.tree_mask(), drafts.depths())
-    if rows is not None:
-        idx = torch.tensor(rows, dtype=torch.int64)
-        fields = tuple(f[idx.to(f.device)] for f in fields)
+    idx = torch.tensor(rows, dtype=torch.int64) if rows is not None else None
+
+    def pick(t: torch.Tensor) -> torch.Tensor:  # the walked rows, on the logits' device
+        return (t[idx.to(t.device)] if idx is not None else t).to(dev, non_blocking=True)
+
+    if idx is not None:
         logits = logits[idx.to(dev, non_blocking=True)]
-    tok, par, valid, mask, depth = (f.to(dev, non_blocking=True) for f in fields)
+    tok, par, valid = pick(drafts.tokens), pick(drafts.parents), pick(drafts.valid)
     target = logits.argmax(-1)  # [G, N]: no copy of the logits
     n = tok.shape[1]
-    hit = (tok == target.gather(1, par.clamp_min(0))) & valid
-    hit[:, 0] = True  # the root is given
-    earlier = torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)  # [i, j]: j < i
-    shadowed = ((par[:, :, None] == par[:, None, :]) & earlier & hit[:, None, :]).any(-1)
-    hit &= ~shadowed
-    accepted = ~(mask & ~hit[:, None, :]).any(-1)  # [G, N]: every ancestor-or-self hits
-    best = torch.where(accepted, depth, -1).argmax(-1)  # the path's deepest node
-    on_path = mask[torch.arange(len(best), device=dev), best]  # [G, N]: its ancestors-or-self
-    bonus = target.gather(1, best[:, None])
-    packed = torch.cat([on_path.to(torch.int64), tok, bonus], dim=1)
+    packed = kernels.greedy_walk(tok, par, valid, target) if kernels.use_fused(target) else None
+    if packed is not None:  # kernels/walk.py: the same walk in one launch
+        on_path, bonus = packed[:, :n] != 0, packed[:, 2 * n:]
+    else:
+        on_path, bonus = _walk_torch(tok, par, valid, pick(drafts.tree_mask()), target)
+        packed = torch.cat([on_path.to(torch.int64), tok, bonus], dim=1)
     if before_read is None:
         host = packed.tolist()  # the one sync
     else:
@@ -146,6 +145,24 @@ def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
         paths.append(path)
         tokens.append([row[n + i] for i in path[1:]] + [row[2 * n]])
     return paths, tokens
+
+
+def _walk_torch(tok: torch.Tensor, par: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor,
+                target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(on_path [G, N] bool, bonus [G, 1]) of the greedy walk with torch ops (the
+    reference of kernels/walk.py; see _accept_greedy). mask: the trees' ancestor-or-self
+    masks [G, N, N]."""
+    dev, n = tok.device, tok.shape[1]
+    hit = (tok == target.gather(1, par.clamp_min(0))) & valid
+    hit[:, 0] = True  # the root is given
+    earlier = torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)  # [i, j]: j < i
+    shadowed = ((par[:, :, None] == par[:, None, :]) & earlier & hit[:, None, :]).any(-1)
+    hit &= ~shadowed
+    accepted = ~(mask & ~hit[:, None, :]).any(-1)  # [G, N]: every ancestor-or-self hits
+    # the path's deepest node: parents come before children, so the accepted node of largest index
+    best = torch.where(accepted, torch.arange(n, device=dev), -1).argmax(-1)
+    on_path = mask[torch.arange(len(best), device=dev), best]  # [G, N]: its ancestors-or-self
+    return on_path, target.gather(1, best[:, None])
 
 
 def device_paths(on_path: torch.Tensor, tok: torch.Tensor, bonus: torch.Tensor, length: int) -> DevicePaths:

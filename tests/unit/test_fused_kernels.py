@@ -264,3 +264,46 @@ def test_gumbel_noise_is_the_samplers_hash(width):
     assert 0 < float(u.min()) and float(u.max()) < 1
     if width >= 1000:
         assert abs(float(u.mean()) - 0.5) < 0.02
+
+
+def _random_trees(bsz: int, n: int, vocab: int, seed: int):
+    """Ragged random trees over a tiny vocabulary (so siblings repeat tokens and many
+    nodes hit) and logits that favour drafted tokens."""
+    import random
+
+    from specserve.spec.drafts import Drafts
+
+    rng = random.Random(seed)
+    tokens, parents = [], []
+    for b in range(bsz):
+        size = n if b % 2 == 0 else rng.randint(1, n)  # odd rows ragged: padded to n
+        parents.append([-1] + [rng.randrange(i) for i in range(1, size)])
+        tokens.append([rng.randrange(vocab) for _ in range(size)])
+    drafts = Drafts.from_lists(tokens, parents)
+    logits = torch.randn(bsz, n, vocab, generator=torch.Generator().manual_seed(seed))
+    return Drafts(drafts.tokens.to(DEV), drafts.parents.to(DEV), drafts.valid.to(DEV), drafts.counts), logits.to(DEV)
+
+
+@pytest.mark.parametrize("n", [1, 4, 9, 33])
+@pytest.mark.parametrize("rows", [None, [0, 2, 3]])
+def test_greedy_walk_kernel_is_the_accept_walk(n, rows):
+    """kernels/walk.py against _accept_greedy's torch path: the same paths, committed tokens
+    and the same GreedyWalk handed to drafting ahead (on-path nodes, tokens, bonus)."""
+    from specserve.spec.accept import _accept_greedy
+
+    deepest = 1
+    for seed in range(6):
+        drafts, logits = _random_trees(5, n, 3 if seed % 2 else 6, seed)
+        walks = []
+
+        def run():
+            out = _accept_greedy(drafts, logits, rows, before_read=walks.append)
+            w = walks[-1]
+            return out, (w.on_path.cpu(), w.tokens.cpu(), w.bonus.cpu())
+
+        (got, got_walk), (ref, ref_walk) = _both(run)
+        assert got == ref, (seed, got, ref)
+        for a, b in zip(got_walk, ref_walk):
+            assert torch.equal(a, b)
+        deepest = max([deepest] + [len(p) for p in ref[0]])
+    assert deepest >= min(n, 3)  # paths of accepted drafts were walked, not only roots
