@@ -131,7 +131,7 @@ def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
     n = tok.shape[1]
     packed = kernels.greedy_walk(tok, par, valid, target) if kernels.use_fused(target) else None
     if packed is not None:  # kernels/walk.py: the same walk in one launch
-        on_path, bonus = packed[:, :n] != 0, packed[:, 2 * n:]
+        on_path, bonus = packed[:, :n] != 0, packed[:, 2 * n:].contiguous()  # drafting ahead reads bonus[:, 0] flat
     else:
         on_path, bonus = _walk_torch(tok, par, valid, pick(drafts.tree_mask()), target)
         packed = torch.cat([on_path.to(torch.int64), tok, bonus], dim=1)
