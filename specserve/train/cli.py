@@ -54,11 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=_positive, default=512, help="answer length cap when regenerating")
     g.add_argument("--max-seq-len", type=_positive, default=2048,
                    help="prompt + answer cap; prompts longer than half of it are skipped")
-    g.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0: greedy)")
+    g.add_argument("--temperature", type=float, default=0.0, help="temperature of each prompt's first answer (0: greedy)")
     g.add_argument("--extra-temperatures", type=_temperatures, default=(),
                    help="comma-separated temperatures: each prompt gets one more answer, sampled, at each "
                         "(e.g. 0.7,1.0 triples the data; default: none)")
-    g.add_argument("--shard-size", type=_positive, default=256, help="prompts per regeneration shard")
+    g.add_argument("--shard-size", type=_positive, default=256, help="answers per regeneration shard")
     g.add_argument("--mem-fraction-static", type=float, default=None,
                    help="GPU memory fraction for the regeneration engine (default: its own)")
     g.add_argument("--max-running-requests", type=_positive, default=None,
