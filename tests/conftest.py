@@ -36,12 +36,13 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2_dir):
-    """One offline Engine on SmolLM2 (CPU, fp32) shared by the scheduler tests.
+    """One offline Engine on SmolLM2 (fp32, also on a GPU) shared by the scheduler tests.
 
     Tests that use it must leave it idle; `engine_no_leak` checks the KV accounting."""
     from specserve import Engine
+    from tests.unit.model_utils import EXACT_DTYPE
 
-    return Engine(str(smollm2_dir), log_level="warning")
+    return Engine(str(smollm2_dir), log_level="warning", **EXACT_DTYPE)
 
 
 @pytest.fixture

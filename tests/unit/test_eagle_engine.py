@@ -20,45 +20,12 @@ from tests.unit import perfect_draft as pd
 from specserve.models.draft_layouts import add_mtp_deepseek, add_mtp_mimo, save_eagle2, save_eagle3
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.spec.governor import SpecGovernor
-from tests.unit.model_utils import BareRunner, save_tiny_hf, tiny_engine
+from tests.unit.model_utils import BareRunner, save_tiny_hf
+from tests.unit.eagle_utils import (GREEDY, TREES, SomePlain as _SomePlain, count_calls as _count_calls,
+                                   engine as _engine, perfect_engine as _perfect_engine, prompts as _prompts,
+                                   run as _run, spec_flags as _spec_flags, use_static_paths as _use_static_paths)
 
 pytestmark = pytest.mark.slow
-
-GREEDY = {"temperature": 0, "max_new_tokens": 24}
-TREES = {"chain": (3, 1, 4), "tree": (3, 2, 6)}
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
-
-
-def _engine(target, smollm2_dir, **flags) -> Engine:
-    return tiny_engine(target, smollm2_dir, **flags)
-
-
-def _spec_flags(algo: str, draft, tree: str) -> dict:
-    steps, topk, n = TREES[tree]
-    # the governor stays off: these tests check drafting, and on a GPU it may turn a tiny
-    # model's speculation down (plain steps would then hide the acceptance under test)
-    flags = {"speculative_algorithm": algo, "speculative_num_steps": steps, "speculative_adaptive": "off",
-             "speculative_eagle_topk": topk, "speculative_num_draft_tokens": n}
-    if draft is not None:
-        flags["speculative_draft_model_path"] = str(draft)
-    return flags
-
-
-def _clean(engine: Engine) -> None:
-    assert not engine.scheduler.has_work
-    engine.scheduler.kv.flush_cache()
-    engine.scheduler.kv.assert_no_leak()
-
-
-def _run(engine: Engine, prompts: list[list[int]], params=GREEDY) -> list[dict]:
-    out = engine.generate(input_ids=prompts, sampling_params=params)
-    _clean(engine)
-    return out
-
 
 # ---- random heads: lossless ----------------------------------------------------------------
 
@@ -118,18 +85,6 @@ def test_mtp_layers_draft_without_a_draft_path(tmp_path, smollm2_dir, layout):
 # ---- perfect drafts: the wiring ------------------------------------------------------------
 
 PERFECT = ["EAGLE", "EAGLE3", "MTP-deepseek", "MTP-mimo"]
-
-
-def _perfect_engine(kind: str, root, smollm2_dir, tree: str, **flags) -> Engine:
-    target = pd.make_target(root / "target", eagle3=kind == "EAGLE3", mimo=kind == "MTP-mimo")
-    if kind == "EAGLE":
-        spec = _spec_flags("EAGLE", pd.perfect_eagle2(root / "draft", target), tree)
-    elif kind == "EAGLE3":
-        spec = _spec_flags("EAGLE3", pd.perfect_eagle3(root / "draft", target), tree)
-    else:
-        (pd.perfect_mtp_mimo if kind == "MTP-mimo" else pd.perfect_mtp_deepseek)(target)
-        spec = _spec_flags("EAGLE", None, tree)
-    return _engine(target, smollm2_dir, **spec, **flags)
 
 
 @pytest.mark.parametrize("tree", sorted(TREES))
@@ -230,22 +185,6 @@ def test_seeded_sampling_with_eagle_reproduces_plain_sampling(tmp_path, smollm2_
 
 # ---- the graph-shaped paths, run eagerly on the CPU -------------------------------------------
 
-def _use_static_paths(engine: Engine, max_bs: int) -> None:
-    """Give the proposer the padded, fixed-shape drafting and draft-extend paths that CUDA
-    graphs capture, uncaptured (the same static buffers, padding and indexing)."""
-    from specserve.spec.extend_graphs import DraftExtendGraphs
-    from specserve.spec.tree_graphs import TreeDraftGraphs
-
-    p = engine.scheduler.spec.proposer
-    runner = engine.scheduler.runner
-    hidden = runner.model.config.hidden_size
-    width = hidden * len(p.model.aux_layers) if p.model.feature_mode == "aux" else hidden
-    p.tree.graphs = TreeDraftGraphs(p.tree, p.roots, max_bs, p.max_nodes, runner.device, capture=False)
-    p.extend_graphs, p.decoded_graphs = (
-        DraftExtendGraphs(p.model, p.backend, p.pool, engine.scheduler.kv.table.table, max_bs, n, width, p.topk,
-                          p.token_map, p.roots, capture=False) for n in (p.extend_len, 1))
-
-
 @pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])
 def test_graph_shaped_paths_are_lossless_and_padded_right(tiny, smollm2_dir, head):
     """Batch 8 padded to the captured size 8 and batch 3 to 4; every request's extend is
@@ -266,16 +205,6 @@ def test_graph_shaped_paths_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, 
     params = {"temperature": 0, "max_new_tokens": 33}
     outs = _run(engine, _prompts(3, seed=2), params) + _run(engine, _prompts(1, seed=3), params)
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
-
-
-def _count_calls(obj, name: str, counts: dict, monkeypatch) -> None:
-    """Count calls of obj.name into counts[name], calling through."""
-    real = getattr(obj, name)
-
-    def counted(*args, **kwargs):
-        counts[name] = counts.get(name, 0) + 1
-        return real(*args, **kwargs)
-    monkeypatch.setattr(obj, name, counted)
 
 
 @pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
@@ -339,18 +268,6 @@ def test_trees_drafted_ahead_are_the_trees_drafted_after_the_read_back(tiny, smo
         assert [o["output_ids"] for o in outs] == [r[:m["max_new_tokens"]] for r, m in zip(ref + ref[:3], params + params[:3])]
         proposals.append(seen)
     assert counts["draft_ahead"] > 10 and proposals[0] == proposals[1]
-
-
-class _SomePlain(SpecGovernor):
-    """A governor that runs two steps speculatively, then `plain_run` plainly, and again."""
-
-    def __init__(self, plain_run: int = 1) -> None:
-        super().__init__(True)
-        self.period, self.modes = 2 + plain_run, []
-
-    def speculate(self, bs: int) -> bool:
-        self.modes.append(len(self.modes) % self.period < 2)
-        return self.modes[-1]
 
 
 @pytest.mark.parametrize("static,overlap", [(False, False), (True, False), (False, True)])

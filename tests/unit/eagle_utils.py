@@ -1,0 +1,96 @@
+"""Shared helpers of the EAGLE engine tests: tiny engines, prompts, perfect drafts, and
+the graph-shaped (static, padded) drafting paths run eagerly on the CPU."""
+from __future__ import annotations
+
+import random
+
+
+from specserve import Engine
+from specserve.spec.governor import SpecGovernor
+from tests.unit import perfect_draft as pd
+from tests.unit.model_utils import tiny_engine
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+TREES = {"chain": (3, 1, 4), "tree": (3, 2, 6)}
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+def engine(target, smollm2_dir, **flags) -> Engine:
+    return tiny_engine(target, smollm2_dir, **flags)
+
+
+def spec_flags(algo: str, draft, tree: str) -> dict:
+    steps, topk, n = TREES[tree]
+    # the governor stays off: these tests check drafting, and on a GPU it may turn a tiny
+    # model's speculation down (plain steps would then hide the acceptance under test)
+    flags = {"speculative_algorithm": algo, "speculative_num_steps": steps, "speculative_adaptive": "off",
+             "speculative_eagle_topk": topk, "speculative_num_draft_tokens": n}
+    if draft is not None:
+        flags["speculative_draft_model_path"] = str(draft)
+    return flags
+
+
+def clean(engine: Engine) -> None:
+    assert not engine.scheduler.has_work
+    engine.scheduler.kv.flush_cache()
+    engine.scheduler.kv.assert_no_leak()
+
+
+def run(engine: Engine, prompts: list[list[int]], params=GREEDY) -> list[dict]:
+    out = engine.generate(input_ids=prompts, sampling_params=params)
+    clean(engine)
+    return out
+
+
+def perfect_engine(kind: str, root, smollm2_dir, tree: str, **flags) -> Engine:
+    target = pd.make_target(root / "target", eagle3=kind == "EAGLE3", mimo=kind == "MTP-mimo")
+    if kind == "EAGLE":
+        spec = spec_flags("EAGLE", pd.perfect_eagle2(root / "draft", target), tree)
+    elif kind == "EAGLE3":
+        spec = spec_flags("EAGLE3", pd.perfect_eagle3(root / "draft", target), tree)
+    else:
+        (pd.perfect_mtp_mimo if kind == "MTP-mimo" else pd.perfect_mtp_deepseek)(target)
+        spec = spec_flags("EAGLE", None, tree)
+    return engine(target, smollm2_dir, **spec, **flags)
+
+
+def use_static_paths(engine: Engine, max_bs: int) -> None:
+    """Give the proposer the padded, fixed-shape drafting and draft-extend paths that CUDA
+    graphs capture, uncaptured (the same static buffers, padding and indexing)."""
+    from specserve.spec.extend_graphs import DraftExtendGraphs
+    from specserve.spec.tree_graphs import TreeDraftGraphs
+
+    p = engine.scheduler.spec.proposer
+    runner = engine.scheduler.runner
+    hidden = runner.model.config.hidden_size
+    width = hidden * len(p.model.aux_layers) if p.model.feature_mode == "aux" else hidden
+    p.tree.graphs = TreeDraftGraphs(p.tree, p.roots, max_bs, p.max_nodes, runner.device, capture=False)
+    p.extend_graphs, p.decoded_graphs = (
+        DraftExtendGraphs(p.model, p.backend, p.pool, engine.scheduler.kv.table.table, max_bs, n, width, p.topk,
+                          p.token_map, p.roots, capture=False) for n in (p.extend_len, 1))
+
+
+def count_calls(obj, name: str, counts: dict, monkeypatch) -> None:
+    """Count calls of obj.name into counts[name], calling through."""
+    real = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(obj, name, counted)
+
+
+class SomePlain(SpecGovernor):
+    """A governor that runs two steps speculatively, then `plain_run` plainly, and again."""
+
+    def __init__(self, plain_run: int = 1) -> None:
+        super().__init__(True)
+        self.period, self.modes = 2 + plain_run, []
+
+    def speculate(self, bs: int) -> bool:
+        self.modes.append(len(self.modes) % self.period < 2)
+        return self.modes[-1]
