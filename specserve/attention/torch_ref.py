@@ -30,6 +30,7 @@ class _Meta:
 
 class TorchRefBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        fb.settle_prefix()
         if fb.draft_tail is not None:
             fb.attn_meta = self._tail_meta(fb)
             return

@@ -71,6 +71,7 @@ class TritonBackend(AttentionBackend):
 
     # -- per forward ------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        fb.settle_prefix()
         dev = fb.input_ids.device
         if fb.draft_tail is not None:
             self.init_tail_metadata(fb, _to_device([fb.prefix_lens], dev)[0])
@@ -159,7 +160,10 @@ class TritonBackend(AttentionBackend):
         if fb.mode in _FIXED_N_MODES:
             vb = self._verify
             prefix = vb.prefix_lens[:bs]
-            prefix.copy_(torch.tensor(fb.prefix_lens, dtype=torch.int32), non_blocking=True)
+            if fb.device_prefix is not None:  # a pipelined step: lengths exist on the device only
+                prefix.copy_(fb.device_prefix)
+            else:
+                prefix.copy_(torch.tensor(fb.prefix_lens, dtype=torch.int32), non_blocking=True)
             if fb.custom_masks is not None and vb.mask is not None:  # capture runs with full masks (all ones)
                 masks = fb.custom_masks
                 flat = (masks if isinstance(masks, torch.Tensor) else torch.stack(list(masks))).reshape(-1)
@@ -168,6 +172,7 @@ class TritonBackend(AttentionBackend):
                                       vb.q_starts[:bs], vb.n,
                                       vb.mask, vb.mask_indptr[:bs] if vb.mask_indptr is not None else None)
             return
+        assert fb.device_prefix is None, "DECODE graphs take host lengths"
         seq = self._graph_seq_lens[:bs]
         seq.copy_(torch.tensor([p + 1 for p in fb.prefix_lens], dtype=torch.int32, device="cpu"), non_blocking=True)
         fb.attn_meta = TritonMeta(fb.req_rows, seq, self._num_splits(fb))

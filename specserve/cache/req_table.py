@@ -46,6 +46,12 @@ class ReqToTokenTable:
         dev_r, dev_c, dev_s = h2d_many([r, c, flat], self.table.device)
         self.table[dev_r, dev_c] = dev_s
 
+    def write_block(self, rows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
+        """table[rows[b], starts[b] + i] = slots[b, i]: rows and starts [B] and slots [B, N]
+        on the table's device (starts may be known there only: a pipelined step)."""
+        cols = starts[:, None] + torch.arange(slots.shape[1], device=starts.device)
+        self.table[rows[:, None].expand_as(cols), cols] = slots
+
     def write_each(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
         """table[rows[i], cols[i]] = slots[i]: one position per row (a decode step), one copy."""
         dev_r, dev_c, dev_s = h2d_many([rows, cols, slots], self.table.device)

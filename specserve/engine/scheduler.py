@@ -53,6 +53,8 @@ class Scheduler:
         # Overlap plain decode steps on CUDA (on a CPU the host is the device: nothing to overlap)
         self.overlap = self.runner.device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule
         self._inflight: InFlight | None = None
+        if self.spec is not None:  # pipelined speculative steps run through the verify graphs
+            self.spec.pipeline = self.overlap and self.runner.verify_graph_tokens == self.spec.num_draft_tokens
 
     def _build_device_state(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
         """Model, KV memory, speculative worker and CUDA graphs: everything that allocates on the device."""
@@ -107,6 +109,14 @@ class Scheduler:
         return None
 
     def abort(self, rid: str) -> list[TokenOut]:
+        """Abort request `rid`: its output (and those of a speculative step in flight that
+        carried it, read back first)."""
+        landed = []
+        if self.spec is not None and any(r.rid == rid and self.spec.holds(r) for r in self.running):
+            landed = self._land_spec()
+        return landed + self._abort(rid)
+
+    def _abort(self, rid: str) -> list[TokenOut]:
         for queue in (self.waiting, self.prefilling, self.running):
             for req in queue:
                 if req.rid == rid:
@@ -125,14 +135,15 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------
     def step(self) -> list[TokenOut]:
-        batch = self._prefill_batch()  # may run while an overlapped decode step is in flight
         outs: list[TokenOut] = []
+        batch = self._prefill_batch()  # may run while an overlapped (plain or speculative) step is in flight
         if batch is None:
             if self.spec is not None and self.running and self.spec.choose(len(self.running)):
-                return self._drain() + self._spec_step()
+                return outs + self._drain() + self._spec_step()
+            outs += self._land_spec()
             if self._can_overlap():
-                return self._overlapped_decode()
-            outs = self._drain()
+                return outs + self._overlapped_decode()
+            outs += self._drain()
             batch = self._decode_batch()
             if batch is None:
                 return outs
@@ -235,16 +246,30 @@ class Scheduler:
         self.kv.release(req)
 
     def _spec_step(self) -> list[TokenOut]:
-        """Speculative decode of every running request (propose, verify, accept, commit)."""
+        """Speculative decode of every running request (propose, verify, accept, commit);
+        a pipelined step commits the one before it (spec/pipeline.py)."""
+        outs = []
+        if not self.spec.continues(self.running) or self.kv.available() < self.spec.slots_needed(self.running):
+            outs = self._land_spec()  # before a retraction, or a step that cannot follow it
         while self.running and self.kv.available() < self.spec.slots_needed(self.running):
             self._retract(self.running[-1])
         if not self.running:
-            return []
+            return outs
         reqs = list(self.running)
         before = sum(len(r.output_ids) for r in reqs)
-        self.spec.step(reqs)
-        self.stats.generation_tokens_total += sum(len(r.output_ids) for r in reqs) - before
-        self._log_decode(reqs, sum(len(r.output_ids) for r in reqs) - before)
+        landed = self.spec.step(reqs)
+        new_tokens = sum(len(r.output_ids) for r in reqs) - before
+        self.stats.generation_tokens_total += new_tokens
+        self._log_decode(reqs, new_tokens)
+        return outs + self._finish_and_take(landed)
+
+    def _land_spec(self) -> list[TokenOut]:
+        """Read back and commit the speculative step in flight, if any."""
+        if self.spec is None or not self.spec.in_flight:
+            return []
+        reqs = self.spec.drain()
+        # each step's output is taken when it lands: what is pending is this one's tokens
+        self.stats.generation_tokens_total += sum(len(r.pending_ids) for r in reqs)
         return self._finish_and_take(reqs)
 
     # -- batch selection --------------------------------------------------------------

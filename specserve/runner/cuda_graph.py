@@ -62,6 +62,13 @@ def capture_each(sizes: list[int], body: Callable[[int], T], device: torch.devic
     return graphs, outputs
 
 
+def pad_device_prefix(prefix: torch.Tensor | None, bs: int) -> torch.Tensor | None:
+    """[b] device prefix lengths padded with zeros to a captured size bs (padding requests sit at position 0)."""
+    if prefix is None or prefix.numel() == bs:
+        return prefix
+    return torch.cat([prefix, prefix.new_zeros(bs - prefix.numel())])
+
+
 @dataclass
 class _Static:
     """One mode's input and output buffers, sized for max_bs requests of `tokens` each."""
@@ -136,6 +143,7 @@ class CudaGraphRunner:
             if bs > b:  # padding requests: a full mask (their rows are dropped)
                 masks = torch.cat([masks, masks.new_ones(bs - b, st.tokens, st.tokens)])
         static = self._static_batch(fb, fb.mode, bs, fb.prefix_lens + [0] * (bs - b), masks)
+        static.device_prefix = pad_device_prefix(fb.device_prefix, bs)
         self.backend.init_metadata_for_replay(static)
         self.graphs[(fb.mode, bs)].replay()
         t = b * st.tokens

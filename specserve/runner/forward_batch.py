@@ -46,7 +46,18 @@ class ForwardBatch:
     # branch's draft ancestors then the new token itself; positions below prefix_b come
     # from the table row as usual, so the branches of one request share it uncopied.
     draft_tail: torch.Tensor | None = None
+    # [B] int64 prefix lengths on the device, when the host does not know them yet (a
+    # speculative step launched before the previous one is read back: spec/pipeline.py);
+    # prefix_lens then holds stale values. Graph replays copy these on the device; an
+    # eager forward reads them back first (`settle_prefix`).
+    device_prefix: torch.Tensor | None = None
     attn_meta: object = field(default=None, repr=False)  # the backend's, per forward
+
+    def settle_prefix(self) -> None:
+        """Make prefix_lens true for an eager forward's host-built metadata: read
+        device_prefix back (a sync; pipelined steps run eagerly only on a CPU)."""
+        if self.device_prefix is not None:
+            self.prefix_lens, self.device_prefix = self.device_prefix.tolist(), None
 
     @property
     def batch_size(self) -> int:

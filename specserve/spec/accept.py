@@ -110,9 +110,26 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
 
 def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
                    before_read: BeforeRead | None = None) -> tuple[list[list[int]], list[list[int]]]:
-    """(paths, tokens) of the greedy walk for `rows` (None: all), on the logits' device
-    with one read back: the walk from the root that at each node takes the first child
-    (in node order) carrying the target's argmax there.
+    """(paths, tokens) of the greedy walk for `rows` (None: all), with one read back."""
+    packed, walk = _walk_greedy(drafts, logits, rows)
+    if before_read is None:
+        return _parse_walk(packed.tolist(), walk.tokens.shape[1])  # the one sync
+    result = _read_after(packed, lambda: before_read(walk)).result()
+    return result.paths, result.tokens
+
+
+def accept_greedy_later(drafts: Drafts, logits: torch.Tensor, before_read: BeforeRead) -> "PendingAccept":
+    """Every row greedy: queue the walk, `before_read(walk)` and the walk's copy to the
+    host, and wait for none of it (spec/pipeline.py reads it back a step later)."""
+    packed, walk = _walk_greedy(drafts, logits, None)
+    return _read_after(packed, lambda: before_read(walk))
+
+
+def _walk_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None) -> tuple[torch.Tensor, GreedyWalk]:
+    """The greedy walk for `rows` (None: all) on the logits' device, read nothing back:
+    (packed [G, 2N + 1] = on_path, node tokens, bonus; the walk's device tensors). The
+    walk from the root at each node takes the first child (in node order) carrying the
+    target's argmax there.
 
     Vectorised: a node *hits* when it is valid, carries the argmax at its parent and no
     earlier sibling hits; it is accepted when it and all its ancestors hit. Hits are
@@ -135,10 +152,11 @@ def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
     else:
         on_path, bonus = _walk_torch(tok, par, valid, pick(drafts.tree_mask()), target)
         packed = torch.cat([on_path.to(torch.int64), tok, bonus], dim=1)
-    if before_read is None:
-        host = packed.tolist()  # the one sync
-    else:
-        host = _read_after(packed, lambda: before_read(GreedyWalk(on_path, tok, bonus[:, 0])))
+    return packed, GreedyWalk(on_path, tok, bonus[:, 0])
+
+
+def _parse_walk(host: list[list[int]], n: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(paths, tokens) from the walk's packed rows read back."""
     paths, tokens = [], []
     for row in host:
         path = [i for i in range(n) if row[i]]  # node order == depth order along a path
@@ -184,18 +202,32 @@ def device_paths(on_path: torch.Tensor, tok: torch.Tensor, bonus: torch.Tensor, 
     return DevicePaths(nodes, tokens, lens)
 
 
-def _read_after(t: torch.Tensor, work: Callable[[], None]) -> list:
-    """t.tolist(), with `work` queued on the device behind t's copy to the host: the host
-    waits for t alone, not for what `work` queues."""
-    if t.device.type != "cuda":
+@dataclass
+class PendingAccept:
+    """A greedy walk's packed rows on their way to the host: `result()` waits for that
+    copy alone, not for the GPU work queued behind it."""
+
+    host: torch.Tensor  # [B, 2N + 1], valid once `ready` fired
+    ready: "torch.cuda.Event | None"  # None on a CPU, where the copy was synchronous
+    n: int
+
+    def result(self) -> AcceptResult:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return AcceptResult(*_parse_walk(self.host.tolist(), self.n))
+
+
+def _read_after(packed: torch.Tensor, work: Callable[[], None]) -> PendingAccept:
+    """packed's copy to the host, with `work` queued on the device behind it."""
+    n = (packed.shape[1] - 1) // 2
+    if packed.device.type != "cuda":
         work()
-        return t.tolist()
-    host = t.to("cpu", non_blocking=True)  # lands in pinned memory: queued, not waited on
+        return PendingAccept(packed, None, n)
+    host = packed.to("cpu", non_blocking=True)  # lands in pinned memory: queued, not waited on
     ready = torch.cuda.Event()
     ready.record()
     work()
-    ready.synchronize()
-    return host.tolist()
+    return PendingAccept(host, ready, n)
 
 
 def _walk_sampled(first: list[int], sibling: list[int], toks: list[int], q_tok: list[float],

@@ -167,15 +167,15 @@ class EagleProposer:
         return self.extend_graphs is not None and self.extend_graphs.can_run(bsz)
 
     def draft_ahead(self, reqs: list[Req], walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor,
-                    trees: bool) -> None:
+                    trees: bool, row_start: torch.Tensor) -> torch.Tensor:
         """on_verified (and with `trees` the next propose) from the device, before the
         verify is read back: `walk` over full trees [B, N], features [B, N, F] their
-        per-node features, slots [B, N] their slots; each request's kv_len is still that
-        before the verify. On CUDA one kernel does the bookkeeping (ahead_kernel.py)."""
+        per-node features, slots [B, N] their slots, row_start [2B] int64 on the device the
+        requests' table rows, then their kv_lens before the verify (the host's may lag:
+        spec/pipeline.py). Returns kv_len after the commit [B], on the device. On CUDA one
+        kernel does the bookkeeping (ahead_kernel.py)."""
         b, L = len(reqs), self.extend_len
-        dev = slots.device
-        starts = [r.kv_len for r in reqs]
-        row_start = h2d([r.row for r in reqs] + starts, dev)  # [2B]: rows, then kv_lens
+        starts = row_start[b:]
         feats = features.reshape(-1, features.shape[-1])
         if _ahead_kernel_enabled(slots):
             from specserve.spec import ahead_kernel
@@ -185,16 +185,21 @@ class EagleProposer:
                 self.extend_graphs.static_index(), self.extend_graphs.size_for(b), L, self.roots.scratch_row)
             self.extend_graphs.replay_filled(b, feats, starts)
         else:
-            roots, kv_lens = self._extend_ahead(walk.paths(L), feats, slots, row_start, starts)
+            roots, kv_lens = self._extend_ahead(walk.paths(L), feats, slots, row_start)
         self.roots.mark(reqs)
         self._ahead = None
         if trees and self.tree.graphed(b):
             drafts = self.tree.draft_ahead(reqs, roots, kv_lens)
             if drafts is not None:
                 self._ahead = ([r.rid for r in reqs], drafts)
+        return kv_lens
 
-    def _extend_ahead(self, paths: DevicePaths, features: torch.Tensor, slots: torch.Tensor, row_start: torch.Tensor,
-                      starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def has_drafted_ahead(self, reqs: list[Req]) -> bool:
+        """Whether the next propose over `reqs` takes trees drafted ahead (no pass of its own)."""
+        return self._ahead is not None and self._ahead[0] == [r.rid for r in reqs]
+
+    def _extend_ahead(self, paths: DevicePaths, features: torch.Tensor, slots: torch.Tensor,
+                      row_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """draft_ahead's bookkeeping and extend with torch ops (the kernel's reference):
         returns the bonus tokens and kv_len after the commit, [B] each. Padding past a
         request's path is what `_extend_graphed` pads with (token 0, slot 0, its row-0
@@ -213,7 +218,7 @@ class EagleProposer:
         last = torch.arange(b, device=dev) * L + paths.lens - 1
         index = [torch.where(committed, paths.tokens, 0).reshape(-1), pos.reshape(-1), kept.reshape(-1),
                  feat_rows.reshape(-1), rows, last]
-        self.extend_graphs.replay(index, features, starts)
+        self.extend_graphs.replay(index, features, start)
         return paths.tokens.gather(1, (paths.lens - 1)[:, None])[:, 0], start + paths.lens
 
     def _set_roots(self, reqs: list[Req], logits: torch.Tensor, hidden: torch.Tensor) -> None:

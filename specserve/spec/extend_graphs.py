@@ -28,7 +28,7 @@ import bisect
 
 import torch
 
-from specserve.runner.cuda_graph import capture_each, capture_sizes
+from specserve.runner.cuda_graph import capture_each, capture_sizes, pad_device_prefix
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.spec.root_states import RootStates
 from specserve.spec.tree_draft import top_children
@@ -89,7 +89,7 @@ class DraftExtendGraphs:
         self._go(bs, b, features, prefix_lens)
 
     @torch.inference_mode()
-    def replay(self, index: list[torch.Tensor], features: torch.Tensor, prefix_lens: list[int]) -> None:
+    def replay(self, index: list[torch.Tensor], features: torch.Tensor, prefix_lens: list[int] | torch.Tensor) -> None:
         """The same from device tensors: `index` = [ids, positions, slots, feature rows]
         (each [B*L]), [rows, last] (each [B]); root states go to `rows`."""
         ids, pos, slots, feat_rows, rows, last = index
@@ -114,15 +114,21 @@ class DraftExtendGraphs:
         return [self.ids, self.pos, self.slots, self.feat_rows, self.rows, self.last, self.dst]
 
     @torch.inference_mode()
-    def replay_filled(self, b: int, features: torch.Tensor, prefix_lens: list[int]) -> None:
+    def replay_filled(self, b: int, features: torch.Tensor, prefix_lens: list[int] | torch.Tensor) -> None:
         """Replay for B requests whose static inputs, padding requests included, the caller
         wrote (eagle.py's draft-ahead kernel)."""
         self._go(self.size_for(b), b, features, prefix_lens)
 
-    def _go(self, bs: int, b: int, features: torch.Tensor, prefix_lens: list[int]) -> None:
+    def _go(self, bs: int, b: int, features: torch.Tensor, prefix_lens: list[int] | torch.Tensor) -> None:
+        """`prefix_lens` [b]: host ints, or a device tensor when the host does not know them
+        yet (a pipelined step, spec/pipeline.py)."""
         t = bs * self.L
         torch.index_select(features, 0, self.feat_rows[:t], out=self.features[:t])
-        fb = self._batch(bs, prefix_lens + [0] * (bs - b))
+        if isinstance(prefix_lens, torch.Tensor):
+            fb = self._batch(bs, [0] * bs)
+            fb.device_prefix = pad_device_prefix(prefix_lens, bs)
+        else:
+            fb = self._batch(bs, prefix_lens + [0] * (bs - b))
         if not self.capture:
             self.backend.init_forward_metadata(fb)
             self._run(fb, bs)

@@ -81,10 +81,18 @@ class Proposer(Protocol):
         proposer that says no is told of a step by `on_verified` alone."""
         ...
 
-    def draft_ahead(self, reqs: list[Req], walk, features: torch.Tensor, slots: torch.Tensor, trees: bool) -> None:
+    def draft_ahead(self, reqs: list[Req], walk, features: torch.Tensor, slots: torch.Tensor, trees: bool,
+                    row_start: torch.Tensor) -> torch.Tensor:
         """Where can_draft_ahead: on_verified's work (and with `trees` the next propose's)
         queued from a greedy walk (`accept.GreedyWalk`) on the device, before the verify is
-        read back; slots and features [B, N, ...] are the verify's."""
+        read back; slots and features [B, N, ...] are the verify's, row_start [2B] the
+        requests' table rows then kv_lens, on the device. Returns the kv_lens [B] after the
+        commit, on the device."""
+        ...
+
+    def has_drafted_ahead(self, reqs: list[Req]) -> bool:
+        """Where can_draft_ahead: whether the next propose over `reqs` takes trees that
+        draft_ahead drafted (then it reads no host state: spec/pipeline.py)."""
         ...
 
 

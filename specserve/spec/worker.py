@@ -6,7 +6,9 @@ frequency/presence penalties get a root-only tree (budget 1): exact penalties al
 draft path are not implemented, so they decode plainly inside the same verify forward
 rather than being approximated. When the governor turns speculation down, the step is
 the scheduler's own plain decode step (overlapped on CUDA), and the proposer only hears
-of the new tokens (`on_plain_step` -> `on_decoded`, before their read-back).
+of the new tokens (`on_plain_step` -> `on_decoded`, before their read-back). On CUDA a
+greedy EAGLE step is left in flight and read back after the next one is launched
+(pipeline.py); `step` then commits the previous step's tokens.
 """
 from __future__ import annotations
 
@@ -18,9 +20,12 @@ from specserve.engine.kv_manager import KVManager
 from specserve.engine.messages import TokenLogprob
 from specserve.engine.output import commit_token
 from specserve.engine.request import Req
+from specserve.runner.h2d import h2d, h2d_many
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import apply_penalties, uniform_noise
-from specserve.spec.accept import AcceptResult, accept, gumbel_targets
+from specserve.spec import pipeline
+from specserve.spec.accept import AcceptResult, accept, accept_greedy_later, gumbel_targets
+from specserve.spec.pipeline import InFlightSpec
 from specserve.spec.proposer import Decoded, Proposer, Verified
 from specserve.spec.governor import SpecGovernor
 from specserve.spec.verify import commit_kv, decode_batch, pad_rows, verify_batch
@@ -67,6 +72,10 @@ class SpecWorker:
         self._start = 0.0  # when the step `choose` was asked about started
         self._last_mode: bool | None = None  # the mode of the last decode step
         self._switched = False  # the step `choose` was asked about switches mode
+        # Leave greedy EAGLE steps in flight (pipeline.py); the scheduler sets it on CUDA
+        # once the verify graphs exist (tests force it on the CPU)
+        self.pipeline = False
+        self._inflight: InFlightSpec | None = None
 
     @property
     def num_draft_tokens(self) -> int:
@@ -103,10 +112,87 @@ class SpecWorker:
         self._last_mode = speculate
         return speculate
 
-    def step(self, reqs: list[Req]) -> None:
-        """One speculative step over every request (`choose` said so); the caller checked
-        slots_needed(reqs) are free."""
-        self._open = (len(reqs), True, self._speculative_step(reqs), self._start, self._switched)
+    def step(self, reqs: list[Req]) -> list[Req]:
+        """One speculative step over every request (`choose` said so; the caller checked
+        slots_needed(reqs) are free and drained a step in flight unless `continues(reqs)`).
+        Returns the requests whose tokens were committed: `reqs`, or with pipelining those
+        of the step that was in flight (none for the first)."""
+        if self._pipelines(reqs):
+            prev, self._inflight = self._inflight, None
+            self._inflight = self._launch(reqs, prev)
+            landed, tokens = self._land(prev) if prev is not None else ([], 0)
+        else:
+            assert self._inflight is None, "drain the step in flight first"
+            landed, tokens = reqs, self._speculative_step(reqs)
+        self._open = (len(reqs), True, tokens, self._start, self._switched)
+        return landed
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def continues(self, reqs: list[Req]) -> bool:
+        """Whether a speculative step over `reqs` may launch with no drain first."""
+        return self._inflight is None or self._pipelines(reqs)
+
+    def holds(self, req: Req) -> bool:
+        """Whether the step in flight carries `req` (an abort drains it first)."""
+        return self._inflight is not None and any(r is req for r in self._inflight.reqs)
+
+    def drain(self) -> list[Req]:
+        """Read back and commit the step in flight, if any; returns its requests."""
+        done, self._inflight = self._inflight, None
+        return self._land(done)[0] if done is not None else []
+
+    def _pipelines(self, reqs: list[Req]) -> bool:
+        """Whether a step over `reqs` is launched and left in flight (pipeline.py): after
+        the one in flight when it ran over the same requests and drafted their trees."""
+        if not self.pipeline or not self.proposer.can_draft_ahead(len(reqs)) \
+                or not pipeline.eligible(reqs, self.spec.num_steps, self.context_length):
+            return False
+        prev = self._inflight
+        return prev is None or (prev.same_batch(reqs) and self.proposer.has_drafted_ahead(reqs))
+
+    def _launch(self, reqs: list[Req], prev: InFlightSpec | None) -> InFlightSpec:
+        """Queue a greedy step over full trees from the device state `prev` left (or the
+        host's, when nothing is in flight) and its draft-ahead; read nothing back."""
+        b, n, dev = len(reqs), self.proposer.max_nodes, self.runner.device
+        slots = self.kv.alloc_each([n] * b)
+        rows, flat = h2d_many([[r.row for r in reqs], torch.cat(slots)], dev)
+        starts = prev.kv_after if prev is not None else h2d([r.kv_len for r in reqs], dev)
+        self.kv.table.write_block(rows, starts, flat.view(b, n))
+        drafts = self.proposer.propose(reqs, [n] * b)  # after `prev`: its trees, drafted ahead
+        batch = verify_batch(reqs, drafts, slots, full=True, starts=starts)
+        batch.out_slots = flat  # on the device already
+        fb = self.runner.forward_batch(batch, self.kv.table.table)
+        fb.device_prefix = starts
+        logits, features = self.runner.forward_with_features(fb)
+        ahead = _DraftAhead(self.proposer, reqs, features.view(b, n, -1), fb.out_slots.view(b, n), True,
+                            torch.cat([rows, starts]))
+        pending = accept_greedy_later(drafts, logits.view(b, n, -1), ahead)
+        return InFlightSpec(reqs, slots, pending, ahead.kv_after)
+
+    def _land(self, done: InFlightSpec) -> tuple[list[Req], int]:
+        """Commit a step launched by `_launch` (the table holds its slots already); requests
+        it ends give back their place in the step now in flight. (requests, tokens)."""
+        result = done.pending.result()
+        live = [i for i in range(len(done.reqs)) if i not in done.dropped]
+        reqs, paths = [done.reqs[i] for i in live], [result.paths[i] for i in live]
+        committed = []
+        for i, req in zip(live, reqs):
+            committed.append(self._commit_tokens(req, result.tokens[i], result.paths[i], None))
+            self._record(req, len(committed[-1]), drafted=True)
+        kept = commit_kv(self.kv, reqs, [done.slots[i] for i in live], paths, [len(c) for c in committed],
+                         write_table=False)
+        self.proposer.on_verified(reqs, Verified(committed, paths, None, kept, extended=True))
+        cur = self._inflight
+        if cur is not None:
+            for i, req in enumerate(cur.reqs):
+                if req.finished and i not in cur.dropped:
+                    cur.drop(i, self.kv)
+            if cur.all_dropped:
+                self._inflight = None  # nothing in it will be read
+        return reqs, sum(map(len, committed))
 
     def on_plain_step(self, reqs: list[Req], decoded: Decoded) -> None:
         """The scheduler ran a plain decode step (`choose` said so), its tokens still on the
@@ -160,7 +246,8 @@ class SpecWorker:
                 or not self.proposer.can_draft_ahead(len(reqs)):
             return None
         trees = self.governor.leaning(len(reqs))  # trees for a step the governor will likely speculate
-        return _DraftAhead(self.proposer, reqs, features, fb.out_slots.view(len(reqs), n), trees)
+        row_start = h2d([r.row for r in reqs] + [r.kv_len for r in reqs], fb.out_slots.device)
+        return _DraftAhead(self.proposer, reqs, features, fb.out_slots.view(len(reqs), n), trees, row_start)
 
     def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor],
                            drafted: list[bool], ahead: "_DraftAhead | None" = None
@@ -202,7 +289,9 @@ class SpecWorker:
         return accept(drafts, logits, sb, noise[:, :-1], noise[:, -1], self.spec.accept_threshold_single,
                       self.spec.accept_threshold_acc, force_greedy=force_greedy)
 
-    def _commit_tokens(self, req: Req, tokens: list[int], path: list[int], logits: torch.Tensor) -> list[int]:
+    def _commit_tokens(self, req: Req, tokens: list[int], path: list[int], logits: torch.Tensor | None) -> list[int]:
+        """Commit an accepted run up to where it ends the request; `logits` [N, V] the
+        verify's (None when no request asked for logprobs)."""
         done = []
         for i, tok in enumerate(tokens):
             entry = _logprob_entry(req, tok, logits[path[i]]) if req.params.logprobs else None
@@ -230,15 +319,19 @@ class SpecWorker:
 
 class _DraftAhead:
     """`accept`'s before-read hook: the proposer's draft_ahead over this step's requests,
-    features [B, N, F] and slots [B, N]; `ran` once it was called (greedy walks only)."""
+    features [B, N, F] and slots [B, N], row_start [2B] their table rows then kv_lens (on
+    the device); `ran` once it was called (greedy walks only), `kv_after` [B] the kv_lens
+    it left."""
 
     def __init__(self, proposer: Proposer, reqs: list[Req], features: torch.Tensor, slots: torch.Tensor,
-                 trees: bool) -> None:
+                 trees: bool, row_start: torch.Tensor) -> None:
         self.proposer, self.reqs, self.features, self.slots, self.trees = proposer, reqs, features, slots, trees
+        self.row_start = row_start
         self.ran = False
+        self.kv_after: torch.Tensor | None = None
 
     def __call__(self, walk) -> None:
-        self.proposer.draft_ahead(self.reqs, walk, self.features, self.slots, self.trees)
+        self.kv_after = self.proposer.draft_ahead(self.reqs, walk, self.features, self.slots, self.trees, self.row_start)
         self.ran = True
 
 

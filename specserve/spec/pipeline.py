@@ -1,0 +1,75 @@
+"""Pipelined speculative steps: launch step k+1 before reading step k back.
+
+A speculative step ends in a read-back (the accepted tokens) and the host's bookkeeping:
+committing tokens, stop checks, freeing slots, the scheduler's turn, then building and
+launching the next verify. At batch 1 the GPU idles through all of it, nearly as long as
+the step's own GPU work. When EAGLE drafts ahead (eagle.py), everything the next verify
+needs is on the device once a step is queued: the next trees, the committed slots in
+the table, and each request's kv_len after the commit (from the draft-ahead
+bookkeeping). So the next step is launched from those device values before the previous
+one is read back, and the host does step k's bookkeeping while the GPU runs step k+1,
+as SGLang's overlap scheduler does for its spec v2 workers (any top-k here).
+
+A step may be left in flight when every request walks greedily (the walk runs on the
+device), has a full tree, no penalties and no logprobs, cannot reach its length limits
+within two steps, and the proposer drafts ahead (`eligible`, `SpecWorker._pipelines`).
+The next speculative step over the *same* requests, with trees drafted ahead for them,
+launches first and then reads the step in flight back; anything else (a plain step, a
+changed batch, an abort of a request it carries, a retraction) first drains it
+(`SpecWorker.drain`). A prefill may run while it is in flight: it touches only its own
+requests' rows and slots, and the batch it adds drains the step before speculating.
+
+Invariant while a step is in flight: req.kv_len, output_ids and the allocator are those
+before it (the host lags one step), and the step's `kv_after` holds kv_len after its
+commit, on the device. A request that step k ends (EOS, a stop string) was already given
+step k+1's verify slots: `drop` frees them at once and its step-(k+1) outcome is never
+read. Step k+1 wrote only its own slots and table positions past that request's final
+kv_len, so the KV the request leaves to the prefix cache is untouched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.engine.kv_manager import KVManager
+from specserve.engine.request import Req
+from specserve.spec.accept import PendingAccept
+
+
+@dataclass
+class InFlightSpec:
+    """A speculative step launched and not yet read back."""
+
+    reqs: list[Req]  # in batch order
+    slots: list[torch.Tensor]  # each request's N verify slots (host)
+    pending: PendingAccept  # the greedy walk, on its way to the host
+    kv_after: torch.Tensor  # [B] int64 kv_len after this step's commit, on the device
+    dropped: set[int] = field(default_factory=set)  # requests whose outcome is never read
+
+    def same_batch(self, reqs: list[Req]) -> bool:
+        """Whether a step over `reqs` continues from this one (the same live requests, in order)."""
+        return not self.dropped and len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs))
+
+    def drop(self, i: int, kv: KVManager) -> None:
+        """Request i ended on the step before this one: free its verify slots now."""
+        kv.allocator.free(self.slots[i])
+        self.dropped.add(i)
+
+    @property
+    def all_dropped(self) -> bool:
+        return len(self.dropped) == len(self.reqs)
+
+
+def eligible(reqs: list[Req], num_steps: int, context_length: int) -> bool:
+    """Whether a step over `reqs` may be left in flight: greedy walks, full trees, no
+    logprobs (the verify graph's logits are overwritten by the next step) and room for two
+    more steps' tokens (the host checks limits a step late; positions stay in range)."""
+    room = 2 * (num_steps + 1)
+    for req in reqs:
+        p = req.params
+        if not p.greedy or p.logprobs or p.frequency_penalty or p.presence_penalty:
+            return False
+        if req.max_new_tokens - len(req.output_ids) <= room or req.seq_len + room >= context_length:
+            return False
+    return True

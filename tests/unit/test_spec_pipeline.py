@@ -1,0 +1,170 @@
+"""Pipelined speculative steps (spec/pipeline.py): step k+1 launched before step k is read back.
+
+On the CPU the pipeline is forced on over the graph-shaped drafting paths, run eagerly;
+the device state it launches from (kv_len after the commit, the table, the trees drafted
+ahead) is the same. Checked here:
+  * greedy output is plain decoding's, token for token, at batch 8 and 3, with requests
+    ending at different steps (their places in the step in flight are dropped);
+  * a perfect draft stays at full depth (a stale kv_len, position or prefix collapses it);
+  * a stop token inside a step, an abort, a request arriving, and plain steps chosen by
+    the governor, each while a step is in flight: outputs exact, no slot leaked;
+  * which steps may be left in flight (greedy, no logprobs, room before the limits).
+"""
+from __future__ import annotations
+
+import pytest
+
+from specserve.engine.messages import GenerateReq
+from specserve.engine.engine import make_sampling_params
+from specserve.models.draft_layouts import save_eagle2, save_eagle3
+from specserve.spec import pipeline
+from specserve.spec.pipeline import InFlightSpec
+from tests.unit.eagle_utils import (SomePlain, clean, count_calls, engine, perfect_engine, prompts, run,
+                                    spec_flags, use_static_paths)
+from tests.unit.model_utils import save_tiny_hf
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2_dir):
+    """A tiny random target, random EAGLE-2 and EAGLE-3 heads, and plain greedy outputs of 30 tokens."""
+    root = tmp_path_factory.mktemp("pipeline")
+    target = save_tiny_hf("llama", root / "target", vocab_size=49152, max_position_embeddings=1024,
+                          num_hidden_layers=4)
+    heads = {"EAGLE": save_eagle2(root / "eagle2", target, bias=True),
+             "EAGLE3": save_eagle3(root / "eagle3", target, draft_vocab=4096)}
+    ps = prompts(8, seed=5)
+    ref = [o["output_ids"] for o in run(engine(target, smollm2_dir), ps, {"temperature": 0, "max_new_tokens": 30})]
+    return target, heads, ps, ref
+
+
+def _pipelined(target, smollm2_dir, head: str, draft, monkeypatch, counts: dict, **flags):
+    """An EAGLE engine whose greedy steps are left in flight, counting launches, lands and drops."""
+    eng = engine(target, smollm2_dir, **spec_flags(head, draft, "tree"), **flags)
+    use_static_paths(eng, max_bs=8)
+    worker = eng.scheduler.spec
+    worker.pipeline = True
+    count_calls(worker, "_launch", counts, monkeypatch)
+    count_calls(worker, "_land", counts, monkeypatch)
+    count_calls(InFlightSpec, "drop", counts, monkeypatch)
+    return eng
+
+
+def _greedy(n: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": n}
+
+
+@pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])
+def test_pipelined_steps_are_token_identical(tiny, smollm2_dir, head, monkeypatch):
+    target, heads, ps, ref = tiny
+    counts: dict = {}
+    eng = _pipelined(target, smollm2_dir, head, heads[head], monkeypatch, counts)
+    params = [_greedy(30 - 4 * (i % 3)) for i in range(8)]
+    outs = run(eng, ps, params) + run(eng, ps[:3], params[:3])
+    assert [o["output_ids"] for o in outs] == [r[:p["max_new_tokens"]] for r, p in zip(ref + ref[:3], params + params[:3])]
+    # most steps were left in flight and read back one step later
+    assert counts["_launch"] >= 6 and counts["_land"] >= counts["_launch"] - 2, counts
+
+
+def test_a_perfect_draft_stays_perfect_when_pipelined(tmp_path, smollm2_dir, monkeypatch):
+    """Each pipelined verify runs at the kv_len, positions and attention prefix the step
+    before it left on the device: any slip there and a perfect draft stops being accepted."""
+    counts: dict = {}
+    eng = perfect_engine("EAGLE3", tmp_path, smollm2_dir, "tree")
+    use_static_paths(eng, max_bs=4)
+    eng.scheduler.spec.pipeline = True
+    count_calls(eng.scheduler.spec, "_launch", counts, monkeypatch)
+    params = _greedy(41)  # 1 from prefill + 10 verifies of 4: 8 of them leave room to pipeline
+    plain = engine(tmp_path / "target", smollm2_dir)
+    outs = run(eng, prompts(3, seed=2), params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in run(plain, prompts(3, seed=2), params)]
+    assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
+    assert counts["_launch"] >= 5, counts
+
+
+def test_a_stop_token_inside_a_step_drops_its_place_in_the_next(tiny, smollm2_dir, monkeypatch):
+    """Requests stopped (by a token of their own plain output) at different steps: the
+    step in flight frees the slots it took for each and never reads its outcome."""
+    target, heads, ps, ref = tiny
+    counts: dict = {}
+    eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, counts)
+    params, want = [], []
+    for i, r in enumerate(ref[:4]):
+        stop = r[6 + 3 * i]
+        params.append({"temperature": 0, "max_new_tokens": 30, "stop_token_ids": [stop]})
+        want.append(r[:r.index(stop) + 1])
+    outs = run(eng, ps[:4], params)
+    assert [o["output_ids"] for o in outs] == want
+    assert counts.get("drop", 0) >= 1, counts
+
+
+def _step_until(sched, done, limit: int = 200) -> list:
+    outs = []
+    for _ in range(limit):
+        if done():
+            return outs
+        outs += sched.step()
+    raise AssertionError("the scheduler did not get there")
+
+
+def _collect(outs: list) -> dict[str, list[int]]:
+    got: dict[str, list[int]] = {}
+    for out in outs:
+        got.setdefault(out.rid, []).extend(out.token_ids)
+    return got
+
+
+def test_an_arrival_and_an_abort_while_a_step_is_in_flight(tiny, smollm2_dir, monkeypatch):
+    """A request arriving is prefilled while a step is in flight, which is read back before
+    the larger batch speculates; aborting a request the step in flight carries reads that
+    step back first. Outputs stay exact."""
+    target, heads, ps, ref = tiny
+    eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, {})
+    sched = eng.scheduler
+    params = make_sampling_params(_greedy(30))
+    outs = sched.add_request(GenerateReq("a", ps[0], params))
+    outs += _step_until(sched, lambda: sched.spec.in_flight)
+    outs += sched.add_request(GenerateReq("b", ps[1], params))
+    outs += _step_until(sched, lambda: any(r.rid == "b" and sched.spec.holds(r) for r in sched.running))
+    outs += sched.abort("b")
+    assert not any(r.rid == "b" for r in sched.running)
+    outs += _step_until(sched, lambda: not sched.has_work)
+    got = _collect(outs)
+    assert got["a"] == ref[0]
+    assert got["b"] == ref[1][:len(got["b"])] and len(got["b"]) < 30  # aborted part-way, exact so far
+    assert not sched.spec.in_flight
+    clean(eng)
+
+
+def test_plain_steps_between_pipelined_ones(tmp_path, smollm2_dir, monkeypatch):
+    """The governor turning speculation down drains the step in flight; speculation
+    resumes from the draft the plain steps extended. A perfect draft stays perfect."""
+    counts: dict = {}
+    eng = perfect_engine("EAGLE3", tmp_path, smollm2_dir, "tree")
+    use_static_paths(eng, max_bs=4)
+    eng.scheduler.spec.pipeline = True
+    count_calls(eng.scheduler.spec, "_launch", counts, monkeypatch)
+    gov = eng.scheduler.spec.governor = SomePlain(plain_run=1)
+    params = _greedy(41)
+    plain = engine(tmp_path / "target", smollm2_dir)
+    outs = run(eng, prompts(3, seed=4), params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in run(plain, prompts(3, seed=4), params)]
+    assert False in gov.modes and counts["_launch"] >= 4, counts
+    assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
+
+
+class _Req:
+    def __init__(self, out: int, seq: int, **params) -> None:
+        self.params = make_sampling_params({"temperature": 0, "max_new_tokens": 100, **params})
+        self.max_new_tokens, self.output_ids, self.seq_len = 100, [0] * out, seq
+
+
+def test_which_steps_may_be_left_in_flight():
+    steps, ctx = 3, 1000  # two more steps commit at most 8 tokens
+    assert pipeline.eligible([_Req(0, 10), _Req(91, 10), _Req(0, 991)], steps, ctx)
+    assert not pipeline.eligible([_Req(0, 10), _Req(92, 10)], steps, ctx)  # may end on length within two steps
+    assert not pipeline.eligible([_Req(0, 992)], steps, ctx)  # near the context length
+    assert not pipeline.eligible([_Req(0, 10), _Req(0, 10, temperature=1.0)], steps, ctx)  # a sampled walk
+    assert not pipeline.eligible([_Req(0, 10, logprobs=True)], steps, ctx)  # its logits are overwritten
+    assert not pipeline.eligible([_Req(0, 10, frequency_penalty=0.5)], steps, ctx)
