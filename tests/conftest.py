@@ -40,9 +40,9 @@ def smollm2_engine(smollm2_dir):
 
     Tests that use it must leave it idle; `engine_no_leak` checks the KV accounting."""
     from specserve import Engine
-    from tests.unit.model_utils import EXACT_DTYPE
+    from tests.unit.model_utils import EXACT_ON_GPU
 
-    return Engine(str(smollm2_dir), log_level="warning", **EXACT_DTYPE)
+    return Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU)
 
 
 @pytest.fixture

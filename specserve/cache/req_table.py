@@ -17,6 +17,7 @@ class ReqToTokenTable:
         self.max_context = max_context
         self.table = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
         self._free_rows = list(range(max_reqs))
+        self._cols: dict[int, torch.Tensor] = {}  # arange(n) on the device, per block width
 
     @property
     def available(self) -> int:
@@ -48,9 +49,14 @@ class ReqToTokenTable:
 
     def write_block(self, rows: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> None:
         """table[rows[b], starts[b] + i] = slots[b, i]: rows and starts [B] and slots [B, N]
-        on the table's device (starts may be known there only: a pipelined step)."""
-        cols = starts[:, None] + torch.arange(slots.shape[1], device=starts.device)
-        self.table[rows[:, None].expand_as(cols), cols] = slots
+        on the table's device (starts may be known there only: a pipelined step). One
+        index_copy_ over the flat table: a 2-D index_put costs several times its host time."""
+        n = slots.shape[1]
+        cols = self._cols.get(n)
+        if cols is None:
+            cols = self._cols[n] = torch.arange(n, device=self.table.device)
+        flat = ((rows * self.table.stride(0) + starts)[:, None] + cols).reshape(-1)
+        self.table.view(-1).index_copy_(0, flat, slots.reshape(-1))
 
     def write_each(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
         """table[rows[i], cols[i]] = slots[i]: one position per row (a decode step), one copy."""

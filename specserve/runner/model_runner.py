@@ -83,6 +83,7 @@ class ModelRunner:
         self.attn_backend = make_backend(runner_cfg.attention_backend, self.device)
         self.feature_mode: str | None = None  # what forward_with_features returns (EAGLE drafts)
         self.graphs: CudaGraphRunner | None = None
+        self._all_rows: dict[int, torch.Tensor] = {}  # arange(T) per VERIFY size (device_verify_batch)
         self.runner_cfg = runner_cfg
 
     # Extend lengths whose query blocks cover every extend-kernel variant (BLOCK_M 16, 32, 64).
@@ -192,6 +193,21 @@ class ModelRunner:
             req_to_token=req_to_token, kv_pool=kv_pool or self.kv_pool, attn_backend=self.attn_backend,
             custom_masks=batch.custom_masks, logit_rows=logit_rows,
         )
+
+    def device_verify_batch(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                            rows: torch.Tensor, prefix: torch.Tensor, masks: torch.Tensor,
+                            req_to_token: torch.Tensor) -> ForwardBatch:
+        """A VERIFY ForwardBatch of B full trees of N nodes straight from device tensors (a
+        pipelined step, spec/pipeline.py): ids, positions and slots [B*N], rows and prefix
+        lengths [B], masks [B, N, N]. No host list is read or copied; the host-side
+        prefix_lens are placeholders (`device_prefix` holds the truth)."""
+        b, n = masks.shape[0], masks.shape[1]
+        rows_all = self._all_rows.get(b * n)
+        if rows_all is None:  # logits of every node (a graph's shape); cached: no launch per step
+            rows_all = self._all_rows[b * n] = torch.arange(b * n, device=self.device)
+        return ForwardBatch(ForwardMode.VERIFY, ids, positions, slots, rows, [0] * b, [n] * b, req_to_token,
+                            self.kv_pool, self.attn_backend, custom_masks=masks, logit_rows=rows_all,
+                            device_prefix=prefix)
 
     @property
     def verify_graph_tokens(self) -> int:

@@ -17,21 +17,17 @@ from specserve.runner.forward_batch import ForwardMode
 from specserve.spec.drafts import Drafts
 
 
-def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor], full: bool = False,
-                 starts: torch.Tensor | None = None) -> ScheduleBatch:
+def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor], full: bool = False) -> ScheduleBatch:
     """The VERIFY batch: request b contributes its valid nodes (a prefix of its row), or
     with `full` all N nodes (the shape a captured graph needs). Padding nodes hang off the
     root, no valid node attends to them, and their K/V go to the scratch slot 0.
 
     Token ids, positions and masks stay on the drafts' device (the GPU for drafted trees):
-    building the batch reads nothing back; valid counts come from the host. `starts` [B]:
-    the requests' kv_lens on that device, when the host's lag (a pipelined step)."""
+    building the batch reads nothing back; valid counts come from the host."""
     n, valid = drafts.num_nodes, drafts.valid_counts()
     counts = [n] * len(reqs) if full else valid
     dev = drafts.tokens.device
-    if starts is None:
-        starts = torch.tensor([r.kv_len for r in reqs]).to(dev, non_blocking=True)
-    positions = starts[:, None] + drafts.depths()
+    positions = torch.tensor([r.kv_len for r in reqs]).to(dev, non_blocking=True)[:, None] + drafts.depths()
     masks = drafts.tree_mask()
     if all(c == n for c in counts):
         ids, pos, custom = drafts.tokens.reshape(-1), positions.reshape(-1), masks  # [B, N, N]: no per-request views

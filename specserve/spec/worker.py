@@ -162,10 +162,9 @@ class SpecWorker:
         starts = prev.kv_after if prev is not None else h2d([r.kv_len for r in reqs], dev)
         self.kv.table.write_block(rows, starts, flat.view(b, n))
         drafts = self.proposer.propose(reqs, [n] * b)  # after `prev`: its trees, drafted ahead
-        batch = verify_batch(reqs, drafts, slots, full=True, starts=starts)
-        batch.out_slots = flat  # on the device already
-        fb = self.runner.forward_batch(batch, self.kv.table.table)
-        fb.device_prefix = starts
+        positions = (starts[:, None] + drafts.depths()).reshape(-1)
+        fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, flat, rows, starts,
+                                             drafts.tree_mask(), self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
         ahead = _DraftAhead(self.proposer, reqs, features.view(b, n, -1), fb.out_slots.view(b, n), True,
                             torch.cat([rows, starts]))

@@ -83,8 +83,9 @@ class BareRunner:
 GPU_TEST_KV_SLOTS = 16384
 # Engines whose output tests compare token for token with another engine's (speculative vs
 # plain, batch 8 vs batch 1) run in float32 on a GPU too: bf16 is not batch-invariant, so a
-# verify over 16 tree tokens and a decode of one may round a near-tie apart.
-EXACT_DTYPE = {"dtype": "float32"} if torch.cuda.is_available() else {}
+# verify over 16 tree tokens and a decode of one may round a near-tie apart. Their KV pool
+# is bounded there, so that several fit beside the session's shared engine.
+EXACT_ON_GPU = {"dtype": "float32", "max_total_tokens": GPU_TEST_KV_SLOTS} if torch.cuda.is_available() else {}
 
 
 def tiny_engine(target: Path, tokenizer_dir: Path, **flags):
@@ -95,7 +96,5 @@ def tiny_engine(target: Path, tokenizer_dir: Path, **flags):
     8-bit mantissa does not keep, and CPU runs are float32 too."""
     from specserve import Engine
 
-    if torch.cuda.is_available():
-        flags.setdefault("max_total_tokens", GPU_TEST_KV_SLOTS)
-        flags = EXACT_DTYPE | flags
+    flags = EXACT_ON_GPU | flags
     return Engine(str(target), tokenizer_path=str(tokenizer_dir), log_level="warning", **flags)

@@ -12,6 +12,7 @@ import pytest
 from specserve import Engine
 from specserve.engine.messages import GenerateReq
 from specserve.engine.sampling_params import SamplingParams
+from tests.unit.model_utils import EXACT_ON_GPU
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +124,7 @@ def test_retraction_under_memory_pressure_matches(engine_no_leak, smollm2_dir):
     ids = [_chat(engine_no_leak, p) for p in PROMPTS]
     params = {"temperature": 0, "max_new_tokens": 40}
     expected = _generate(engine_no_leak, False, ids, params)
-    small = Engine(str(smollm2_dir), log_level="warning", max_total_tokens=240)
+    small = Engine(str(smollm2_dir), log_level="warning", **(EXACT_ON_GPU | {"max_total_tokens": 240}))
     _assert_same(_generate(small, True, ids, params), expected)
     assert small.scheduler.stats.retractions_total > 0
     small.scheduler.kv.flush_cache()

@@ -11,7 +11,7 @@ import pytest
 
 from specserve import Engine
 from specserve.models.draft_layouts import save_eagle2, save_eagle3
-from tests.unit.model_utils import EXACT_DTYPE, save_tiny_hf
+from tests.unit.model_utils import EXACT_ON_GPU, save_tiny_hf
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +26,8 @@ PROMPTS = [
     "Copy this list: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry.",
 ]
 GREEDY = {"temperature": 0, "max_new_tokens": 48}
+# the governor stays off: on a GPU it may turn speculation down, hiding the acceptance under test
+FIXED = {"speculative_adaptive": "off"}
 
 
 def _ids(engine: Engine, prompts: list[str]) -> list[list[int]]:
@@ -69,7 +71,7 @@ def _check(engine: Engine, reference: list[list[int]], batch_sizes=(1, 8)) -> li
     {"speculative_ngram_match_type": "PROB", "speculative_num_draft_tokens": 8, "chunked_prefill_size": 16},
 ])
 def test_ngram_greedy_is_token_identical(smollm2_dir, reference, flags):
-    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_DTYPE, speculative_algorithm="NGRAM", **flags)
+    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="NGRAM", **flags)
     results = _check(engine, reference)
     meta = results[1]["meta_info"]  # the repetitive prompt: n-gram drafting must pay there
     assert meta["spec_verify_ct"] < len(results[1]["output_ids"])
@@ -83,7 +85,7 @@ def test_standalone_with_the_target_as_draft_accepts_everything(smollm2_dir, ref
 
     With a self-draft a branch that attended to the wrong ancestors would mispredict, so
     acceptance near the bound also checks the tree drafter's per-branch rows."""
-    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_DTYPE, speculative_algorithm="STANDALONE",
+    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
                     speculative_draft_model_path=str(smollm2_dir), **tree)
     results = _check(engine, reference)
     lengths = [r["meta_info"]["spec_accept_length"] for r in results]
@@ -94,7 +96,7 @@ def test_standalone_with_the_target_as_draft_accepts_everything(smollm2_dir, ref
 @pytest.mark.parametrize("steps,topk,n", [(1, 1, 2), (5, 1, 6), (3, 4, 8)])
 def test_standalone_with_a_random_draft_is_still_exact(smollm2_dir, reference, tmp_path, steps, topk, n):
     draft = save_tiny_hf("llama", tmp_path / "draft", vocab_size=49152, max_position_embeddings=8192)
-    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_DTYPE, speculative_algorithm="STANDALONE",
+    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
                     speculative_draft_model_path=str(draft), speculative_num_steps=steps,
                     speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
     results = _check(engine, reference, batch_sizes=(8,))
@@ -108,15 +110,15 @@ def test_eagle_heads_on_smollm2_are_exact(smollm2_dir, reference, tmp_path, algo
         head = save_eagle2(tmp_path / "head", smollm2_dir, bias=True, scale=0.02)
     else:
         head = save_eagle3(tmp_path / "head", smollm2_dir, draft_vocab=32000, scale=0.02)
-    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_DTYPE, speculative_algorithm=algo,
+    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm=algo,
                     speculative_draft_model_path=str(head), speculative_num_steps=steps,
                     speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
     _check(engine, reference)
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(smollm2_dir):
-    plain = Engine(str(smollm2_dir), log_level="warning", **EXACT_DTYPE)
-    spec = Engine(str(smollm2_dir), log_level="warning", **EXACT_DTYPE, speculative_algorithm="STANDALONE",
+    plain = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU)
+    spec = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
                   speculative_draft_model_path=str(smollm2_dir), speculative_num_steps=5,
                   speculative_eagle_topk=1, speculative_num_draft_tokens=6)
     ids = _ids(plain, PROMPTS[:1])[0]
@@ -133,7 +135,7 @@ def test_stops_and_max_tokens_inside_an_accepted_run(smollm2_dir):
 
 def test_seeded_sampling_with_speculation_reproduces_plain_sampling(smollm2_engine, smollm2_dir):
     """Gumbel verification: same seed, same tokens as plain sampling, whatever was drafted."""
-    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_DTYPE, speculative_algorithm="NGRAM")
+    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="NGRAM")
     ids = _ids(engine, PROMPTS[7:8])[0]
     p = {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 32, "seed": 7}
     plain = smollm2_engine.generate(input_ids=ids, sampling_params=p)
@@ -154,7 +156,7 @@ def test_full_verify_batches_are_exact(smollm2_dir, reference, monkeypatch):
     still give the plain greedy tokens."""
     from specserve.runner.model_runner import ModelRunner
 
-    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_DTYPE, speculative_algorithm="NGRAM",
+    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="NGRAM",
                     speculative_num_draft_tokens=8)
     monkeypatch.setattr(ModelRunner, "verify_graph_tokens", property(lambda self: 8))
     results = _check(engine, reference)
