@@ -127,8 +127,8 @@ def _add_scheduling(p: argparse.ArgumentParser) -> None:
                    help="request order: first come first served, or longest prefix match")
     g.add_argument("--random-seed", type=int, default=_S.random_seed, help="random seed")
     g.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="read each plain decode step's tokens back before launching the next "
-                        "(by default, on CUDA, the next step is launched first; speculative steps never overlap)")
+                   help="read each decode step's tokens back before launching the next (by default, on "
+                        "CUDA, the next plain step, or the next greedy EAGLE/EAGLE3/MTP step, is launched first)")
 
 
 def _add_runtime(p: argparse.ArgumentParser) -> None:

@@ -43,7 +43,7 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"
     random_seed: int | None = None
     decode_log_interval: int = 40
-    disable_overlap_schedule: bool = False  # overlap plain decode steps' host work with the GPU (CUDA)
+    disable_overlap_schedule: bool = False  # overlap decode steps' host work with the GPU (CUDA; spec/pipeline.py too)
 
 
 @dataclass(frozen=True)
