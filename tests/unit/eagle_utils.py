@@ -8,7 +8,7 @@ import random
 from specserve import Engine
 from specserve.spec.governor import SpecGovernor
 from tests.unit import perfect_draft as pd
-from tests.unit.model_utils import tiny_engine
+from tests.unit.model_utils import save_tiny_hf, tiny_engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
 TREES = {"chain": (3, 1, 4), "tree": (3, 2, 6)}
@@ -17,6 +17,11 @@ TREES = {"chain": (3, 1, 4), "tree": (3, 2, 6)}
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+def tiny_target(path):
+    """A tiny random 4-layer Llama target with SmolLM2's vocabulary, saved at `path`."""
+    return save_tiny_hf("llama", path, vocab_size=49152, max_position_embeddings=1024, num_hidden_layers=4)
 
 
 def engine(target, smollm2_dir, **flags) -> Engine:

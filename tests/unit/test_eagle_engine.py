@@ -23,7 +23,8 @@ from specserve.spec.governor import SpecGovernor
 from tests.unit.model_utils import BareRunner, save_tiny_hf
 from tests.unit.eagle_utils import (GREEDY, TREES, SomePlain as _SomePlain, count_calls as _count_calls,
                                    engine as _engine, perfect_engine as _perfect_engine, prompts as _prompts,
-                                   run as _run, spec_flags as _spec_flags, use_static_paths as _use_static_paths)
+                                   run as _run, spec_flags as _spec_flags, tiny_target,
+                                   use_static_paths as _use_static_paths)
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +34,7 @@ pytestmark = pytest.mark.slow
 def tiny(tmp_path_factory, smollm2_dir):
     """A tiny random Llama target (SmolLM2's vocabulary), its plain greedy outputs and heads."""
     root = tmp_path_factory.mktemp("eagle")
-    target = save_tiny_hf("llama", root / "target", vocab_size=49152, max_position_embeddings=1024,
-                          num_hidden_layers=4)
+    target = tiny_target(root / "target")
     prompts = _prompts(8)
     ref = [o["output_ids"] for o in _run(_engine(target, smollm2_dir), prompts)]
     heads = {

@@ -20,8 +20,7 @@ from specserve.models.draft_layouts import save_eagle2, save_eagle3
 from specserve.spec import pipeline
 from specserve.spec.pipeline import InFlightSpec
 from tests.unit.eagle_utils import (SomePlain, clean, count_calls, engine, perfect_engine, prompts, run,
-                                    spec_flags, use_static_paths)
-from tests.unit.model_utils import save_tiny_hf
+                                    spec_flags, tiny_target, use_static_paths)
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +29,7 @@ pytestmark = pytest.mark.slow
 def tiny(tmp_path_factory, smollm2_dir):
     """A tiny random target, random EAGLE-2 and EAGLE-3 heads, and plain greedy outputs of 30 tokens."""
     root = tmp_path_factory.mktemp("pipeline")
-    target = save_tiny_hf("llama", root / "target", vocab_size=49152, max_position_embeddings=1024,
-                          num_hidden_layers=4)
+    target = tiny_target(root / "target")
     heads = {"EAGLE": save_eagle2(root / "eagle2", target, bias=True),
              "EAGLE3": save_eagle3(root / "eagle3", target, draft_vocab=4096)}
     ps = prompts(8, seed=5)
