@@ -25,6 +25,7 @@ class KVManager:
         self.table = ReqToTokenTable(max_reqs, max_context, device)
         cls = RadixCache if enable_prefix_cache else NoPrefixCache
         self.prefix_cache = cls(self.allocator)
+        self.reserved = 0  # slots taken for good (`reserve`)
 
     @property
     def num_slots(self) -> int:
@@ -41,6 +42,15 @@ class KVManager:
         if n > self.allocator.available:
             self.prefix_cache.evict(n - self.allocator.available)
         return self.allocator.alloc(n)
+
+    def reserve(self, n: int) -> torch.Tensor:
+        """n slots taken for the server's lifetime (CUDA-graph scratch: spec/step_graphs.py);
+        the leak check counts them as owned."""
+        slots = self.alloc_slots(n)
+        if slots is None:
+            raise RuntimeError(f"cannot reserve {n} KV slots: the pool has {self.available()}")
+        self.reserved += n
+        return slots
 
     def admit(self, req: Req) -> bool:
         """Give `req` a table row and borrow its longest cached prefix. False: no row free."""
@@ -104,4 +114,5 @@ class KVManager:
         assert self.table.available == self.table.max_reqs, "a table row is still in use"
         cached = self.prefix_cache.total_size()
         free = self.allocator.available
-        assert free + cached == self.num_slots, f"leak: {free} free + {cached} cached != {self.num_slots}"
+        assert free + cached + self.reserved == self.num_slots, \
+            f"leak: {free} free + {cached} cached + {self.reserved} reserved != {self.num_slots}"

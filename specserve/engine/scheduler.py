@@ -50,11 +50,7 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.stats = SchedulerStats()
-        # Overlap plain decode steps on CUDA (on a CPU the host is the device: nothing to overlap)
-        self.overlap = self.runner.device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule
         self._inflight: InFlight | None = None
-        if self.spec is not None:  # pipelined speculative steps run through the verify graphs
-            self.spec.pipeline = self.overlap and self.runner.verify_graph_tokens == self.spec.num_draft_tokens
 
     def _build_device_state(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
         """Model, KV memory, speculative worker and CUDA graphs: everything that allocates on the device."""
@@ -77,6 +73,11 @@ class Scheduler:
         self.runner.warm_up_kernels(self.kv.table.table)
         self.runner.capture_cuda_graphs(self.kv.table.table, self.max_running,
                                         self.spec.num_draft_tokens if self.spec is not None else 0)
+        # Overlap plain decode steps on CUDA (on a CPU the host is the device: nothing to overlap)
+        self.overlap = self.runner.device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule
+        if self.spec is not None:  # pipelined speculative steps run through the verify graphs
+            self.spec.pipeline = self.overlap and self.runner.verify_graph_tokens == self.spec.num_draft_tokens
+            self.spec.capture_step_graphs(self.runner.graph_max_bs(self.max_running))
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, g: GenerateReq) -> list[TokenOut]:

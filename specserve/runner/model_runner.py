@@ -237,6 +237,18 @@ class ModelRunner:
             return logits, None
         return logits, hidden if self.feature_mode == "final" else torch.cat(aux, dim=-1)
 
+    def forward_inline(self, fb: ForwardBatch, static_meta: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward_with_features over every row of `fb`, replaying no graph, so a caller's
+        CUDA graph can hold it (spec/step_graphs.py). `static_meta`: the attention metadata
+        goes into the backend's graph buffers from device tensors (capturable), else it is
+        built from the host lists as an eager forward's."""
+        (self.attn_backend.init_metadata_for_replay if static_meta else self.attn_backend.init_forward_metadata)(fb)
+        hidden, aux = self.model(fb)
+        logits = self.model.compute_logits(hidden)
+        if self.feature_mode is None:
+            return logits, None
+        return logits, hidden if self.feature_mode == "final" else torch.cat(aux, dim=-1)
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, model: LlamaForCausalLM | None = None) -> torch.Tensor:
         """Run the model (or a draft model sharing this runner's table); return float32

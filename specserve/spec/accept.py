@@ -111,7 +111,7 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
 def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
                    before_read: BeforeRead | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """(paths, tokens) of the greedy walk for `rows` (None: all), with one read back."""
-    packed, walk = _walk_greedy(drafts, logits, rows)
+    packed, walk = walk_greedy(drafts, logits, rows)
     if before_read is None:
         return _parse_walk(packed.tolist(), walk.tokens.shape[1])  # the one sync
     result = _read_after(packed, lambda: before_read(walk)).result()
@@ -121,11 +121,11 @@ def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
 def accept_greedy_later(drafts: Drafts, logits: torch.Tensor, before_read: BeforeRead) -> "PendingAccept":
     """Every row greedy: queue the walk, `before_read(walk)` and the walk's copy to the
     host, and wait for none of it (spec/pipeline.py reads it back a step later)."""
-    packed, walk = _walk_greedy(drafts, logits, None)
+    packed, walk = walk_greedy(drafts, logits, None)
     return _read_after(packed, lambda: before_read(walk))
 
 
-def _walk_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None) -> tuple[torch.Tensor, GreedyWalk]:
+def walk_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None) -> tuple[torch.Tensor, GreedyWalk]:
     """The greedy walk for `rows` (None: all) on the logits' device, read nothing back:
     (packed [G, 2N + 1] = on_path, node tokens, bonus; the walk's device tensors). The
     walk from the root at each node takes the first child (in node order) carrying the
@@ -215,6 +215,11 @@ class PendingAccept:
         if self.ready is not None:
             self.ready.synchronize()
         return AcceptResult(*_parse_walk(self.host.tolist(), self.n))
+
+
+def read_later(packed: torch.Tensor) -> PendingAccept:
+    """A walk's packed rows [B, 2N + 1] on their way to the host, waited on by `result()`."""
+    return _read_after(packed, lambda: None)
 
 
 def _read_after(packed: torch.Tensor, work: Callable[[], None]) -> PendingAccept:

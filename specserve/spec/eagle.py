@@ -174,18 +174,8 @@ class EagleProposer:
         requests' table rows, then their kv_lens before the verify (the host's may lag:
         spec/pipeline.py). Returns kv_len after the commit [B], on the device. On CUDA one
         kernel does the bookkeeping (ahead_kernel.py)."""
-        b, L = len(reqs), self.extend_len
-        starts = row_start[b:]
-        feats = features.reshape(-1, features.shape[-1])
-        if _ahead_kernel_enabled(slots):
-            from specserve.spec import ahead_kernel
-
-            roots, kv_lens = ahead_kernel.draft_ahead_index(
-                walk.on_path, walk.tokens, walk.bonus, slots, row_start, self.kv.table.table,
-                self.extend_graphs.static_index(), self.extend_graphs.size_for(b), L, self.roots.scratch_row)
-            self.extend_graphs.replay_filled(b, feats, starts)
-        else:
-            roots, kv_lens = self._extend_ahead(walk.paths(L), feats, slots, row_start)
+        b = len(reqs)
+        roots, kv_lens = self._commit_ahead(walk, features, slots, row_start, inline=False)
         self.roots.mark(reqs)
         self._ahead = None
         if trees and self.tree.graphed(b):
@@ -193,6 +183,44 @@ class EagleProposer:
             if drafts is not None:
                 self._ahead = ([r.rid for r in reqs], drafts)
         return kv_lens
+
+    def draft_ahead_inline(self, walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor,
+                           row_start: torch.Tensor, scratch: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """draft_ahead's device work for exactly B requests, replaying no graph and touching
+        no host state, so a caller's own CUDA graph can hold it (spec/step_graphs.py): the
+        commit's table write, the draft extend and the tree pass over `scratch` [num_steps
+        - 1, B*k], slots the caller keeps. Returns the next trees' (tokens, parents, mask)
+        and kv_len after the commit [B]; the caller then calls `adopt_ahead`."""
+        b = slots.shape[0]
+        roots, kv_lens = self._commit_ahead(walk, features, slots, row_start, inline=True)
+        tokens, parents, mask = self.tree.graphs.run_inline(roots, row_start[:b], kv_lens + 1 - self.tree.shift,
+                                                            scratch)
+        return tokens, parents, mask, kv_lens
+
+    def adopt_ahead(self, reqs: list[Req], drafts: Drafts) -> None:
+        """`reqs` have root states and `drafts` are their next trees (draft_ahead_inline's)."""
+        self.roots.mark(reqs)
+        self._ahead = ([r.rid for r in reqs], drafts)
+
+    def _commit_ahead(self, walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor, row_start: torch.Tensor,
+                      inline: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The commit's table write and the draft extend from a greedy walk: (roots, kv_lens)
+        [B], the bonus tokens and kv_len after the commit. `inline`: run the extend
+        unreplayed for exactly B requests (a caller's capture)."""
+        b, L = slots.shape[0], self.extend_len
+        starts = row_start[b:]
+        feats = features.reshape(-1, features.shape[-1])
+        if not _ahead_kernel_enabled(slots):
+            return self._extend_ahead(walk.paths(L), feats, slots, row_start)
+        from specserve.spec import ahead_kernel
+
+        ext = self.extend_graphs
+        roots, kv_lens = ahead_kernel.draft_ahead_index(
+            walk.on_path, walk.tokens, walk.bonus, slots, row_start, self.kv.table.table, ext.static_index(),
+            b if inline else ext.size_for(b), L, self.roots.scratch_row)
+        (ext.run_inline if inline else ext.replay_filled)(b, feats, starts)
+        return roots, kv_lens
 
     def has_drafted_ahead(self, reqs: list[Req]) -> bool:
         """Whether the next propose over `reqs` takes trees drafted ahead (no pass of its own)."""

@@ -119,6 +119,18 @@ class DraftExtendGraphs:
         wrote (eagle.py's draft-ahead kernel)."""
         self._go(self.size_for(b), b, features, prefix_lens)
 
+    @torch.inference_mode()
+    def run_inline(self, b: int, features: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+        """replay_filled for exactly B requests (no padding) without a replay of its own,
+        so a caller's CUDA graph can hold it (spec/step_graphs.py): the metadata goes into
+        the backend's graph buffers from the device prefix lengths [B]."""
+        t = b * self.L
+        torch.index_select(features, 0, self.feat_rows[:t], out=self.features[:t])
+        fb = self._batch(b, [0] * b)
+        fb.device_prefix = prefix_lens
+        (self.backend.init_metadata_for_replay if self.capture else self.backend.init_forward_metadata)(fb)
+        self._run(fb, b)
+
     def _go(self, bs: int, b: int, features: torch.Tensor, prefix_lens: list[int] | torch.Tensor) -> None:
         """`prefix_lens` [b]: host ints, or a device tensor when the host does not know them
         yet (a pipelined step, spec/pipeline.py)."""

@@ -65,6 +65,18 @@ class TreeDraftGraphs:
         self.tail_start[:b].copy_(tail_start)
         return self._replay(b)
 
+    def run_inline(self, roots: torch.Tensor, rows: torch.Tensor, tail_start: torch.Tensor, scratch: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A pass over exactly B requests (no padding) from device tensors, without a
+        replay of its own, so a caller's CUDA graph can hold it (spec/step_graphs.py):
+        roots, rows and tail starts [B], scratch [num_steps - 1, B*k] slots."""
+        b, k = roots.shape[0], self.drafter.topk
+        self.root_ids[:b].copy_(roots)
+        self.rows[:b].copy_(rows)
+        self.tail_start[:b].copy_(tail_start)
+        self.scratch[:, :b * k].copy_(scratch)
+        return self._pass(b)
+
     def _host_index(self, root_ids: list[int], rows: list[int], tail_start: list[int],
                     scratch: torch.Tensor) -> torch.Tensor:
         """The flat index buffer's host image; padding requests (up to the captured size)

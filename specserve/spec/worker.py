@@ -23,11 +23,12 @@ from specserve.engine.request import Req
 from specserve.runner.h2d import h2d, h2d_many
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import apply_penalties, uniform_noise
-from specserve.spec import pipeline
-from specserve.spec.accept import AcceptResult, accept, accept_greedy_later, gumbel_targets
+from specserve.spec import pipeline, step_graphs
+from specserve.spec.accept import AcceptResult, accept, accept_greedy_later, gumbel_targets, read_later
 from specserve.spec.pipeline import InFlightSpec
 from specserve.spec.proposer import Decoded, Proposer, Verified
 from specserve.spec.governor import SpecGovernor
+from specserve.spec.step_graphs import StepGraphs
 from specserve.spec.verify import commit_kv, decode_batch, pad_rows, verify_batch
 
 SPEC_NOISE_SALT = 1 << 40  # keeps the coin walk's uniforms apart from plain sampling noise
@@ -76,6 +77,7 @@ class SpecWorker:
         # once the verify graphs exist (tests force it on the CPU)
         self.pipeline = False
         self._inflight: InFlightSpec | None = None
+        self.step_graphs: StepGraphs | None = None  # whole pipelined steps as one graph (step_graphs.py)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -153,11 +155,19 @@ class SpecWorker:
         prev = self._inflight
         return prev is None or (prev.same_batch(reqs) and self.proposer.has_drafted_ahead(reqs))
 
+    def capture_step_graphs(self, max_bs: int) -> None:
+        """Capture a graph of the whole pipelined step per batch size up to
+        min(max_bs, step_graphs.MAX_BS), when pipelining is on and the proposer can."""
+        if self.pipeline and step_graphs.supported(self.proposer):
+            self.step_graphs = StepGraphs(self.runner, self.proposer, self.kv, min(max_bs, step_graphs.MAX_BS))
+
     def _launch(self, reqs: list[Req], prev: InFlightSpec | None) -> InFlightSpec:
         """Queue a greedy step over full trees from the device state `prev` left (or the
         host's, when nothing is in flight) and its draft-ahead; read nothing back."""
         b, n, dev = len(reqs), self.proposer.max_nodes, self.runner.device
         slots = self.kv.alloc_each([n] * b)
+        if self.step_graphs is not None and self.step_graphs.can_run(b):
+            return self._launch_graphed(reqs, prev, slots)
         rows, flat = h2d_many([[r.row for r in reqs], torch.cat(slots)], dev)
         starts = prev.kv_after if prev is not None else h2d([r.kv_len for r in reqs], dev)
         self.kv.table.write_block(rows, starts, flat.view(b, n))
@@ -170,6 +180,16 @@ class SpecWorker:
                             torch.cat([rows, starts]))
         pending = accept_greedy_later(drafts, logits.view(b, n, -1), ahead)
         return InFlightSpec(reqs, slots, pending, ahead.kv_after)
+
+    def _launch_graphed(self, reqs: list[Req], prev: InFlightSpec | None, slots: list[torch.Tensor]) -> InFlightSpec:
+        """_launch as one replay of the step graph: `prev` (the same requests) left its
+        kv_len and trees in the graph's buffers; a first step brings the host's."""
+        b, n, g = len(reqs), self.proposer.max_nodes, self.step_graphs
+        first = prev is None
+        drafts = self.proposer.propose(reqs, [n] * b) if first else None
+        packed = g.launch([r.row for r in reqs], torch.cat(slots), [r.kv_len for r in reqs] if first else None, drafts)
+        self.proposer.adopt_ahead(reqs, g.trees(b))
+        return InFlightSpec(reqs, slots, read_later(packed), g.kv_after(b))
 
     def _land(self, done: InFlightSpec) -> tuple[list[Req], int]:
         """Commit a step launched by `_launch` (the table holds its slots already); requests

@@ -70,6 +70,7 @@ def use_static_paths(engine: Engine, max_bs: int) -> None:
     from specserve.spec.tree_graphs import TreeDraftGraphs
 
     p = engine.scheduler.spec.proposer
+    engine.scheduler.spec.step_graphs = None  # captured over the graphs replaced here
     runner = engine.scheduler.runner
     hidden = runner.model.config.hidden_size
     width = hidden * len(p.model.aux_layers) if p.model.feature_mode == "aux" else hidden
@@ -77,6 +78,17 @@ def use_static_paths(engine: Engine, max_bs: int) -> None:
     p.extend_graphs, p.decoded_graphs = (
         DraftExtendGraphs(p.model, p.backend, p.pool, engine.scheduler.kv.table.table, max_bs, n, width, p.topk,
                           p.token_map, p.roots, capture=False) for n in (p.extend_len, 1))
+
+
+def use_step_graphs(engine: Engine, max_bs: int) -> None:
+    """Pipeline greedy steps through the whole-step graph's body (spec/step_graphs.py), run
+    eagerly over the static drafting paths (`use_static_paths`)."""
+    from specserve.spec.step_graphs import StepGraphs
+
+    use_static_paths(engine, max_bs)
+    sched = engine.scheduler
+    sched.spec.pipeline = True
+    sched.spec.step_graphs = StepGraphs(sched.runner, sched.spec.proposer, sched.kv, max_bs, capture=False)
 
 
 def count_calls(obj, name: str, counts: dict, monkeypatch) -> None:

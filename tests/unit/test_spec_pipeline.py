@@ -13,6 +13,7 @@ ahead) is the same. Checked here:
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specserve.engine.messages import GenerateReq
 from specserve.engine.engine import make_sampling_params
@@ -20,7 +21,7 @@ from specserve.models.draft_layouts import save_eagle2, save_eagle3
 from specserve.spec import pipeline
 from specserve.spec.pipeline import InFlightSpec
 from tests.unit.eagle_utils import (SomePlain, clean, count_calls, engine, perfect_engine, prompts, run,
-                                    spec_flags, tiny_target, use_static_paths)
+                                    spec_flags, tiny_target, use_static_paths, use_step_graphs)
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +38,21 @@ def tiny(tmp_path_factory, smollm2_dir):
     return target, heads, ps, ref
 
 
-def _pipelined(target, smollm2_dir, head: str, draft, monkeypatch, counts: dict, **flags):
+def _pipeline(eng, graphed: bool, max_bs: int) -> None:
+    """Leave greedy steps in flight, launched through the whole-step graph's body
+    (step_graphs.py: batches up to max_bs) or step by step (`SpecWorker._launch`)."""
+    if graphed:
+        use_step_graphs(eng, max_bs)
+    else:
+        use_static_paths(eng, max_bs)
+        eng.scheduler.spec.pipeline = True
+
+
+def _pipelined(target, smollm2_dir, head: str, draft, monkeypatch, counts: dict, graphed: bool = True, **flags):
     """An EAGLE engine whose greedy steps are left in flight, counting launches, lands and drops."""
     eng = engine(target, smollm2_dir, **spec_flags(head, draft, "tree"), **flags)
-    use_static_paths(eng, max_bs=8)
+    _pipeline(eng, graphed, max_bs=8)
     worker = eng.scheduler.spec
-    worker.pipeline = True
     count_calls(worker, "_launch", counts, monkeypatch)
     count_calls(worker, "_land", counts, monkeypatch)
     count_calls(InFlightSpec, "drop", counts, monkeypatch)
@@ -53,25 +63,29 @@ def _greedy(n: int) -> dict:
     return {"temperature": 0, "max_new_tokens": n}
 
 
-@pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])
-def test_pipelined_steps_are_token_identical(tiny, smollm2_dir, head, monkeypatch):
+@pytest.mark.parametrize("head,graphed", [("EAGLE", True), ("EAGLE3", True), ("EAGLE3", False)])
+def test_pipelined_steps_are_token_identical(tiny, smollm2_dir, head, graphed, monkeypatch):
     target, heads, ps, ref = tiny
     counts: dict = {}
-    eng = _pipelined(target, smollm2_dir, head, heads[head], monkeypatch, counts)
+    eng = _pipelined(target, smollm2_dir, head, heads[head], monkeypatch, counts, graphed)
+    if graphed:
+        count_calls(eng.scheduler.spec, "_launch_graphed", counts, monkeypatch)
     params = [_greedy(30 - 4 * (i % 3)) for i in range(8)]
     outs = run(eng, ps, params) + run(eng, ps[:3], params[:3])
     assert [o["output_ids"] for o in outs] == [r[:p["max_new_tokens"]] for r, p in zip(ref + ref[:3], params + params[:3])]
     # most steps were left in flight and read back one step later
     assert counts["_launch"] >= 6 and counts["_land"] >= counts["_launch"] - 2, counts
+    if graphed:  # batch 8 and 3 both fit the step graphs
+        assert counts["_launch_graphed"] == counts["_launch"], counts
 
 
-def test_a_perfect_draft_stays_perfect_when_pipelined(tmp_path, smollm2_dir, monkeypatch):
+@pytest.mark.parametrize("graphed", [True, False])
+def test_a_perfect_draft_stays_perfect_when_pipelined(tmp_path, smollm2_dir, graphed, monkeypatch):
     """Each pipelined verify runs at the kv_len, positions and attention prefix the step
     before it left on the device: any slip there and a perfect draft stops being accepted."""
     counts: dict = {}
     eng = perfect_engine("EAGLE3", tmp_path, smollm2_dir, "tree")
-    use_static_paths(eng, max_bs=4)
-    eng.scheduler.spec.pipeline = True
+    _pipeline(eng, graphed, max_bs=4)
     count_calls(eng.scheduler.spec, "_launch", counts, monkeypatch)
     params = _greedy(41)  # 1 from prefill + 10 verifies of 4: 8 of them leave room to pipeline
     plain = engine(tmp_path / "target", smollm2_dir)
@@ -140,8 +154,7 @@ def test_plain_steps_between_pipelined_ones(tmp_path, smollm2_dir, monkeypatch):
     resumes from the draft the plain steps extended. A perfect draft stays perfect."""
     counts: dict = {}
     eng = perfect_engine("EAGLE3", tmp_path, smollm2_dir, "tree")
-    use_static_paths(eng, max_bs=4)
-    eng.scheduler.spec.pipeline = True
+    _pipeline(eng, True, max_bs=4)
     count_calls(eng.scheduler.spec, "_launch", counts, monkeypatch)
     gov = eng.scheduler.spec.governor = SomePlain(plain_run=1)
     params = _greedy(41)
@@ -150,6 +163,21 @@ def test_plain_steps_between_pipelined_ones(tmp_path, smollm2_dir, monkeypatch):
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in run(plain, prompts(3, seed=4), params)]
     assert False in gov.modes and counts["_launch"] >= 4, counts
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs")
+def test_captured_step_graphs_are_token_identical(tiny, smollm2_dir, monkeypatch):
+    """On CUDA the engine captures the whole-step graphs itself; batches of 1 and 3 go
+    through their replays and decode as plain greedy does."""
+    target, heads, ps, ref = tiny
+    counts: dict = {}
+    eng = engine(target, smollm2_dir, **spec_flags("EAGLE3", heads["EAGLE3"], "tree"))
+    worker = eng.scheduler.spec
+    assert worker.pipeline and worker.step_graphs is not None and worker.step_graphs.graphs
+    count_calls(worker, "_launch_graphed", counts, monkeypatch)
+    outs = run(eng, ps[:1], _greedy(30)) + run(eng, ps[:3], _greedy(30))
+    assert [o["output_ids"] for o in outs] == ref[:1] + ref[:3]
+    assert counts["_launch_graphed"] >= 4, counts
 
 
 class _Req:

@@ -1,0 +1,120 @@
+"""One CUDA graph per batch size for a whole pipelined speculative step (EAGLE, greedy).
+
+A pipelined step (pipeline.py) replays three graphs (verify, draft extend, tree pass) and
+around them the host issues some forty launches with their Python: the table block, the
+positions, the verify's metadata, the argmax and walk, the draft-ahead kernel, the tree
+pass's inputs and scratch slots. At batch 1 that host work outlasts the GPU's (on the
+H100 host, about 1.8 ms against 1.3 ms a step), so the GPU waits. Here the whole step is
+one graph per batch size:
+
+  table block <- verify slots; positions = kv_len + depth; VERIFY forward over the trees
+  drafted last step (logits, features); greedy walk; draft-ahead bookkeeping (the
+  commit's table write, the extend's inputs); draft extend (root states); tree pass ->
+  next trees; kv_len <- kv_len after the commit.
+
+and a step on the host is: allocate the verify slots, one host->device copy (table rows
+and slots), one replay, the walk's copy back.
+
+State carried from one replay to the next in static buffers: the trees (`tokens`,
+`parents`, `mask`) and each request's kv_len. The first step of a run (nothing in
+flight) writes them from the host's kv_len and the proposer's trees; a continuing step
+(the same requests, pipeline.py) finds them where the last replay left them, and the
+proposer is handed views of the new trees (`adopt_ahead`), so a step that drains first
+still finds them. Captured sizes are the exact batch sizes 1..max_bs: a padding request
+would walk and commit into a real request's table row. The tree pass drafts into
+scratch slots reserved for the server's lifetime (`KVManager.reserve`), so a step
+allocates nothing for it.
+
+On a CPU (tests) the same body runs eagerly with host-built metadata (`capture` False).
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.kv_manager import KVManager
+from specserve.runner.cuda_graph import capture_each
+from specserve.runner.model_runner import ModelRunner
+from specserve.spec.accept import walk_greedy
+from specserve.spec.drafts import Drafts
+
+MAX_BS = 8  # batch sizes with a step graph: where the host, not the GPU, sets a step's pace
+
+
+def supported(proposer) -> bool:
+    """Whether `proposer` drafts ahead inline: EAGLE-family heads with extend and tree graphs."""
+    return hasattr(proposer, "draft_ahead_inline") and proposer.extend_graphs is not None \
+        and proposer.tree.graphs is not None
+
+
+class StepGraphs:
+    def __init__(self, runner: ModelRunner, proposer, kv: KVManager, max_bs: int, capture: bool = True) -> None:
+        self.runner, self.proposer, self.kv, self.capture = runner, proposer, kv, capture
+        n, k, steps = proposer.max_nodes, proposer.topk, proposer.tree.num_steps
+        assert proposer.tree.num_selected(n) == n - 1, "step graphs need full trees of N nodes"
+        self.n, self.k, self.max_bs = n, k, max_bs
+        dev = runner.device
+        # per replay of size b: table rows io[:b], then verify slots io[b:b + b*N] (one copy)
+        self.io = torch.zeros(max_bs * (n + 1), dtype=torch.int64, device=dev)
+        self.kv_len = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # before the step; after, once replayed
+        self.tokens = torch.zeros(max_bs, n, dtype=torch.int64, device=dev)
+        self.parents = torch.zeros(max_bs, n, dtype=torch.int64, device=dev)
+        self.mask = torch.ones(max_bs, n, n, dtype=torch.bool, device=dev)
+        self.valid = torch.ones(max_bs, n, dtype=torch.bool, device=dev)
+        self.scratch = kv.reserve(max_bs * k * (steps - 1)).to(dev).view(steps - 1, max_bs * k)
+        sizes = list(range(1, max_bs + 1))
+        with torch.inference_mode():
+            self.graphs, self.walks = capture_each(sizes, self._step, dev) if capture else ({}, {})
+
+    def can_run(self, bsz: int) -> bool:
+        return bsz <= self.max_bs
+
+    @torch.inference_mode()
+    def launch(self, rows: list[int], slots: torch.Tensor, kv_lens: list[int] | None,
+               drafts: Drafts | None) -> torch.Tensor:
+        """Queue one step over B requests: table `rows`, their verify `slots` [B*N] (host).
+        kv_lens and drafts (the trees to verify) start a run; None continues from the last
+        replay's state. Returns the walk's packed rows [B, 2N + 1] on the device, valid
+        until the next launch."""
+        b, n = len(rows), self.n
+        host = torch.cat([torch.tensor(rows, dtype=torch.int64), slots])
+        self.io[:b * (n + 1)].copy_(host, non_blocking=True)  # pageable: staged before the call returns
+        if kv_lens is not None:
+            self.kv_len[:b].copy_(torch.tensor(kv_lens, dtype=torch.int64), non_blocking=True)
+        if drafts is not None:
+            for static, value in ((self.tokens, drafts.tokens), (self.parents, drafts.parents),
+                                  (self.mask, drafts.tree_mask())):
+                if static.data_ptr() != value.data_ptr():  # the trees a replay left are in place
+                    static[:b].copy_(value)
+        if not self.capture:
+            return self._step(b)
+        self.graphs[b].replay()
+        return self.walks[b]
+
+    def trees(self, b: int) -> Drafts:
+        """The trees the last replay of size b drafted (views of the static buffers)."""
+        return Drafts(self.tokens[:b], self.parents[:b], self.valid[:b], [self.n] * b, self.mask[:b])
+
+    def kv_after(self, b: int) -> torch.Tensor:
+        """[B] kv_len after the last replay's commit (a view, rewritten by the next launch)."""
+        return self.kv_len[:b]
+
+    def _step(self, b: int) -> torch.Tensor:
+        """The step's device work for exactly b requests (captured, or eager on a CPU)."""
+        n, table = self.n, self.kv.table
+        rows, slots, kv_len = self.io[:b], self.io[b:b * (n + 1)], self.kv_len[:b]
+        table.write_block(rows, kv_len, slots.view(b, n))
+        drafts = self.trees(b)
+        positions = (kv_len[:, None] + drafts.depths()).reshape(-1)
+        fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, slots, rows, kv_len,
+                                             drafts.tree_mask(), table.table)
+        logits, features = self.runner.forward_inline(fb, static_meta=self.capture)
+        packed, walk = walk_greedy(drafts, logits.view(b, n, -1), None)
+        tokens, parents, mask, kv_after = self.proposer.draft_ahead_inline(
+            walk, features.view(b, n, -1), slots.view(b, n), torch.cat([rows, kv_len]),
+            self.scratch[:, :b * self.k])
+        # read above by the verify and the walk; the next replay's trees from here on
+        self.tokens[:b].copy_(tokens)
+        self.parents[:b].copy_(parents)
+        self.mask[:b].copy_(mask)
+        kv_len.copy_(kv_after)
+        return packed
