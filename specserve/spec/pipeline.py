@@ -10,9 +10,10 @@ bookkeeping). So the next step is launched from those device values before the p
 one is read back, and the host does step k's bookkeeping while the GPU runs step k+1,
 as SGLang's overlap scheduler does for its spec v2 workers (any top-k here).
 
-A step may be left in flight when every request walks greedily (the walk runs on the
-device), has a full tree, no penalties and no logprobs, cannot reach its length limits
-within two steps, and the proposer drafts ahead (`eligible`, `SpecWorker._pipelines`).
+A step may be left in flight when every request's walk runs on the device (greedy; or
+sampling by temperature alone, through the step graphs: step_graphs.py), has a full
+tree, no penalties and no logprobs, cannot reach its length limits within two steps,
+and the proposer drafts ahead (`eligible`, `SpecWorker._pipelines`).
 The next speculative step over the *same* requests, with trees drafted ahead for them,
 launches first and then reads the step in flight back; anything else (a plain step, a
 changed batch, an abort of a request it carries, a retraction) first drains it
@@ -61,15 +62,23 @@ class InFlightSpec:
         return len(self.dropped) == len(self.reqs)
 
 
-def eligible(reqs: list[Req], num_steps: int, context_length: int) -> bool:
-    """Whether a step over `reqs` may be left in flight: greedy walks, full trees, no
-    logprobs (the verify graph's logits are overwritten by the next step) and room for two
-    more steps' tokens (the host checks limits a step late; positions stay in range)."""
+def eligible(reqs: list[Req], num_steps: int, context_length: int, sampled: bool = False) -> bool:
+    """Whether a step over `reqs` may be left in flight: greedy walks (or, with `sampled`,
+    sampling by temperature alone: step_graphs.py walks its Gumbel targets), full trees,
+    no logprobs (the verify graph's logits are overwritten by the next step) and room for
+    two more steps' tokens (the host checks limits a step late; positions stay in range)."""
     room = 2 * (num_steps + 1)
     for req in reqs:
         p = req.params
-        if not p.greedy or p.logprobs or p.frequency_penalty or p.presence_penalty:
+        if p.logprobs or p.frequency_penalty or p.presence_penalty:
+            return False
+        if not p.greedy and not (sampled and _temperature_only(p)):
             return False
         if req.max_new_tokens - len(req.output_ids) <= room or req.seq_len + room >= context_length:
             return False
     return True
+
+
+def _temperature_only(p) -> bool:
+    """Sampling params with no top-k, top-p or min-p filter."""
+    return (not p.top_k or p.top_k <= 0) and p.top_p >= 1.0 and p.min_p <= 0

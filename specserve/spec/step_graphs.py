@@ -1,4 +1,4 @@
-"""One CUDA graph per batch size for a whole pipelined speculative step (EAGLE, greedy).
+"""One CUDA graph per batch size for a whole pipelined speculative step (EAGLE).
 
 A pipelined step (pipeline.py) replays three graphs (verify, draft extend, tree pass) and
 around them the host issues some forty launches with their Python: the table block, the
@@ -25,6 +25,13 @@ would walk and commit into a real request's table row. The tree pass drafts into
 scratch slots reserved for the server's lifetime (`KVManager.reserve`), so a step
 allocates nothing for it.
 
+Sampled steps (temperature alone: no top-k, top-p, min-p, penalties or logprobs) have
+graphs of their own: the walk runs over `gumbel_targets`, the target logits plus the
+Gumbel noise plain sampling would draw at each node's output index, so they reproduce
+seeded plain sampling token for token as the unpipelined step does (worker.py
+`_accept`). The index is kv_len minus a per-request offset (kv_len - len(output_ids),
+fixed for a request's life), so the graph derives it from the kv_len it carries.
+
 On a CPU (tests) the same body runs eagerly with host-built metadata (`capture` False).
 """
 from __future__ import annotations
@@ -32,25 +39,28 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.kv_manager import KVManager
+from specserve.engine.request import Req
 from specserve.runner.cuda_graph import capture_each
 from specserve.runner.model_runner import ModelRunner
-from specserve.spec.accept import walk_greedy
+from specserve.runner.sampler import HostFlags, SamplingBatch
+from specserve.spec.accept import gumbel_targets, walk_greedy
 from specserve.spec.drafts import Drafts
 
+_TEMPERATURE_ONLY = HostFlags(all_greedy=False, has_penalties=False, needs_sort=False, needs_min_p=False)
 MAX_BS = 8  # batch sizes with a step graph: where the host, not the GPU, sets a step's pace
 
 
 def supported(proposer) -> bool:
-    """Whether `proposer` drafts ahead inline: EAGLE-family heads with extend and tree graphs."""
+    """Whether `proposer` drafts ahead inline: EAGLE-family heads with extend and tree
+    graphs whose trees fill all N nodes."""
     return hasattr(proposer, "draft_ahead_inline") and proposer.extend_graphs is not None \
-        and proposer.tree.graphs is not None
+        and proposer.tree.graphs is not None and proposer.tree.num_selected(proposer.max_nodes) == proposer.max_nodes - 1
 
 
 class StepGraphs:
     def __init__(self, runner: ModelRunner, proposer, kv: KVManager, max_bs: int, capture: bool = True) -> None:
         self.runner, self.proposer, self.kv, self.capture = runner, proposer, kv, capture
         n, k, steps = proposer.max_nodes, proposer.topk, proposer.tree.num_steps
-        assert proposer.tree.num_selected(n) == n - 1, "step graphs need full trees of N nodes"
         self.n, self.k, self.max_bs = n, k, max_bs
         dev = runner.device
         # per replay of size b: table rows io[:b], then verify slots io[b:b + b*N] (one copy)
@@ -61,34 +71,46 @@ class StepGraphs:
         self.mask = torch.ones(max_bs, n, n, dtype=torch.bool, device=dev)
         self.valid = torch.ones(max_bs, n, dtype=torch.bool, device=dev)
         self.scratch = kv.reserve(max_bs * k * (steps - 1)).to(dev).view(steps - 1, max_bs * k)
-        sizes = list(range(1, max_bs + 1))
+        # sampled steps: per request temperature and greedy (0/1); seed and output-index offset
+        self.floats = torch.ones(2, max_bs, dtype=torch.float32, device=dev)
+        self.ints = torch.zeros(2, max_bs, dtype=torch.int64, device=dev)
+        keys = [(b, sampled) for b in range(1, max_bs + 1) for sampled in (False, True)]
         with torch.inference_mode():
-            self.graphs, self.walks = capture_each(sizes, self._step, dev) if capture else ({}, {})
+            self.graphs, self.walks = capture_each(keys, lambda key: self._step(*key), dev) if capture else ({}, {})
 
     def can_run(self, bsz: int) -> bool:
         return bsz <= self.max_bs
 
     @torch.inference_mode()
-    def launch(self, rows: list[int], slots: torch.Tensor, kv_lens: list[int] | None,
-               drafts: Drafts | None) -> torch.Tensor:
-        """Queue one step over B requests: table `rows`, their verify `slots` [B*N] (host).
-        kv_lens and drafts (the trees to verify) start a run; None continues from the last
-        replay's state. Returns the walk's packed rows [B, 2N + 1] on the device, valid
-        until the next launch."""
-        b, n = len(rows), self.n
-        host = torch.cat([torch.tensor(rows, dtype=torch.int64), slots])
+    def launch(self, reqs: list[Req], slots: torch.Tensor, first: Drafts | None) -> torch.Tensor:
+        """Queue one step over `reqs` with their verify `slots` [B*N] (host). `first`: the
+        trees to verify when the step starts a run (the host's kv_len and sampling params
+        are then written too); None continues from the last replay's state. Returns the
+        walk's packed rows [B, 2N + 1] on the device, valid until the next launch."""
+        b, n = len(reqs), self.n
+        host = torch.cat([torch.tensor([r.row for r in reqs], dtype=torch.int64), slots])
         self.io[:b * (n + 1)].copy_(host, non_blocking=True)  # pageable: staged before the call returns
-        if kv_lens is not None:
-            self.kv_len[:b].copy_(torch.tensor(kv_lens, dtype=torch.int64), non_blocking=True)
-        if drafts is not None:
-            for static, value in ((self.tokens, drafts.tokens), (self.parents, drafts.parents),
-                                  (self.mask, drafts.tree_mask())):
-                if static.data_ptr() != value.data_ptr():  # the trees a replay left are in place
-                    static[:b].copy_(value)
+        if first is not None:
+            self._start_run(reqs, first)
+        sampled = not all(r.params.greedy for r in reqs)
         if not self.capture:
-            return self._step(b)
-        self.graphs[b].replay()
-        return self.walks[b]
+            return self._step(b, sampled)
+        self.graphs[(b, sampled)].replay()
+        return self.walks[(b, sampled)]
+
+    def _start_run(self, reqs: list[Req], drafts: Drafts) -> None:
+        """The state a run's first replay starts from: kv_lens, sampling params, trees."""
+        b = len(reqs)
+        ps = [r.params for r in reqs]
+        ints = [[r.seed for r in reqs], [r.kv_len - len(r.output_ids) for r in reqs]]
+        self.ints[:, :b].copy_(torch.tensor(ints, dtype=torch.int64), non_blocking=True)
+        floats = [[p.temperature for p in ps], [float(p.greedy) for p in ps]]
+        self.floats[:, :b].copy_(torch.tensor(floats, dtype=torch.float32), non_blocking=True)
+        self.kv_len[:b].copy_(torch.tensor([r.kv_len for r in reqs], dtype=torch.int64), non_blocking=True)
+        for static, value in ((self.tokens, drafts.tokens), (self.parents, drafts.parents),
+                              (self.mask, drafts.tree_mask())):
+            if static.data_ptr() != value.data_ptr():  # the trees a replay left are in place
+                static[:b].copy_(value)
 
     def trees(self, b: int) -> Drafts:
         """The trees the last replay of size b drafted (views of the static buffers)."""
@@ -98,8 +120,18 @@ class StepGraphs:
         """[B] kv_len after the last replay's commit (a view, rewritten by the next launch)."""
         return self.kv_len[:b]
 
-    def _step(self, b: int) -> torch.Tensor:
-        """The step's device work for exactly b requests (captured, or eager on a CPU)."""
+    def _sampling(self, b: int, kv_len: torch.Tensor) -> SamplingBatch:
+        """The sampled requests' params (temperature alone) with output indices from kv_len."""
+        temperature, greedy = self.floats[:, :b]
+        seeds, offset = self.ints[:, :b]
+        unused = self.floats[0, :b]  # filters and penalties: the flags say none are read
+        return SamplingBatch(temperature=temperature, greedy=greedy > 0, top_p=unused, top_k=seeds, min_p=unused,
+                             freq_penalty=unused, presence_penalty=unused, seeds=seeds, counters=kv_len - offset,
+                             output_ids=[], flags=_TEMPERATURE_ONLY)
+
+    def _step(self, b: int, sampled: bool) -> torch.Tensor:
+        """The step's device work for exactly b requests (captured, or eager on a CPU);
+        `sampled`: walk the Gumbel targets of seeded sampling rather than the argmax."""
         n, table = self.n, self.kv.table
         rows, slots, kv_len = self.io[:b], self.io[b:b * (n + 1)], self.kv_len[:b]
         table.write_block(rows, kv_len, slots.view(b, n))
@@ -108,7 +140,10 @@ class StepGraphs:
         fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, slots, rows, kv_len,
                                              drafts.tree_mask(), table.table)
         logits, features = self.runner.forward_inline(fb, static_meta=self.capture)
-        packed, walk = walk_greedy(drafts, logits.view(b, n, -1), None)
+        logits = logits.view(b, n, -1)
+        if sampled:
+            logits = gumbel_targets(logits, self._sampling(b, kv_len), drafts.depths())
+        packed, walk = walk_greedy(drafts, logits, None)
         tokens, parents, mask, kv_after = self.proposer.draft_ahead_inline(
             walk, features.view(b, n, -1), slots.view(b, n), torch.cat([rows, kv_len]),
             self.scratch[:, :b * self.k])

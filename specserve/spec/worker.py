@@ -149,8 +149,11 @@ class SpecWorker:
     def _pipelines(self, reqs: list[Req]) -> bool:
         """Whether a step over `reqs` is launched and left in flight (pipeline.py): after
         the one in flight when it ran over the same requests and drafted their trees."""
+        # sampled walks run on the device in the step graphs alone, and only when exact (thresholds 1)
+        sampled = self.step_graphs is not None and self.step_graphs.can_run(len(reqs)) \
+            and self.spec.accept_threshold_single >= 1.0 and self.spec.accept_threshold_acc >= 1.0
         if not self.pipeline or not self.proposer.can_draft_ahead(len(reqs)) \
-                or not pipeline.eligible(reqs, self.spec.num_steps, self.context_length):
+                or not pipeline.eligible(reqs, self.spec.num_steps, self.context_length, sampled):
             return False
         prev = self._inflight
         return prev is None or (prev.same_batch(reqs) and self.proposer.has_drafted_ahead(reqs))
@@ -185,9 +188,8 @@ class SpecWorker:
         """_launch as one replay of the step graph: `prev` (the same requests) left its
         kv_len and trees in the graph's buffers; a first step brings the host's."""
         b, n, g = len(reqs), self.proposer.max_nodes, self.step_graphs
-        first = prev is None
-        drafts = self.proposer.propose(reqs, [n] * b) if first else None
-        packed = g.launch([r.row for r in reqs], torch.cat(slots), [r.kv_len for r in reqs] if first else None, drafts)
+        first = self.proposer.propose(reqs, [n] * b) if prev is None else None
+        packed = g.launch(reqs, torch.cat(slots), first)
         self.proposer.adopt_ahead(reqs, g.trees(b))
         return InFlightSpec(reqs, slots, read_later(packed), g.kv_after(b))
 

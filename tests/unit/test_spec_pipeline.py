@@ -79,6 +79,21 @@ def test_pipelined_steps_are_token_identical(tiny, smollm2_dir, head, graphed, m
         assert counts["_launch_graphed"] == counts["_launch"], counts
 
 
+def test_sampled_steps_in_step_graphs_reproduce_seeded_plain_sampling(tiny, smollm2_dir, monkeypatch):
+    """Sampled steps walk Gumbel targets keyed by each node's output index, which the step
+    graph derives from the kv_len it carries: seeded outputs are plain sampling's, token
+    for token, in a batch that mixes greedy and sampled requests."""
+    target, heads, ps, _ = tiny
+    params = [{"temperature": t, "seed": 11 + i, "max_new_tokens": 30} for i, t in enumerate((1.0, 0.0, 0.7))]
+    want = [o["output_ids"] for o in run(engine(target, smollm2_dir), ps[:3], params)]
+    counts: dict = {}
+    eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, counts)
+    count_calls(eng.scheduler.spec, "_launch_graphed", counts, monkeypatch)
+    outs = run(eng, ps[:3], params) + run(eng, ps[:1], params[:1])
+    assert [o["output_ids"] for o in outs] == want + want[:1]
+    assert counts["_launch_graphed"] >= 6, counts
+
+
 @pytest.mark.parametrize("graphed", [True, False])
 def test_a_perfect_draft_stays_perfect_when_pipelined(tmp_path, smollm2_dir, graphed, monkeypatch):
     """Each pipelined verify runs at the kv_len, positions and attention prefix the step
@@ -178,6 +193,9 @@ def test_captured_step_graphs_are_token_identical(tiny, smollm2_dir, monkeypatch
     outs = run(eng, ps[:1], _greedy(30)) + run(eng, ps[:3], _greedy(30))
     assert [o["output_ids"] for o in outs] == ref[:1] + ref[:3]
     assert counts["_launch_graphed"] >= 4, counts
+    sampled = [{"temperature": 1.0, "seed": i, "max_new_tokens": 30} for i in range(3)]
+    want = [o["output_ids"] for o in run(engine(target, smollm2_dir), ps[:3], sampled)]
+    assert [o["output_ids"] for o in run(eng, ps[:3], sampled)] == want
 
 
 class _Req:
@@ -192,5 +210,8 @@ def test_which_steps_may_be_left_in_flight():
     assert not pipeline.eligible([_Req(0, 10), _Req(92, 10)], steps, ctx)  # may end on length within two steps
     assert not pipeline.eligible([_Req(0, 992)], steps, ctx)  # near the context length
     assert not pipeline.eligible([_Req(0, 10), _Req(0, 10, temperature=1.0)], steps, ctx)  # a sampled walk
+    assert pipeline.eligible([_Req(0, 10), _Req(0, 10, temperature=1.0)], steps, ctx, sampled=True)  # step graphs
+    for limit in ({"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.1}):  # filters: the graphs sample by temperature alone
+        assert not pipeline.eligible([_Req(0, 10, temperature=1.0, **limit)], steps, ctx, sampled=True)
     assert not pipeline.eligible([_Req(0, 10, logprobs=True)], steps, ctx)  # its logits are overwritten
     assert not pipeline.eligible([_Req(0, 10, frequency_penalty=0.5)], steps, ctx)
