@@ -32,7 +32,10 @@ while the GPU drafts. The next `propose` over the same requests takes those tree
 """
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -314,6 +317,24 @@ def _ahead_kernel_enabled(t: torch.Tensor) -> bool:
     """draft_ahead's bookkeeping as one Triton launch: on CUDA (tests also force it on the
     CPU, under TRITON_INTERPRET)."""
     return kernels.use_fused(t)
+
+
+def head_default_tree(spec: SpecConfig, runner: ModelRunner) -> SpecConfig:
+    """With no tree flags (--speculative-num-steps omitted), the tree the head's config names
+    as the one it was tuned with (`specserve_default_tree`: [steps, topk, draft tokens]),
+    ahead of SGLang's choice by architecture; unchanged otherwise."""
+    if spec.num_steps is not None:
+        return spec
+    try:
+        config = json.loads((Path(_draft_dir(spec, runner)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return spec
+    tree = config.get("specserve_default_tree")
+    if tree is None:
+        return spec
+    steps, topk, n = (int(v) for v in tree)
+    logger.info("Draft tree %d,%d,%d (steps, topk, draft tokens): the head's own default", steps, topk, n)
+    return replace(spec, num_steps=steps, eagle_topk=topk, num_draft_tokens=n)
 
 
 def _draft_dir(spec: SpecConfig, runner: ModelRunner):

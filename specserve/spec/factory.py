@@ -22,6 +22,10 @@ def make_spec_worker(spec: SpecConfig, runner: ModelRunner, kv: KVManager, eos_i
                      context_length: int, architecture: str, max_running: int) -> SpecWorker | None:
     if not spec.enabled:
         return None
+    if spec.algorithm in EAGLE_FAMILY:
+        from specserve.spec.eagle import head_default_tree
+
+        spec = head_default_tree(spec, runner)
     spec = resolve_spec_defaults(spec, architecture)
     if spec.algorithm == "NGRAM":
         from specserve.spec.ngram import NgramProposer

@@ -288,3 +288,28 @@ def test_plain_steps_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, static,
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in _run(plain, prompts, params)]
     assert False in gov.modes and all(o["meta_info"]["spec_plain_ct"] > 0 for o in outs)
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
+
+
+def test_a_head_may_name_its_default_tree(tiny, smollm2_dir, tmp_path):
+    """With no tree flags, a head whose config names `specserve_default_tree` drafts with it
+    (the shipped head's tuned tree); tree flags win, and a head without it gets SGLang's
+    choice by architecture (5, 4, 8 for Llama)."""
+    import json
+    import shutil
+
+    target, prompts, ref, heads = tiny
+    head = shutil.copytree(heads["EAGLE3"], tmp_path / "tuned")
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "specserve_default_tree": [3, 2, 6]}))
+    algo = {"speculative_algorithm": "EAGLE3", "speculative_adaptive": "off"}
+
+    def tree(draft, **flags):
+        eng = _engine(target, smollm2_dir, **algo, speculative_draft_model_path=str(draft), **flags)
+        s = eng.scheduler.spec.spec
+        return eng, (s.num_steps, s.eagle_topk, s.num_draft_tokens)
+
+    eng, chosen = tree(head)
+    assert chosen == (3, 2, 6)
+    assert _run(eng, prompts[:2])[0]["output_ids"] == ref[0]
+    assert tree(head, speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)[1] == (3, 1, 4)
+    assert tree(heads["EAGLE3"])[1] == (5, 4, 8)
