@@ -8,7 +8,8 @@ rather than being approximated. When the governor turns speculation down, the st
 the scheduler's own plain decode step (overlapped on CUDA), and the proposer only hears
 of the new tokens (`on_plain_step` -> `on_decoded`, before their read-back). On CUDA a
 greedy EAGLE step is left in flight and read back after the next one is launched
-(pipeline.py); `step` then commits the previous step's tokens.
+(pipeline.py); `step` then commits the previous step's tokens. At batch 1-8 such a step is
+one graph replay (step_graphs.py), which also pipelines sampling by temperature alone.
 """
 from __future__ import annotations
 
