@@ -36,6 +36,8 @@ On a CPU (tests) the same body runs eagerly with host-built metadata (`capture` 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specserve.engine.kv_manager import KVManager
@@ -45,20 +47,26 @@ from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import HostFlags, SamplingBatch
 from specserve.spec.accept import gumbel_targets, walk_greedy
 from specserve.spec.drafts import Drafts
+from specserve.spec.proposer import Proposer
+
+if TYPE_CHECKING:
+    from specserve.spec.eagle import EagleProposer
 
 _TEMPERATURE_ONLY = HostFlags(all_greedy=False, has_penalties=False, needs_sort=False, needs_min_p=False)
 MAX_BS = 8  # batch sizes with a step graph: where the host, not the GPU, sets a step's pace
 
 
-def supported(proposer) -> bool:
+def supported(proposer: Proposer) -> bool:
     """Whether `proposer` drafts ahead inline: EAGLE-family heads with extend and tree
     graphs whose trees fill all N nodes."""
-    return hasattr(proposer, "draft_ahead_inline") and proposer.extend_graphs is not None \
-        and proposer.tree.graphs is not None and proposer.tree.num_selected(proposer.max_nodes) == proposer.max_nodes - 1
+    if not hasattr(proposer, "draft_ahead_inline") or proposer.extend_graphs is None or proposer.tree.graphs is None:
+        return False
+    return proposer.tree.num_selected(proposer.max_nodes) == proposer.max_nodes - 1
 
 
 class StepGraphs:
-    def __init__(self, runner: ModelRunner, proposer, kv: KVManager, max_bs: int, capture: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, proposer: "EagleProposer", kv: KVManager, max_bs: int,
+                 capture: bool = True) -> None:
         self.runner, self.proposer, self.kv, self.capture = runner, proposer, kv, capture
         n, k, steps = proposer.max_nodes, proposer.topk, proposer.tree.num_steps
         self.n, self.k, self.max_bs = n, k, max_bs
