@@ -231,11 +231,7 @@ class ModelRunner:
         if self.graphs is not None and fb.attn_backend is self.attn_backend and self.graphs.can_run(fb):
             return self.graphs.replay(fb)
         fb.attn_backend.init_forward_metadata(fb)
-        hidden, aux = self.model(fb)
-        logits = self.model.compute_logits(hidden[fb.logit_rows])
-        if self.feature_mode is None:
-            return logits, None
-        return logits, hidden if self.feature_mode == "final" else torch.cat(aux, dim=-1)
+        return self._logits_and_features(fb, fb.logit_rows)
 
     def forward_inline(self, fb: ForwardBatch, static_meta: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_with_features over every row of `fb`, replaying no graph, so a caller's
@@ -243,8 +239,13 @@ class ModelRunner:
         goes into the backend's graph buffers from device tensors (capturable), else it is
         built from the host lists as an eager forward's."""
         (self.attn_backend.init_metadata_for_replay if static_meta else self.attn_backend.init_forward_metadata)(fb)
+        return self._logits_and_features(fb, None)
+
+    def _logits_and_features(self, fb: ForwardBatch, rows: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over `fb` (metadata ready): logits of `rows` (None: every row) and features."""
         hidden, aux = self.model(fb)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
         if self.feature_mode is None:
             return logits, None
         return logits, hidden if self.feature_mode == "final" else torch.cat(aux, dim=-1)

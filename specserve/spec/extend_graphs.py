@@ -124,16 +124,13 @@ class DraftExtendGraphs:
         """replay_filled for exactly B requests (no padding) without a replay of its own,
         so a caller's CUDA graph can hold it (spec/step_graphs.py): the metadata goes into
         the backend's graph buffers from the device prefix lengths [B]."""
-        t = b * self.L
-        torch.index_select(features, 0, self.feat_rows[:t], out=self.features[:t])
-        fb = self._batch(b, [0] * b)
-        fb.device_prefix = prefix_lens
-        (self.backend.init_metadata_for_replay if self.capture else self.backend.init_forward_metadata)(fb)
-        self._run(fb, b)
+        self._go(b, b, features, prefix_lens, replay=False)
 
-    def _go(self, bs: int, b: int, features: torch.Tensor, prefix_lens: list[int] | torch.Tensor) -> None:
+    def _go(self, bs: int, b: int, features: torch.Tensor, prefix_lens: list[int] | torch.Tensor,
+            replay: bool = True) -> None:
         """`prefix_lens` [b]: host ints, or a device tensor when the host does not know them
-        yet (a pipelined step, spec/pipeline.py)."""
+        yet (a pipelined step, spec/pipeline.py). `replay` False runs the captured body
+        itself (inside a caller's capture)."""
         t = bs * self.L
         torch.index_select(features, 0, self.feat_rows[:t], out=self.features[:t])
         if isinstance(prefix_lens, torch.Tensor):
@@ -146,7 +143,10 @@ class DraftExtendGraphs:
             self._run(fb, bs)
             return
         self.backend.init_metadata_for_replay(fb)
-        self.graphs[bs].replay()
+        if replay:
+            self.graphs[bs].replay()
+        else:
+            self._run(fb, bs)
 
     def _batch(self, bs: int, prefix_lens: list[int]) -> ForwardBatch:
         t = bs * self.L
