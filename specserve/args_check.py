@@ -77,6 +77,7 @@ _RANGES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("server", "port", lambda v: 1 <= v <= 65535, "in 1..65535"),
     ("cache", "mem_fraction_static", lambda v: 0 < v < 1, "in (0, 1)"),
     ("scheduler", "chunked_prefill_size", lambda v: v == -1 or v >= 1, "-1 (no chunking) or >= 1"),
+    ("runner", "cuda_graph_max_prefill_tokens", lambda v: v >= 0, ">= 0 (0: prefill eagerly)"),
     ("spec", "accept_threshold_single", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("spec", "accept_threshold_acc", lambda v: 0 < v <= 1, "in (0, 1]"),
     *((section, name, lambda v: v >= 1, ">= 1") for section, name in _AT_LEAST_1),

@@ -11,7 +11,8 @@ custom mask (DECODE, and one-token EXTEND / DRAFT_EXTEND batches); the short-ext
 (`triton_verify.py`, split over the keys) when every request has a few new tokens (VERIFY
 trees, EAGLE's draft extend after a verify); the extend kernel otherwise (prefill).
 
-CUDA graphs (DECODE; VERIFY and DRAFT_EXTEND are described at `_VerifyBuffers`). `init_cuda_graph_state(max_bs, 1)` allocates the static
+CUDA graphs (DECODE; VERIFY and DRAFT_EXTEND are described at `_VerifyBuffers`; one
+request's EXTEND, a prefill graph, at `init_prefill_graph_state`). `init_cuda_graph_state(max_bs, 1)` allocates the static
 seq_lens [max_bs] int32; capture and replay point `fb.attn_meta` at its first `bs`
 entries and read req_rows straight from the caller's static `fb.req_rows`. Padding
 convention: the caller pads the batch to the captured size with rows of prefix_len 0
@@ -68,6 +69,7 @@ class TritonBackend(AttentionBackend):
                          if self.device.type == "cuda" else 1)
         self._graph_seq_lens: torch.Tensor | None = None
         self._verify: _VerifyBuffers | None = None
+        self._prefill_lens: torch.Tensor | None = None  # [3] int32: prefix, extend, q_start 0
 
     # -- per forward ------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -149,6 +151,13 @@ class TritonBackend(AttentionBackend):
             mask=None if causal else torch.ones(max_bs * n * n, dtype=torch.uint8, device=dev),
             mask_indptr=None if causal else idx * n * n)
 
+    def init_prefill_graph_state(self) -> None:
+        """Static metadata for graphs of one request's EXTEND (runner/prefill_graphs.py): the
+        request's prefix and true extend length are rewritten per replay, while the grid
+        follows the captured token count, so query rows past the true length (padding)
+        are never computed and never seen as keys."""
+        self._prefill_lens = torch.zeros(3, dtype=torch.int32, device=self.device)
+
     def init_metadata_for_capture(self, fb: ForwardBatch) -> None:
         self._check_graph_batch(fb)
         self.init_metadata_for_replay(fb)  # the same static slices, filled with fb's lengths
@@ -157,6 +166,9 @@ class TritonBackend(AttentionBackend):
         """Write lengths (and VERIFY masks) in place; fb.req_rows is already static. Runs
         outside the captured region (it copies from host memory)."""
         bs = fb.batch_size
+        if fb.mode == ForwardMode.EXTEND:
+            self._prefill_metadata(fb)
+            return
         if fb.mode in _FIXED_N_MODES:
             vb = self._verify
             prefix = vb.prefix_lens[:bs]
@@ -177,7 +189,19 @@ class TritonBackend(AttentionBackend):
         seq.copy_(torch.tensor([p + 1 for p in fb.prefix_lens], dtype=torch.int32, device="cpu"), non_blocking=True)
         fb.attn_meta = TritonMeta(fb.req_rows, seq, self._num_splits(fb))
 
+    def _prefill_metadata(self, fb: ForwardBatch) -> None:
+        """One request's EXTEND over fb.input_ids.numel() static rows, of which the first
+        fb.extend_lens[0] are real."""
+        lens = self._prefill_lens
+        lens[:2].copy_(torch.tensor([fb.prefix_lens[0], fb.extend_lens[0]], dtype=torch.int32), non_blocking=True)
+        fb.attn_meta = TritonMeta(fb.req_rows, None, self._num_splits(fb), lens[0:1], lens[1:2], lens[2:3],
+                                  fb.input_ids.numel())
+
     def _check_graph_batch(self, fb: ForwardBatch) -> None:
+        if fb.mode == ForwardMode.EXTEND:
+            if self._prefill_lens is None or fb.batch_size != 1 or fb.custom_masks is not None:
+                raise RuntimeError("EXTEND graphs need init_prefill_graph_state and one causal request")
+            return
         if fb.mode in _FIXED_N_MODES:
             if self._verify is None or any(n != self._verify.n for n in fb.extend_lens):
                 raise RuntimeError(f"{fb.mode.value} graphs need init_cuda_graph_state(max_bs, N) and N tokens "
@@ -188,7 +212,8 @@ class TritonBackend(AttentionBackend):
         if self._graph_seq_lens is None:
             raise RuntimeError("call init_cuda_graph_state before capturing")
         if fb.mode != ForwardMode.DECODE or fb.custom_masks is not None or any(n != 1 for n in fb.extend_lens):
-            raise ValueError(f"TritonBackend captures DECODE, VERIFY and DRAFT_EXTEND graphs, not {fb.mode.value}")
+            raise ValueError(f"TritonBackend captures DECODE, VERIFY, DRAFT_EXTEND and one-request EXTEND "
+                             f"graphs, not {fb.mode.value}")
         if fb.batch_size > self._graph_seq_lens.numel():
             raise ValueError(f"batch {fb.batch_size} exceeds the graph state's max_bs {self._graph_seq_lens.numel()}")
 

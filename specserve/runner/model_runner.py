@@ -21,6 +21,7 @@ from specserve.models.loader import load_model, pick_dtype, random_model, read_h
 from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.runner.h2d import h2d_many
+from specserve.runner.prefill_graphs import PrefillGraphs
 from specserve.runner.memory import OOM_ADVICE, auto_mem_fraction
 
 logger = logging.getLogger("specserve")
@@ -83,6 +84,7 @@ class ModelRunner:
         self.attn_backend = make_backend(runner_cfg.attention_backend, self.device)
         self.feature_mode: str | None = None  # what forward_with_features returns (EAGLE drafts)
         self.graphs: CudaGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphs | None = None  # one request's prefill chunks
         self._all_rows: dict[int, torch.Tensor] = {}  # arange(T) per VERIFY size (device_verify_batch)
         self.runner_cfg = runner_cfg
 
@@ -131,6 +133,17 @@ class ModelRunner:
                                 [0], [1], req_to_token, self.kv_pool, self.attn_backend)
         with torch.inference_mode():
             self.graphs.capture(template)
+            prefill_tokens = self.prefill_graph_max_tokens()
+            if prefill_tokens:
+                self.prefill_graphs = PrefillGraphs(self.model, self.attn_backend, self.vocab_size, prefill_tokens,
+                                                    template, self.feature_mode)
+
+    def prefill_graph_max_tokens(self) -> int:
+        """The longest prefill chunk a graph serves: --cuda-graph-max-prefill-tokens, at
+        most the chunk size (a longer prefill is chunked first)."""
+        n = self.runner_cfg.cuda_graph_max_prefill_tokens
+        chunk = self.chunked_prefill_size
+        return min(n, chunk) if chunk is not None and chunk > 0 else n
 
     def graph_max_bs(self, max_running: int) -> int:
         """The largest batch a captured graph serves (--cuda-graph-max-bs, default 256)."""
@@ -228,10 +241,20 @@ class ModelRunner:
     def forward_with_features(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target's logits as `forward`, plus features [T, F] of every new token (None
         unless `capture_features` was called)."""
-        if self.graphs is not None and fb.attn_backend is self.attn_backend and self.graphs.can_run(fb):
-            return self.graphs.replay(fb)
+        graphs = self._graphs_for(fb)
+        if graphs is not None:
+            return graphs.replay(fb)
         fb.attn_backend.init_forward_metadata(fb)
         return self._logits_and_features(fb, fb.logit_rows)
+
+    def _graphs_for(self, fb: ForwardBatch) -> CudaGraphRunner | PrefillGraphs | None:
+        """The captured graphs that can run this target forward, if any."""
+        if fb.attn_backend is not self.attn_backend:
+            return None
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None and graphs.can_run(fb):
+                return graphs
+        return None
 
     def forward_inline(self, fb: ForwardBatch, static_meta: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_with_features over every row of `fb`, replaying no graph, so a caller's
@@ -255,9 +278,9 @@ class ModelRunner:
         """Run the model (or a draft model sharing this runner's table); return float32
         logits [len(fb.logit_rows), vocab]."""
         model = model or self.model
-        if model is self.model and self.graphs is not None and fb.attn_backend is self.attn_backend \
-                and self.graphs.can_run(fb):
-            return self.graphs.replay(fb)[0]
+        graphs = self._graphs_for(fb) if model is self.model else None
+        if graphs is not None:
+            return graphs.replay(fb)[0]
         fb.attn_backend.init_forward_metadata(fb)
         hidden, _ = model(fb)
         return model.compute_logits(hidden[fb.logit_rows])
