@@ -41,15 +41,16 @@ T = TypeVar("T")
 
 
 def capture_each(sizes: list[int], body: Callable[[int], T], device: torch.device,
-                 prepare: Callable[[int], None] | None = None
+                 prepare: Callable[[int], None] | None = None, desc: str | None = None
                  ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, T]]:
     """One graph per size, largest first, in one memory pool: `prepare(bs)` (outside the
     capture: metadata copies), `body(bs)` twice (compile kernels, settle the allocator),
     then `body(bs)` captured. Returns the graphs and what each captured call returned
-    (its outputs: static tensors that every replay rewrites)."""
+    (its outputs: static tensors that every replay rewrites). `desc`: a progress bar's label."""
     graphs, outputs = {}, {}
     pool = torch.cuda.graph_pool_handle()
-    for bs in sorted(sizes, reverse=True):
+    order = sorted(sizes, reverse=True)
+    for bs in (tqdm(order, desc=desc, unit="graph", leave=False) if desc else order):
         if prepare is not None:
             prepare(bs)
         for _ in range(2):

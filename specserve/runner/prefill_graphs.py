@@ -62,7 +62,8 @@ class PrefillGraphs:
         backend.init_prefill_graph_state()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture and self.sizes:
-            self.graphs, _ = capture_each(self.sizes, lambda b: self._body(self._captured), dev, prepare=self._prepare)
+            self.graphs, _ = capture_each(self.sizes, lambda b: self._body(self._captured), dev, prepare=self._prepare,
+                                          desc="Capturing prefill CUDA graphs")
 
     def _prepare(self, b: int) -> None:
         """Before capturing size b: its static batch over table row 0, no prefix, b real rows

@@ -12,7 +12,7 @@ as SGLang's overlap scheduler does for its spec v2 workers (any top-k here).
 
 A step may be left in flight when every request's walk runs on the device (greedy; or
 sampling by temperature alone, through the step graphs: step_graphs.py), has a full
-tree, no penalties and no logprobs, cannot reach its length limits within two steps,
+tree, no penalties and no logprobs, cannot reach the context length within two steps,
 and the proposer drafts ahead (`eligible`, `SpecWorker._pipelines`).
 The next speculative step over the *same* requests, with trees drafted ahead for them,
 launches first and then reads the step in flight back; anything else (a plain step, a
@@ -22,7 +22,7 @@ requests' rows and slots, and the batch it adds drains the step before speculati
 
 Invariant while a step is in flight: req.kv_len, output_ids and the allocator are those
 before it (the host lags one step), and the step's `kv_after` holds kv_len after its
-commit, on the device. A request that step k ends (EOS, a stop string) was already given
+commit, on the device. A request that step k ends (EOS, a stop string, max_new_tokens) was already given
 step k+1's verify slots: `drop` frees them at once and its step-(k+1) outcome is never
 read. Step k+1 wrote only its own slots and table positions past that request's final
 kv_len, so the KV the request leaves to the prefix cache is untouched.
@@ -65,8 +65,11 @@ class InFlightSpec:
 def eligible(reqs: list[Req], num_steps: int, context_length: int, sampled: bool = False) -> bool:
     """Whether a step over `reqs` may be left in flight: greedy walks (or, with `sampled`,
     sampling by temperature alone: step_graphs.py walks its Gumbel targets), full trees,
-    no logprobs (the verify graph's logits are overwritten by the next step) and room for
-    two more steps' tokens (the host checks limits a step late; positions stay in range)."""
+    no logprobs (the verify graph's logits are overwritten by the next step) and room in
+    the context for two more steps' tokens (the host checks limits a step late; positions
+    stay in range). A request near max_new_tokens may be left in flight: a step that ends
+    it by length drops it from the next one, as an EOS does, and that wasted step costs
+    less than the unpipelined steps its last tokens would otherwise take."""
     room = 2 * (num_steps + 1)
     for req in reqs:
         p = req.params
@@ -74,7 +77,7 @@ def eligible(reqs: list[Req], num_steps: int, context_length: int, sampled: bool
             return False
         if not p.greedy and not (sampled and _temperature_only(p)):
             return False
-        if req.max_new_tokens - len(req.output_ids) <= room or req.seq_len + room >= context_length:
+        if req.seq_len + room >= context_length:
             return False
     return True
 
