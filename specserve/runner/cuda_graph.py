@@ -19,9 +19,11 @@ pool, largest batch first.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -38,6 +40,24 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 T = TypeVar("T")
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """torch.cuda.graph with Python's garbage collector held off for the capture. A
+    collection inside it may destroy CUDA objects that earlier work left unreferenced
+    (graphs, events, pinned buffers of an engine built before), a call a capture forbids:
+    the capture is invalidated (an intermittent cudaErrorStreamCaptureInvalidated when
+    the GPU tests built engines one after another). SGLang freezes GC while capturing too.
+    torch.cuda.graph still collects once before the capture begins."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture_each(sizes: list[int], body: Callable[[int], T], device: torch.device,
@@ -57,7 +77,7 @@ def capture_each(sizes: list[int], body: Callable[[int], T], device: torch.devic
             body(bs)
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with capturing(graph, pool):
             outputs[bs] = body(bs)
         graphs[bs] = graph
     return graphs, outputs
@@ -120,7 +140,7 @@ class CudaGraphRunner:
                 self._run(fb, st, bs)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capturing(graph, self.pool):
                 self._run(fb, st, bs)
             self.graphs[(mode, bs)] = graph
         torch.cuda.synchronize(self.device)
