@@ -12,7 +12,8 @@ custom mask (DECODE, and one-token EXTEND / DRAFT_EXTEND batches); the short-ext
 trees, EAGLE's draft extend after a verify); the extend kernel otherwise (prefill).
 
 CUDA graphs (DECODE; VERIFY and DRAFT_EXTEND are described at `_VerifyBuffers`; one
-request's EXTEND, a prefill graph, at `init_prefill_graph_state`). `init_cuda_graph_state(max_bs, 1)` allocates the static
+request's EXTEND, a prefill graph, at `init_prefill_graph_state`).
+`init_cuda_graph_state(max_bs, 1)` allocates the static
 seq_lens [max_bs] int32; capture and replay point `fb.attn_meta` at its first `bs`
 entries and read req_rows straight from the caller's static `fb.req_rows`. Padding
 convention: the caller pads the batch to the captured size with rows of prefix_len 0

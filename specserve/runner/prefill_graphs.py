@@ -19,11 +19,16 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.runner.cuda_graph import capture_each
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from specserve.attention.base import AttentionBackend
+    from specserve.models.llama import LlamaForCausalLM
 
 BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512)  # at most a third of a graph is padding past 64
 
@@ -47,8 +52,8 @@ class _Static:
 
 
 class PrefillGraphs:
-    def __init__(self, model, backend, vocab_size: int, max_tokens: int, template: ForwardBatch,
-                 feature_mode: str | None = None, capture: bool = True) -> None:
+    def __init__(self, model: "LlamaForCausalLM", backend: "AttentionBackend", vocab_size: int, max_tokens: int,
+                 template: ForwardBatch, feature_mode: str | None = None, capture: bool = True) -> None:
         """`template` supplies the table and KV pool; `feature_mode` as ModelRunner.capture_features
         set it (None: logits only). capture=False runs the same body eagerly per prefill
         (tests on a CPU, with the Triton backend interpreted)."""
@@ -57,10 +62,12 @@ class PrefillGraphs:
         n, dev = (self.sizes[-1] if self.sizes else 0), template.input_ids.device
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
         width = model.config.hidden_size * (len(model.aux_layers) if feature_mode == "aux" else 1)
-        self.static = _Static(zeros(n), zeros(n), zeros(n), zeros(1), zeros(1), zeros(1, vocab_size, dtype=torch.float32),
+        logits = zeros(1, vocab_size, dtype=torch.float32)
+        self.static = _Static(zeros(n), zeros(n), zeros(n), zeros(1), zeros(1), logits,
                               zeros(n, width, dtype=next(model.parameters()).dtype) if feature_mode else None)
         backend.init_prefill_graph_state()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._captured: ForwardBatch | None = None  # the static batch of the size being captured
         if capture and self.sizes:
             self.graphs, _ = capture_each(self.sizes, lambda b: self._body(self._captured), dev, prepare=self._prepare,
                                           desc="Capturing prefill CUDA graphs")

@@ -332,7 +332,8 @@ def _prefill_batch(runner: BareRunner, prefix: int, chunk: list[int]) -> Forward
     slots = runner.slots(len(chunk))
     runner.table.write(0, prefix, slots)
     n = len(chunk)
-    return ForwardBatch(ForwardMode.EXTEND, torch.tensor(chunk, device=DEV), torch.arange(prefix, prefix + n, device=DEV),
-                        slots.to(DEV), torch.zeros(1, dtype=torch.int64, device=DEV), [prefix], [n],
-                        runner.table.table, runner.pool, runner.backend,
+    positions = torch.arange(prefix, prefix + n, device=DEV)
+    row = torch.zeros(1, dtype=torch.int64, device=DEV)
+    return ForwardBatch(ForwardMode.EXTEND, torch.tensor(chunk, device=DEV), positions, slots.to(DEV), row, [prefix],
+                        [n], runner.table.table, runner.pool, runner.backend,
                         logit_rows=torch.tensor([n - 1], device=DEV))
