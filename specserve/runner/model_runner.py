@@ -21,8 +21,8 @@ from specserve.models.loader import load_model, pick_dtype, random_model, read_h
 from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.runner.h2d import h2d_many
-from specserve.runner.prefill_graphs import PrefillGraphs
 from specserve.runner.memory import OOM_ADVICE, auto_mem_fraction
+from specserve.runner.prefill_graphs import PrefillGraphs
 
 logger = logging.getLogger("specserve")
 

@@ -7,7 +7,7 @@ to first token. Graphs of one request's forward at 16..512 new tokens (any cache
 turn that into one launch.
 
 A chunk of n new tokens replays the smallest graph of B >= n rows. Rows [n, B) are
-padding: token 0 at position 0 with its K/V written to the scratch slot 0. The attention
+padding: stale token ids and positions, their K/V written to the scratch slot 0. The attention
 kernels read the true n from device metadata (`TritonBackend.init_prefill_graph_state`),
 so padding rows are never computed as queries nor seen as keys; every other op is
 row-wise, so real rows never mix with padding. Logits are computed for at most one row
@@ -44,7 +44,7 @@ class _Static:
 
     input_ids: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64
-    out_slots: torch.Tensor  # [B] int64; padding rows: slot 0
+    out_slots: torch.Tensor  # [B] int64; padding rows: the scratch slot 0
     req_row: torch.Tensor  # [1] int64
     logit_row: torch.Tensor  # [1] int64: the row whose logits are computed
     logits: torch.Tensor  # [1, V] float32
@@ -103,8 +103,9 @@ class PrefillGraphs:
         st.input_ids[:n].copy_(fb.input_ids)
         st.positions[:n].copy_(fb.positions)
         st.out_slots[:n].copy_(fb.out_slots)
-        for t in (st.input_ids, st.positions, st.out_slots):  # padding: token 0 at position 0 into slot 0
-            t[n:b].zero_()
+        # Padding rows keep whatever ids and positions the buffers last held (valid values,
+        # and their outputs are dropped); only their K/V must go to the scratch slot 0.
+        st.out_slots[n:b].zero_()
         st.req_row.copy_(fb.req_rows)
         if fb.logit_rows.numel():
             st.logit_row.copy_(fb.logit_rows)
