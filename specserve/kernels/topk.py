@@ -5,7 +5,8 @@ A tree drafter scores every frontier node's children by log-softmax and keeps th
 subtraction and a vocabulary-map gather: about fifteen launches per drafting depth, each
 a few microseconds at batch 1, where a speculative step is bound by launches. Here one
 program owns one row: it loads the whole row (V <= MAX_V, fp32 in registers), takes the
-log-sum-exp, then extracts the k largest by k rounds of argmax, each masking its winner.
+log-sum-exp, then extracts the k largest by k rounds of one max-with-index reduction
+each (a separate max and argmax would be two), masking its winner.
 
 Result for row r: vals[r, j] = x[r, i_j] - logsumexp(x[r]) (float32) and ids[r, j] =
 map[i_j] (i_j without a map), j = 0..k-1 in descending value. Ties go to the lower index
@@ -29,8 +30,7 @@ def _topk_logprob_kernel(x_ptr, map_ptr, vals_ptr, ids_ptr, V, stride_x,
     m = tl.max(x, axis=0)
     lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
     for j in tl.static_range(K):
-        best = tl.max(x, axis=0)
-        i = tl.argmax(x, axis=0, tie_break_left=True)
+        best, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tl.store(vals_ptr + row * K + j, best - lse)
         if HAS_MAP:
             tl.store(ids_ptr + row * K + j, tl.load(map_ptr + i).to(tl.int64))
