@@ -7,16 +7,18 @@ walking the whole prefix alone and loading every K/V block once per query head: 
 batch 1 that is 9 programs on a 132-SM GPU, latency-bound (about 17 us a layer on an
 H100 for SmolLM2, where a decode step's attention takes a few).
 
-Here a program owns (request b, kv head, split): its rows are the request's n_b new
-tokens times the GROUP query heads that share the kv head (row r = token r // GROUP,
-head r % GROUP), so each K/V block is loaded once per kv head, and the keys
+Here a program owns (request b, row block, kv head, split): the request's rows are its
+n_b new tokens times the GROUP query heads that share the kv head (row r = token
+r // GROUP, head r % GROUP), cut into blocks of at most MAX_ROWS, so each K/V block is
+loaded once per (kv head, row block), and the keys
 [0, prefix_b + n_b) are cut into NUM_SPLITS chunks (flash-decoding) whose partial outputs
 and log-sum-exps `triton_decode._reduce_kernel` merges. Key j < prefix_b is visible to
 every row; new key j = prefix_b + m to row (token i) iff mask[i, m] (the request's tree
 mask, from one flat uint8 buffer at mask_indptr[b]) or, without a mask, m <= i (causal).
 K/V are read through req_to_token (the new tokens' slots are already in the table).
-The split count depends only on (batch size, kv heads), so capture and replay launch
-the same grid.
+The split count depends only on (batch size, kv heads) and the row-block count only on
+max_extend, so capture and replay launch the same grid. Without a custom mask (causal) a
+row block stops at its last token's key: the keys after it are visible to none of its rows.
 """
 from __future__ import annotations
 
@@ -28,12 +30,20 @@ from specserve.attention.triton_decode import MAX_SPLITS, _reduce_kernel
 from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
                                                 online_softmax_step)
 
-MAX_ROWS = 64  # new tokens * GROUP per program; longer extends use the extend kernel
+MAX_ROWS = 64  # rows (new tokens * GROUP) per program
+MAX_TOTAL_ROWS = 256  # per (request, kv head): a 64-node tree at GROUP 4; longer extends use the extend kernel
 
 
 def fits(max_extend: int, group: int) -> bool:
     """Whether extends of up to `max_extend` new tokens per request run here."""
-    return max_extend * group <= MAX_ROWS
+    return max_extend * group <= MAX_TOTAL_ROWS
+
+
+def row_blocks(max_extend: int, group: int) -> tuple[int, int]:
+    """(rows per program, row blocks per request) for extends of up to `max_extend` tokens."""
+    rows = max_extend * group
+    block = min(MAX_ROWS, max(16, triton.next_power_of_2(rows)))
+    return block, triton.cdiv(rows, block)
 
 
 @triton.jit
@@ -42,9 +52,10 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_RB: tl.constexpr,
                   STORE_LSE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PREC: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0) // NUM_RB
+    rb = tl.program_id(0) % NUM_RB
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     prefix = tl.load(PrefixLens + b)
@@ -55,8 +66,10 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if not CUSTOM_MASK:  # causal: no row of this block sees past its last token
+        end = tl.minimum(end, prefix + ((rb + 1) * BLOCK_R - 1) // GROUP + 1)
 
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     tok = offs_r // GROUP  # the row's new token (query index within the request)
     heads = kvh * GROUP + offs_r % GROUP
     mask_r = tok < n_new
@@ -118,13 +131,14 @@ def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     custom = mask is not None
     if not custom:  # never dereferenced: the CUSTOM_MASK branches are compiled out
         mask, mask_indptr = extend_lens, extend_lens
-    _short_kernel[(len(req_rows), k_pool.shape[1], num_splits)](
+    block_r, num_rb = row_blocks(max_extend, group)
+    _short_kernel[(len(req_rows) * num_rb, k_pool.shape[1], num_splits)](
         q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, q_starts, mask, mask_indptr,
         dst, lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         req_to_token.stride(0), *dst_strides, *lse_strides,
-        GROUP=group, HEAD_DIM=dim, BLOCK_R=max(16, triton.next_power_of_2(max_extend * group)),
-        BLOCK_N=64 if dim * k_pool.element_size() <= 256 else 32, BLOCK_D=bd, NUM_SPLITS=num_splits,
+        GROUP=group, HEAD_DIM=dim, BLOCK_R=block_r,
+        BLOCK_N=64 if dim * k_pool.element_size() <= 256 else 32, BLOCK_D=bd, NUM_SPLITS=num_splits, NUM_RB=num_rb,
         STORE_LSE=num_splits > 1, CUSTOM_MASK=custom, PREC=dot_precision(k_pool.dtype),
         num_warps=4, num_stages=2)
     if num_splits > 1:

@@ -114,8 +114,9 @@ def test_decode_ragged_lengths(heads, kv_heads, dim, splits, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (4, 4, 32), (4, 2, 64), (2, 1, 24)])
 def test_extend_ragged_with_and_without_prefix(heads, kv_heads, dim, dtype):
-    # 70 new tokens span two query blocks; prefixes 0 and > one key block
-    _check([0, 37, 0, 80], [5, 20, 70, 1], heads, kv_heads, dim, dtype)
+    # 130 new tokens span three query blocks (and, times the GQA group, outgrow the short
+    # kernel where the group is 2: the extend kernel); prefixes 0 and > one key block
+    _check([0, 37, 0, 80], [5, 20, 130, 1], heads, kv_heads, dim, dtype)
 
 
 def test_prefill_without_prefix():
@@ -144,15 +145,16 @@ def test_verify_tree_masks(heads, kv_heads, dim, dtype):
 @pytest.mark.parametrize("heads,kv_heads,dim,splits", [(4, 2, 16, None), (6, 2, 32, 3), (4, 4, 64, 16),
                                                       (8, 2, 16, 2)])
 def test_short_verify_split_over_keys(heads, kv_heads, dim, splits, dtype):
-    """Trees of <= 16 nodes take the short-extend kernel (new tokens x query heads of a kv
-    head in one program, keys split): ragged trees, prefixes of 0, < and > a key block."""
-    from specserve.attention.triton_verify import fits
+    """Trees of up to 64 nodes take the short-extend kernel (new tokens x query heads of a
+    kv head in blocks of 64 rows, keys split): ragged trees (the largest over two or three
+    row blocks), prefixes of 0, < and > a key block."""
+    from specserve.attention.triton_verify import fits, row_blocks
     drafts = Drafts.from_lists([[1, 2, 3, 4, 5, 6], [1, 2, 3], [7]], [[-1, 0, 0, 1, 3, 2], [-1, 0, 0], [-1]])
     sizes = [6, 3, 1]
     masks = [m[:n, :n] for m, n in zip(drafts.tree_mask(), sizes)]
-    masks.append(_random_tree_mask(16 if heads // kv_heads <= 4 else 8, torch.Generator().manual_seed(4)))
+    masks.append(_random_tree_mask(40 if heads > kv_heads else 70, torch.Generator().manual_seed(4)))
     sizes.append(masks[-1].shape[0])
-    assert fits(max(sizes), heads // kv_heads)
+    assert fits(max(sizes), heads // kv_heads) and row_blocks(max(sizes), heads // kv_heads)[1] > 1
     _check([12, 150, 0, 64], sizes, heads, kv_heads, dim, dtype, masks=[m.to(DEV) for m in masks],
            mode=ForwardMode.VERIFY, splits=splits)
 
@@ -160,8 +162,9 @@ def test_short_verify_split_over_keys(heads, kv_heads, dim, splits, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_short_causal_extend(dtype, splits):
-    """A draft extend of a few tokens per request (causal) on the short-extend kernel."""
-    _check([0, 37, 130, 5], [6, 6, 1, 3], 4, 2, 32, dtype, mode=ForwardMode.DRAFT_EXTEND, splits=splits, seed=2)
+    """Causal extends of a few tokens per request on the short-extend kernel, one of them
+    over two row blocks (the first stops at its last token's key)."""
+    _check([0, 37, 130, 5], [6, 40, 1, 3], 4, 2, 32, dtype, mode=ForwardMode.DRAFT_EXTEND, splits=splits, seed=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
