@@ -2,10 +2,11 @@
 
 Owns the decision "fused kernel or torch path" (`use_fused`) and thin entry points that
 import the Triton modules on first call, so this package imports without triton. The
-kernels (`norm.py`, `activation.py`, `rope.py`, `topk.py`, `frontier.py`, `gumbel.py`,
-`walk.py`) replace chains of small launches on CUDA: per decoder layer, add+RMSNorm twice,
+kernels (`norm.py`, `activation.py`, `rope.py`, `topk.py`, `frontier.py`, `node_select.py`,
+`gumbel.py`, `walk.py`) replace chains of small launches on CUDA: per decoder layer, add+RMSNorm twice,
 RoPE with the KV-cache write once, SiLU*mul once; per tree-drafting depth, the children's
-top-k log-probabilities (`topk.py`) and the frontier's bookkeeping (`frontier.py`); per
+top-k log-probabilities (`topk.py`) and the frontier's bookkeeping (`frontier.py`), per
+pass the kept nodes and their ancestor masks (`node_select.py`); per
 sampled step, the seeded Gumbel noise (`gumbel.py`); per verify, the greedy accept walk
 (`walk.py`).
 The model files call these only when `use_fused(tensor)` says so; everywhere else
@@ -113,6 +114,16 @@ def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, fr
     from specserve.kernels import frontier as f
 
     return f.tree_frontier(score, logp, kid, frontier, size, states, tail, next_slots)
+
+
+def tree_select(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                n_sel: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A drafting pass's best n_sel candidates as trees [B, 1 + n_sel] (tokens, parents)
+    and their ancestor masks, in one launch (node_select.py; `spec.tree_draft._select`
+    is the reference)."""
+    from specserve.kernels import node_select
+
+    return node_select.tree_select(roots, scores, tokens, parents, n_sel, max_depth)
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:

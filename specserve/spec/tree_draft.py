@@ -160,8 +160,7 @@ class TreeDrafter:
                 roots, rows, tail_start, slots = h2d_many(host + [scratch], first[0].device)
                 x = TreeInputs(first[0], first[1], states, roots, rows, tail_start,
                                slots.view(self.num_steps - 1, bsz * self.topk), start)
-                tokens, parents = self.expand(x, self.step, num_nodes)
-                mask = ancestor_mask(parents)
+                tokens, parents, mask = self.expand(x, self.step, num_nodes)
         finally:
             self.kv.allocator.free(scratch)
         return _full_trees(tokens, parents, mask)
@@ -181,8 +180,9 @@ class TreeDrafter:
             self.kv.allocator.free(scratch)
         return _full_trees(tokens, parents, mask)
 
-    def expand(self, x: TreeInputs, step: DraftStep, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, parents), each [B, 1 + num_selected]: the trees, with device ops only."""
+    def expand(self, x: TreeInputs, step: DraftStep, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, parents) [B, N] and ancestor masks [B, N, N] of the trees (N = 1 +
+        num_selected), with device ops only."""
         k = self.topk
         bsz, dev = x.first_logp.shape[0], x.first_logp.device
         score, token = x.first_logp, x.first_ids
@@ -207,7 +207,7 @@ class TreeDrafter:
             parents.append(par)
             size += k * k
         return _select(x.roots, torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
-                       self.num_selected(num_nodes))
+                       self.num_selected(num_nodes), self.num_steps)
 
 
 def _advance(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
@@ -240,9 +240,13 @@ def _full_trees(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor)
 
 
 def _select(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-            n_sel: int) -> tuple[torch.Tensor, torch.Tensor]:
+            n_sel: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Root + the best n_sel candidates by score, in candidate order (parents first):
-    (tokens, parents) [B, 1 + n_sel] with node indices for parents (-1 for the root)."""
+    (tokens, parents) [B, 1 + n_sel] with node indices for parents (-1 for the root), and
+    the trees' ancestor masks. One launch on CUDA (kernels/node_select.py); these torch
+    ops are its reference. No candidate is deeper than max_depth."""
+    if kernels.use_fused(scores):
+        return kernels.tree_select(roots, scores, tokens, parents, n_sel, max_depth)
     bsz, m = scores.shape
     dev = scores.device
     sel = scores.topk(n_sel, dim=1).indices.sort(dim=1).values  # [B, n_sel]
@@ -252,4 +256,4 @@ def _select(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, par
     par = torch.where(par < 0, 0, node_of.gather(1, par.clamp_min(0)))
     node_tokens = torch.cat([roots[:, None], tokens.gather(1, sel)], dim=1)
     node_parents = torch.cat([torch.full((bsz, 1), -1, dtype=torch.int64, device=dev), par], dim=1)
-    return node_tokens, node_parents
+    return node_tokens, node_parents, ancestor_mask(node_parents)

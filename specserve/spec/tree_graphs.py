@@ -23,7 +23,6 @@ import bisect
 import torch
 
 from specserve.runner.cuda_graph import capture_each, capture_sizes
-from specserve.spec.drafts import ancestor_mask
 from specserve.spec.root_states import RootStates
 from specserve.spec.tree_draft import TreeDrafter, TreeInputs
 
@@ -108,5 +107,4 @@ class TreeDraftGraphs:
         rows = self.rows[:bs]
         logp, ids, states = self.roots.get(rows)
         x = TreeInputs(logp, ids, states, self.root_ids[:bs], rows, self.tail_start[:bs], self.scratch[:, :bs * k])
-        tokens, parents = self.drafter.expand(x, self.drafter.step, self.num_nodes)
-        return tokens, parents, ancestor_mask(parents)
+        return self.drafter.expand(x, self.drafter.step, self.num_nodes)

@@ -238,10 +238,10 @@ def test_tree_expansion_fused_is_the_torch_path(bsz, k, steps, hidden):
             return 3 * logits, st
 
         with kernels.fused_kernels(fused), torch.no_grad():
-            tokens, parents = TreeDrafter(None, None, k, steps).expand(x, step, 1 + k + (steps - 1) * k)
-        return tokens.tolist(), parents.tolist(), seen
+            tokens, parents, mask = TreeDrafter(None, None, k, steps).expand(x, step, 1 + k + (steps - 1) * k)
+        return tokens.tolist(), parents.tolist(), mask.tolist(), seen
 
-    assert run(True) == run(False)  # the frames each forward saw, then the trees
+    assert run(True) == run(False)  # the trees and their masks, then the frames each forward saw
 
 
 @pytest.mark.parametrize("width", [1, 1000, 4096 + 17])
@@ -307,3 +307,49 @@ def test_greedy_walk_kernel_is_the_accept_walk(n, rows):
             assert torch.equal(a, b)
         deepest = max([deepest] + [len(p) for p in ref[0]])
     assert deepest >= min(n, 3)  # paths of accepted drafts were walked, not only roots
+
+
+@pytest.mark.parametrize("bsz,k,steps,n_sel", [(1, 4, 5, 15), (2, 8, 5, 31), (3, 8, 8, 63), (2, 4, 6, 1)])
+def test_tree_select_is_the_torch_path(bsz, k, steps, n_sel):
+    """The end of a drafting pass in one launch: the kept candidates renumbered as nodes,
+    parents remapped (a parent that was not kept hands its child to the root), and the
+    ancestor masks, against the torch ops (top-k, sort, scatter, gathers, squarings).
+    Candidates are laid out as a pass lays them out (depth-major, k*k children per depth,
+    a child scored below its parent, the best k children the next frontier); every first
+    child costs little, so the deepest candidates are kept too. 264 and 456 candidates
+    take several ranking chunks."""
+    from specserve.spec.tree_draft import _select
+
+    g = torch.Generator().manual_seed(bsz * 1000 + k * 10 + steps)
+    scores = [-torch.rand(bsz, k, generator=g)]
+    parents = [torch.full((bsz, k), -1, dtype=torch.int64)]
+    size, frontier = k, torch.arange(k).repeat(bsz, 1)
+    for _ in range(1, steps):
+        par = frontier.repeat_interleave(k, dim=1)  # [B, k*k]: each frontier node's k children
+        cost = torch.rand(bsz, k * k, generator=g) * torch.where(torch.arange(k * k) % k == 0, 1e-3, 1.0)
+        scores.append(torch.cat(scores, 1).gather(1, par) - cost)
+        parents.append(par)
+        frontier = size + scores[-1].topk(k, dim=1).indices
+        size += k * k
+    scores, parents = torch.cat(scores, 1).to(DEV), torch.cat(parents, 1).to(DEV)
+    tokens = torch.randint(0, 1000, scores.shape, generator=g).to(DEV)
+    roots = torch.arange(bsz, device=DEV) + 7
+    assert scores.shape[1] > n_sel
+    got, ref = _both(lambda: _select(roots, scores, tokens, parents, n_sel, steps))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert ref[2].shape == (bsz, n_sel + 1, n_sel + 1) and ref[2].any(2).all()
+
+
+def test_tree_select_ties_go_to_the_lower_candidate():
+    """Equal scores: the lower candidate index is kept (a parent always beats a tied
+    child, so kept sets are ancestor-closed)."""
+    from specserve.kernels.node_select import tree_select
+
+    scores = torch.tensor([[-1.0, -1.0, -1.0, -1.0, -1.0]], device=DEV)
+    tokens = torch.tensor([[10, 11, 12, 13, 14]], device=DEV)
+    parents = torch.tensor([[-1, -1, -1, -1, 0]], device=DEV)
+    with torch.no_grad():
+        got = tree_select(torch.tensor([5], device=DEV), scores, tokens, parents, 2, 2)
+    assert got[0].tolist() == [[5, 10, 11]] and got[1].tolist() == [[-1, 0, 0]]
+    assert got[2].tolist() == [[[True, False, False], [True, True, False], [True, False, True]]]
