@@ -144,6 +144,18 @@ def test_a_switch_step_is_not_a_sample():
     assert sum(modes[300:]) >= 90  # speculation once it is faster, plain probed now and then
 
 
+def test_a_step_that_committed_nothing_is_not_a_sample():
+    """A pipeline's first step lands no tokens (they land with the next step): taken as a
+    sample, its zero would sink speculation's mean tokens for the whole token window and
+    hand a fresh engine to plain decoding while speculation is twice as fast."""
+    gov = SpecGovernor(True, probe_every=32)
+    spec = gov.speculate(1)
+    gov.record(1, spec, 0, 1.5e-3)  # launched and left in flight: nothing committed
+    assert gov.rates(1) == (None, None)
+    modes = [spec] + _measure(gov, 1, spec_rate=2000.0, plain_rate=1000.0, steps=40)
+    assert sum(modes[8:40]) >= 30  # after two plain exploration steps, speculation
+
+
 def test_one_slow_step_does_not_decide():
     """A cold step (a kernel compiling, a GC pause) is outvoted: the time is a median."""
     gov = SpecGovernor(True, probe_every=4)
