@@ -104,13 +104,15 @@ class SpecWorker:
         """Whether the next decode step over `bs` requests speculates (the governor's call);
         the scheduler runs the step, speculative (`step`) or plain (then `on_plain_step`)."""
         speculate = self.governor.speculate(bs)
-        if self._open is not None and self._open[1] != speculate and self.runner.device.type == "cuda":
-            # GPU work a step queued after its read-back (EAGLE's draft extend; an
-            # overlapped plain step) runs into the next step; at a mode switch, drain it so
-            # each mode is charged its own
-            torch.cuda.synchronize(self.runner.device)
+        drain = self._open is not None and self._open[1] != speculate
+        # The last step is closed before the drain below: its time is what a step of its
+        # mode costs in a run of them. Charged to it, the drain (a pipelined step's whole
+        # next step) halved speculation's first rate at batch 1, and a fresh engine then
+        # ran ~35 plain steps before its first probe (H100, SmolLM2 + EAGLE-3)
+        self._close_last_step(self.governor.clock())
+        if drain:
+            self._drain()
         self._start = self.governor.clock()
-        self._close_last_step(self._start)
         self._switched = self._last_mode is not None and self._last_mode != speculate
         self._last_mode = speculate
         return speculate
@@ -224,6 +226,13 @@ class SpecWorker:
         for req in reqs:
             self._record(req, 1, drafted=False)
         self._open = (len(reqs), False, len(reqs), self._start, self._switched)
+
+    def _drain(self) -> None:
+        """At a mode switch: GPU work a step queued after its read-back (EAGLE's draft
+        extend; an overlapped plain step) would run into the next step; drain it so it is
+        charged to neither mode (the switch step after it is no sample either)."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
 
     def _close_last_step(self, now: float) -> None:
         """A step's cost, for the governor, is the time from its start to the next step's

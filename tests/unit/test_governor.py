@@ -253,3 +253,48 @@ def test_a_clearly_slower_mode_backs_off_but_a_close_call_keeps_probing():
         starts = [i for i in range(3, len(modes)) if modes[i] and not modes[i - 1]]  # probes of 2 steps
         gaps = [b - (a + 1) for a, b in zip(starts, starts[1:])]  # from a probe's last step to the next
         assert (max(gaps) == 32) if growing else (set(gaps) == {8}), (plain_rate, gaps)
+
+
+class _Clocked(_Alternating):
+    """Alternates modes on a fake clock that ticks 1 ms a reading; keeps every sample."""
+
+    def __init__(self, pattern: tuple[bool, ...]) -> None:
+        super().__init__(pattern)
+        self.now, self.samples = 0.0, []
+        self.clock = self._tick
+
+    def _tick(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+    def record(self, bs, speculated, tokens, seconds, switched=False) -> None:
+        self.samples.append((speculated, seconds, switched))
+        super().record(bs, speculated, tokens, seconds, switched)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_drain_at_a_mode_switch_is_charged_to_no_step(tiny, smollm2_dir, overlap):
+    """At a switch the worker drains the GPU work the last step left queued (a pipelined
+    step's whole next step); closed after it, that step's time would count the drain and
+    halve its mode's first rate. Here a drain takes 1 s of the fake clock: no sample has it."""
+    target, prompts, head = tiny
+    engine = _engine(target, smollm2_dir, speculative_algorithm="EAGLE3", speculative_adaptive="on",
+                     speculative_draft_model_path=str(head), speculative_num_steps=3,
+                     speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+    worker = engine.scheduler.spec
+    gov = worker.governor = _Clocked((True, True, True, False, False, False))
+    drains = []
+
+    def drain() -> None:
+        drains.append(gov.now)
+        gov.now += 1.0
+
+    worker._drain = drain
+    engine.scheduler.overlap = overlap
+    engine.generate(input_ids=prompts[0], sampling_params={"temperature": 0, "max_new_tokens": 24})
+    switches = sum(a != b for a, b in zip(gov.modes, gov.modes[1:]))
+    assert switches >= 4 and len(drains) == switches
+    assert {s for s, _, _ in gov.samples} == {True, False}
+    assert max(seconds for _, seconds, _ in gov.samples) < 0.5, gov.samples
+    engine.scheduler.kv.flush_cache()
+    engine.scheduler.kv.assert_no_leak()
