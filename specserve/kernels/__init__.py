@@ -2,13 +2,14 @@
 
 Owns the decision "fused kernel or torch path" (`use_fused`) and thin entry points that
 import the Triton modules on first call, so this package imports without triton. The
-kernels (`norm.py`, `activation.py`, `rope.py`, `topk.py`, `frontier.py`, `node_select.py`,
-`gumbel.py`, `walk.py`) replace chains of small launches on CUDA: per decoder layer, add+RMSNorm twice,
-RoPE with the KV-cache write once, SiLU*mul once; per tree-drafting depth, the children's
-top-k log-probabilities (`topk.py`) and the frontier's bookkeeping (`frontier.py`), per
-pass the kept nodes and their ancestor masks (`node_select.py`); per
-sampled step, the seeded Gumbel noise (`gumbel.py`); per verify, the greedy accept walk
-(`walk.py`).
+kernels (`norm.py`, `activation.py`, `rope.py`, `matvec.py`, `topk.py`, `frontier.py`,
+`node_select.py`, `gumbel.py`, `walk.py`) replace chains of small launches on CUDA: per
+decoder layer, add+RMSNorm twice, RoPE with the KV-cache write once, SiLU*mul once (at
+one token the norms, the SiLU*mul and the residual adds ride on the linear layers' GEMVs
+instead: `matvec.py`); per tree-drafting depth, the children's top-k log-probabilities
+(`topk.py`) and the frontier's bookkeeping (`frontier.py`), per pass the kept nodes and
+their ancestor masks (`node_select.py`); per sampled step, the seeded Gumbel noise
+(`gumbel.py`); per verify, the greedy accept walk (`walk.py`).
 The model files call these only when `use_fused(tensor)` says so; everywhere else
 (CPU) they keep their exact torch path.
 
@@ -69,6 +70,22 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     from specserve.kernels import norm
 
     return norm.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def use_gemv(x: torch.Tensor) -> bool:
+    """Whether a linear layer on activations `x` [T, K] runs as the one-token GEMV (matvec.py):
+    one token, on the fused kernels' side of the switch."""
+    return x.dim() == 2 and x.shape[0] == 1 and use_fused(x)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+         residual: torch.Tensor | None = None, gated: bool = False,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [1, K] @ weight [N, K].T with a fused pre-norm, residual add or SiLU-and-mul (matvec.py)."""
+    from specserve.kernels import matvec
+
+    return matvec.gemv(x, weight, norm_weight=norm_weight, eps=eps, residual=residual, gated=gated,
+                  out_dtype=out_dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,11 @@ class Linear(nn.Module):
         del self.weight
         self.weight = None
 
+    @property
+    def out_in_weight(self) -> torch.Tensor:
+        """The weight as [out, in], a transposed view in GEMV layout."""
+        return self.weight if self.weight_t is None else self.weight_t.t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)

@@ -91,6 +91,28 @@ def test_silu_and_mul(tokens, inter, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(7, 64), (96, 576), (33, 2500)])  # odd rows; K under, at, over a block
+@pytest.mark.parametrize("transposed", [False, True])  # the CPU's [in, out] weight layout
+def test_gemv_is_the_unfused_chain(n, k, dtype, transposed):
+    """Each fused form against the torch ops it replaces: F.linear, RMSNorm before it,
+    the residual add after it, SiLU*mul over gate_up's halves; float32 logits."""
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    res = torch.randn(1, n, device=DEV).to(dtype)
+    w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
+    if transposed:
+        w, wg = (t.t().contiguous().t() for t in (w, wg))
+    norm = _norm(k, dtype)
+    with kernels.fused_kernels(False):
+        normed = norm(x)
+    _close(kernels.gemv(x, w), F.linear(x, w))
+    _close(kernels.gemv(x, w, norm_weight=norm.weight, eps=norm.eps), F.linear(normed, w))
+    _close(kernels.gemv(x, w, residual=res), res + F.linear(x, w))
+    gate, up = F.linear(normed, wg).chunk(2, dim=-1)
+    _close(kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True), F.silu(gate) * up)
+    _close(kernels.gemv(x, w, out_dtype=torch.float32), F.linear(x, w).float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 16), (6, 8, 2, 64), (3, 2, 1, 128)])
 def test_rope_on_qk_view(tokens, heads, kv_heads, dim, dtype):
     rot = RotaryEmbedding(dim, 256, 10000.0, None)
