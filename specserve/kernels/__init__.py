@@ -72,6 +72,23 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return norm.fused_add_rms_norm(x, residual, weight, eps)
 
 
+_PDL_OK: dict[int | None, bool] = {}  # device index -> compute capability >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` use programmatic dependent launch: opt-in with
+    SPECSERVE_PDL=1, on Hopper and later. A PDL kernel may start before the kernel ahead
+    of it ends (once that one has signalled with gdc_launch_dependents, or ended) and
+    waits (gdc_wait) before reading anything an earlier kernel wrote. Opt-in because its
+    tokens inside captured CUDA graphs are not checked on a GPU yet (bench limit ran it
+    there: 89.6% of copy bandwidth against 87.9% without)."""
+    if device.type != "cuda" or os.environ.get("SPECSERVE_PDL", "0") != "1":
+        return False
+    if device.index not in _PDL_OK:
+        _PDL_OK[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL_OK[device.index]
+
+
 def use_gemv(x: torch.Tensor) -> bool:
     """Whether a linear layer on activations `x` [T, K] runs as the one-token GEMV (matvec.py):
     one token, on the fused kernels' side of the switch."""
