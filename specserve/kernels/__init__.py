@@ -2,7 +2,7 @@
 
 Owns the decision "fused kernel or torch path" (`use_fused`) and thin entry points that
 import the Triton modules on first call, so this package imports without triton. The
-kernels (`norm.py`, `activation.py`, `rope.py`, `matvec.py`, `topk.py`, `frontier.py`,
+kernels (`norm.py`, `activation.py`, `rope.py`, `matvec.py`, `skinny.py`, `topk.py`, `frontier.py`,
 `node_select.py`, `gumbel.py`, `walk.py`) replace chains of small launches on CUDA: per
 decoder layer, add+RMSNorm twice, RoPE with the KV-cache write once, SiLU*mul once (at
 one token the norms, the SiLU*mul and the residual adds ride on the linear layers' GEMVs
@@ -72,6 +72,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return norm.fused_add_rms_norm(x, residual, weight, eps)
 
 
+SKINNY_MAX_TOKENS = 32  # skinny.py pads tokens to 16 or 32
 _PDL_OK: dict[int | None, bool] = {}  # device index -> compute capability >= 9
 
 
@@ -90,19 +91,23 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 def use_gemv(x: torch.Tensor) -> bool:
-    """Whether a linear layer on activations `x` [T, K] runs as the one-token GEMV (matvec.py):
-    one token, on the fused kernels' side of the switch."""
-    return x.dim() == 2 and x.shape[0] == 1 and use_fused(x)
+    """Whether linear layers on activations `x` [T, K] run as fused GEMVs: one token
+    (matvec.py), or up to SKINNY_MAX_TOKENS with SPECSERVE_SKINNY=1 (skinny.py, opt-in
+    until measured in the model on a GPU), on the fused kernels' side of the switch."""
+    if x.dim() != 2 or not use_fused(x):
+        return False
+    return x.shape[0] == 1 or (2 <= x.shape[0] <= SKINNY_MAX_TOKENS and os.environ.get("SPECSERVE_SKINNY") == "1")
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          residual: torch.Tensor | None = None, gated: bool = False,
          out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [1, K] @ weight [N, K].T with a fused pre-norm, residual add or SiLU-and-mul (matvec.py)."""
-    from specserve.kernels import matvec
+    """x [T, K] @ weight [N, K].T with a fused pre-norm, residual add or SiLU-and-mul:
+    matvec.py for one token, skinny.py for a few."""
+    from specserve.kernels import matvec, skinny
 
-    return matvec.gemv(x, weight, norm_weight=norm_weight, eps=eps, residual=residual, gated=gated,
-                  out_dtype=out_dtype)
+    kernel = matvec.gemv if x.numel() == x.shape[-1] else skinny.skinny
+    return kernel(x, weight, norm_weight=norm_weight, eps=eps, residual=residual, gated=gated, out_dtype=out_dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

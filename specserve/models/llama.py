@@ -132,20 +132,21 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     @property
-    def one_token_ready(self) -> bool:
-        """Whether `forward_one_token` can run: no q/k norms, no q/k/v bias."""
+    def few_tokens_ready(self) -> bool:
+        """Whether `forward_few_tokens` can run: no q/k norms, no q/k/v bias."""
         return self.q_norm is None and self.qkv_proj.bias is None
 
-    def forward_one_token(self, stream: torch.Tensor, norm: RMSNorm, fb: ForwardBatch,
+    def forward_few_tokens(self, stream: torch.Tensor, norm: RMSNorm, fb: ForwardBatch,
                           rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """stream [1, hidden] + o_proj(attention(norm(stream))): the norm rides on the qkv
-        GEMV and the residual add on o_proj's (kernels/matvec.py); needs a pooled KV cache."""
+        """stream [T, hidden] + o_proj(attention(norm(stream))) for a few tokens: the norm
+        rides on the qkv GEMV and the residual add on o_proj's (kernels/matvec.py,
+        kernels/skinny.py); needs a pooled KV cache."""
         h, kv, pool = self.heads, self.kv_heads, fb.kv_pool
         qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=norm.weight, eps=norm.eps)
-        q = kernels.rope_store_kv(qkv.view(1, h + 2 * kv, self.head_dim), h, *rope, pool.k[self.layer_id],
+        q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope, pool.k[self.layer_id],
                                   pool.v[self.layer_id], fb.out_slots)
         out = fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale)
-        return kernels.gemv(out.reshape(1, -1), self.o_proj.out_in_weight, residual=stream)
+        return kernels.gemv(out.reshape(stream.shape[0], -1), self.o_proj.out_in_weight, residual=stream)
 
 
 class MLP(nn.Module):
@@ -161,8 +162,8 @@ class MLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def forward_one_token(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """stream [1, hidden] + mlp(norm(stream)) in two GEMVs (the norm and SiLU*mul ride on
+    def forward_few_tokens(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """stream [T, hidden] + mlp(norm(stream)) in two GEMVs (the norm and SiLU*mul ride on
         gate_up's, the residual add on down_proj's)."""
         act = kernels.gemv(stream, self.gate_up_proj.out_in_weight, norm_weight=norm.weight, eps=norm.eps,
                            gated=True)
@@ -199,15 +200,15 @@ class DecoderLayer(nn.Module):
 
 
     @property
-    def one_token_ready(self) -> bool:
-        return isinstance(self.input_layernorm, RMSNorm) and self.self_attn.one_token_ready
+    def few_tokens_ready(self) -> bool:
+        return isinstance(self.input_layernorm, RMSNorm) and self.self_attn.few_tokens_ready
 
-    def step_one_token(self, stream: torch.Tensor, fb: ForwardBatch,
+    def step_few_tokens(self, stream: torch.Tensor, fb: ForwardBatch,
                        rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The stream [1, hidden] in and out, as one residual tensor (no deferred adds):
+        """The stream [T, hidden] in and out (a few tokens), as one residual tensor (no deferred adds):
         five launches besides the attention kernel (kernels/matvec.py)."""
-        stream = self.self_attn.forward_one_token(stream, self.input_layernorm, fb, rope)
-        return self.mlp.forward_one_token(stream, self.post_attention_layernorm)
+        stream = self.self_attn.forward_few_tokens(stream, self.input_layernorm, fb, rope)
+        return self.mlp.forward_few_tokens(stream, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
@@ -235,8 +236,8 @@ class LlamaForCausalLM(nn.Module):
         in the order of `self.aux_layers`."""
         h = self.model.embed_tokens(fb.input_ids)
         rope = self.model.rotary.lookup(fb.positions)
-        if self._one_token(h, fb):
-            return self._forward_one_token(h, fb, rope)
+        if self._few_tokens(h, fb):
+            return self._forward_few_tokens(h, fb, rope)
         captured: dict[int, torch.Tensor] = {}
         residual: torch.Tensor | None = None  # the stream is h + residual (see the module docstring)
         for i, layer in enumerate(self.model.layers):
@@ -251,21 +252,21 @@ class LlamaForCausalLM(nn.Module):
             captured[self.config.num_layers] = residual
         return h, [captured[i] for i in self.aux_layers]
 
-    def _one_token(self, h: torch.Tensor, fb: ForwardBatch) -> bool:
-        """Whether this forward takes the one-token GEMV path (kernels/matvec.py): one token
-        on the fused kernels, a pooled KV cache, and layers it supports."""
+    def _few_tokens(self, h: torch.Tensor, fb: ForwardBatch) -> bool:
+        """Whether this forward takes the few-token GEMV path (`kernels.use_gemv`: one token,
+        or a few with the opt-in skinny kernel), a pooled KV cache, and layers it supports."""
         return (kernels.use_gemv(h) and fb.attn_backend.pooled_kv and len(self.model.layers) > 0
-                and all(layer.one_token_ready for layer in self.model.layers))
+                and all(layer.few_tokens_ready for layer in self.model.layers))
 
-    def _forward_one_token(self, h: torch.Tensor, fb: ForwardBatch,
+    def _forward_few_tokens(self, h: torch.Tensor, fb: ForwardBatch,
                            rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """`forward` for one token: the stream is one tensor, each residual add fused into
+        """`forward` for a few tokens: the stream is one tensor, each residual add fused into
         the GEMV before it, so the captured aux states are the stream itself."""
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layers:
                 captured[i] = h
-            h = layer.step_one_token(h, fb, rope)
+            h = layer.step_few_tokens(h, fb, rope)
         captured[self.config.num_layers] = h
         return self.model.norm(h), [captured[i] for i in self.aux_layers]
 

@@ -115,6 +115,24 @@ def test_gemv_is_the_unfused_chain(n, k, dtype, transposed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,n,k", [(2, 7, 64), (16, 96, 576), (23, 33, 300)])  # tokens padded to 16 / 32
+def test_skinny_is_the_unfused_chain(t, n, k, dtype):
+    """The few-token kernel (skinny.py) against the same torch ops, per token."""
+    x = torch.randn(t, k, device=DEV).to(dtype)
+    res = torch.randn(t, n, device=DEV).to(dtype)
+    w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
+    norm = _norm(k, dtype)
+    with kernels.fused_kernels(False):
+        normed = norm(x)
+    _close(kernels.gemv(x, w), F.linear(x, w))
+    _close(kernels.gemv(x, w, norm_weight=norm.weight, eps=norm.eps), F.linear(normed, w))
+    _close(kernels.gemv(x, w, residual=res), res + F.linear(x, w))
+    gate, up = F.linear(normed, wg).chunk(2, dim=-1)
+    _close(kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True), F.silu(gate) * up)
+    _close(kernels.gemv(x, w.t().contiguous().t()), F.linear(x, w))  # the CPU's [in, out] layout
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 16), (6, 8, 2, 64), (3, 2, 1, 128)])
 def test_rope_on_qk_view(tokens, heads, kv_heads, dim, dtype):
     rot = RotaryEmbedding(dim, 256, 10000.0, None)
@@ -167,8 +185,11 @@ def _logits(model, fused: bool) -> list[torch.Tensor]:
     return [prefill, decode]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_tiny_model_fused_matches_torch(tmp_path, kind):
+@pytest.mark.parametrize("kind,skinny", [("llama", False), ("qwen3", False), ("llama", True)])
+def test_tiny_model_fused_matches_torch(tmp_path, kind, skinny, monkeypatch):
+    """skinny: the 9-token extend runs the few-token layers too (SPECSERVE_SKINNY=1)."""
+    if skinny:
+        monkeypatch.setenv("SPECSERVE_SKINNY", "1")
     model = load_model(save_tiny_hf(kind, tmp_path / kind), torch.float32, DEV)
     model.aux_layers = (0, 1, 2)  # exercises the residual-stream capture too
     for got, ref in zip(_logits(model, True), _logits(model, False)):

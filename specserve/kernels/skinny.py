@@ -1,0 +1,119 @@
+"""Few-token linear layers (2 to 32 tokens): y = W x as `matvec.py` does for one, on tl.dot.
+
+A verify of a 16- or 32-node tree, or a decode step of a few requests, still streams the
+whole weight for a handful of tokens, so it is as bandwidth-bound as a GEMV; cuBLAS picks
+GEMM kernels for it. Each program here owns BLOCK_N weight rows and multiplies them into
+the tokens padded to 16 or 32 (acc [BLOCK_N, BLOCK_T] = W_tile @ x_tile^T: tl.dot wants
+16 or more on every side). On an H100 the plain kernel summed to 5.37 ms for one 16-token
+step of Llama-8B's GEMMs against cuBLAS's 5.64 (5.47 against 5.79 at 32 tokens).
+
+The fused forms and their rounding are `matvec.py`'s (norm prologue per token, gated
+SiLU*mul, residual add), so a layer run this way is the one-token layer for T tokens.
+Opt-in (SPECSERVE_SKINNY=1) until it is measured inside the model on a GPU. float32
+dots run in IEEE fp32, not TF32, so float32 models keep their precision.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.kernels import SKINNY_MAX_TOKENS as MAX_TOKENS
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _x_tile(x_ptr, nw_ptr, toks, tmask, cols, kmask, sx, rstd, NORM: tl.constexpr, HALF: tl.constexpr):
+    """x[toks, cols] in fp32 [BLOCK_T, BLOCK_K], normalised per token as norm.py rounds it."""
+    x = tl.load(x_ptr + toks[:, None] * sx + cols[None, :], mask=tmask[:, None] & kmask[None, :],
+                other=0.0).to(tl.float32)
+    if NORM:
+        g = tl.load(nw_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        if HALF:  # normalise, round, then scale by the weight and round
+            x = (g * (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)).to(x_ptr.dtype.element_ty)
+            x = x.to(tl.float32)
+        else:
+            x = x * rstd[:, None] * g
+    return x
+
+
+@triton.jit
+def _dot(w, xt, acc, IEEE: tl.constexpr):
+    if IEEE:
+        acc = tl.dot(w, xt, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, xt, acc)
+    return acc
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, T, N, K, sx, sw, swk, so, sr, eps,
+                   NORM: tl.constexpr, RES: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr,
+                   IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    toks = tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    up_ptr = w_ptr + N.to(tl.int64) * sw  # GATED: the up rows follow the gate rows
+    rstd = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
+    if NORM:  # per token: rsqrt(mean(x^2) + eps), in fp32
+        ss = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_ptr + toks[:, None] * sx + cols[None, :], mask=tmask[:, None] & (cols < K)[None, :],
+                         other=0.0).to(tl.float32)
+            ss += xs * xs
+        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)  # unused unless GATED
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        kmask = cols < K
+        xt = tl.trans(_x_tile(x_ptr, nw_ptr, toks, tmask, cols, kmask, sx, rstd, NORM, HALF).to(
+            w_ptr.dtype.element_ty))  # [BLOCK_K, BLOCK_T], exact: the values are x's dtype already
+        offs = rows[:, None].to(tl.int64) * sw + cols[None, :] * swk
+        wmask = rmask[:, None] & kmask[None, :]
+        acc = _dot(tl.load(w_ptr + offs, mask=wmask, other=0.0), xt, acc, IEEE)
+        if GATED:
+            acc_up = _dot(tl.load(up_ptr + offs, mask=wmask, other=0.0), xt, acc_up, IEEE)
+    # acc[n, t] is token t's output n; each dot rounded as F.linear's output is
+    y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if GATED:  # activation.py: silu rounded, then the product
+        up = acc_up.to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = (y / (1.0 + tl.exp(-y))).to(x_ptr.dtype.element_ty).to(tl.float32) * up
+    omask = rmask[:, None] & tmask[None, :]
+    if RES:
+        y = tl.load(res_ptr + toks[None, :] * sr + rows[:, None], mask=omask, other=0.0).to(tl.float32) + y
+    tl.store(out_ptr + toks[None, :] * so + rows[:, None], y.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+           residual: torch.Tensor | None = None, gated: bool = False,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, K] (T <= MAX_TOKENS) times weight [N, K] -> [T, N]; `matvec.gemv`'s contract
+    for T tokens (gated: weight [2N, K] -> [T, N])."""
+    t, k = x.shape
+    assert 1 <= t <= MAX_TOKENS and weight.dim() == 2 and weight.shape[1] == k, (x.shape, weight.shape)
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(t, n, dtype=out_dtype or x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == (t, n) and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+        residual = residual.contiguous()
+    if norm_weight is not None:
+        assert norm_weight.shape == (k,), norm_weight.shape
+    # From a sweep of the plain kernel over Llama-8B's shapes at 16 and 32 tokens (H100):
+    # 128 rows for the widest layers, 64 for 4096-wide inputs, 32 for down_proj's 14336
+    block_n = 128 if n >= 16384 and not gated else 64 if k <= 4096 else 32
+    block_k = 128 if block_n == 128 else 256
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    _skinny_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, residual if residual is not None else out, norm_weight if norm_weight is not None else x,
+        t, n, k, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        residual.stride(0) if residual is not None else 0, eps,
+        NORM=norm_weight is not None, RES=residual is not None, GATED=gated, HALF=x.dtype in _HALF,
+        IEEE=x.dtype == torch.float32, BLOCK_T=16 if t <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, num_stages=4)
+    return out
