@@ -9,7 +9,10 @@ residual stream at chosen layers (EAGLE-3's auxiliary hidden states).
 The residual stream is carried as a pair (h, residual) whose sum is the stream: each
 residual add is deferred into the following norm (`RMSNorm.forward_add`), which on CUDA
 is one fused Triton launch (`specserve.kernels`); the final norm takes the last add. On
-CPU the same adds run in torch, in the same order, so results are unchanged.
+CPU the same adds run in torch, in the same order, so results are unchanged. A forward
+of one token on CUDA (or up to 32 with SPECSERVE_SKINNY=1) instead carries the stream as
+one tensor: the norms, SiLU*mul and residual adds ride on the linear layers' GEMVs
+(`kernels/matvec.py`, `kernels/skinny.py`), where each op rounds as its torch op does.
 
 MTP layers stored in a trunk's checkpoint (DeepSeek-style `model.layers.{L + i}.*` when
 `num_nextn_predict_layers` > 0, MiMo's `model.mtp_layers.*`) belong to the draft model
@@ -137,7 +140,7 @@ class Attention(nn.Module):
         return self.q_norm is None and self.qkv_proj.bias is None
 
     def forward_few_tokens(self, stream: torch.Tensor, norm: RMSNorm, fb: ForwardBatch,
-                          rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                           rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """stream [T, hidden] + o_proj(attention(norm(stream))) for a few tokens: the norm
         rides on the qkv GEMV and the residual add on o_proj's (kernels/matvec.py,
         kernels/skinny.py); needs a pooled KV cache."""
@@ -198,15 +201,14 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.forward_add(self.self_attn(x, fb, rope), residual)
         return self.mlp(x), residual
 
-
     @property
     def few_tokens_ready(self) -> bool:
         return isinstance(self.input_layernorm, RMSNorm) and self.self_attn.few_tokens_ready
 
     def step_few_tokens(self, stream: torch.Tensor, fb: ForwardBatch,
-                       rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The stream [T, hidden] in and out (a few tokens), as one residual tensor (no deferred adds):
-        five launches besides the attention kernel (kernels/matvec.py)."""
+                        rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The stream [T, hidden] in and out (a few tokens) as one residual tensor, no
+        deferred adds: five launches besides the attention kernel (kernels/matvec.py)."""
         stream = self.self_attn.forward_few_tokens(stream, self.input_layernorm, fb, rope)
         return self.mlp.forward_few_tokens(stream, self.post_attention_layernorm)
 
@@ -259,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
                 and all(layer.few_tokens_ready for layer in self.model.layers))
 
     def _forward_few_tokens(self, h: torch.Tensor, fb: ForwardBatch,
-                           rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                            rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`forward` for a few tokens: the stream is one tensor, each residual add fused into
         the GEMV before it, so the captured aux states are the stream itself."""
         captured: dict[int, torch.Tensor] = {}
