@@ -9,8 +9,11 @@ step of Llama-8B's GEMMs against cuBLAS's 5.64 (5.47 against 5.79 at 32 tokens).
 
 The fused forms and their rounding are `matvec.py`'s (norm prologue per token, gated
 SiLU*mul, residual add), so a layer run this way is the one-token layer for T tokens.
-Opt-in (SPECSERVE_SKINNY=1) until it is measured inside the model on a GPU. float32
-dots run in IEEE fp32, not TF32, so float32 models keep their precision.
+Opt-in (SPECSERVE_SKINNY=1): inside the model it has not clearly won yet. On an H100,
+SmolLM2 + the shipped EAGLE-3 head (`bench mtbench`, 80 questions, one run each in one
+hold) ran 2126 tok/s with it against 2057 with cuBLAS (1.71x against 1.62x plain), within
+the run-to-run noise. float32 dots run in IEEE fp32, not TF32, so float32 models keep
+their precision.
 """
 from __future__ import annotations
 
@@ -104,16 +107,48 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
         residual = residual.contiguous()
     if norm_weight is not None:
         assert norm_weight.shape == (k,), norm_weight.shape
-    # From a sweep of the plain kernel over Llama-8B's shapes at 16 and 32 tokens (H100):
-    # 128 rows for the widest layers, 64 for 4096-wide inputs, 32 for down_proj's 14336
-    block_n = 128 if n >= 16384 and not gated else 64 if k <= 4096 else 32
-    block_k = 128 if block_n == 128 else 256
-    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    block_t = 16 if t <= 16 else 32
+    block_n, block_k, stages = _config(n, k, gated, weight.element_size(), block_t, x.device)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, residual if residual is not None else out, norm_weight if norm_weight is not None else x,
         t, n, k, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         residual.stride(0) if residual is not None else 0, eps,
         NORM=norm_weight is not None, RES=residual is not None, GATED=gated, HALF=x.dtype in _HALF,
-        IEEE=x.dtype == torch.float32, BLOCK_T=16 if t <= 16 else 32, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=4)
+        IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, num_stages=stages)
     return out
+
+
+_SMEM: dict[int | None, int] = {}  # device index -> shared memory a program may use
+
+
+def _shared_memory(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 20  # the interpreter has no limit
+    if device.index not in _SMEM:
+        props = torch.cuda.get_device_properties(device)
+        _SMEM[device.index] = getattr(props, "shared_memory_per_block_optin", 99 * 1024) - 8 * 1024
+    return _SMEM[device.index]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _config(n: int, k: int, gated: bool, w_bytes: int, block_t: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_stages). From a sweep of the plain kernel over Llama-8B's
+    shapes at 16 and 32 tokens (H100): 128 rows for the widest layers, 64 for 4096-wide
+    inputs, 32 for down_proj's 14336; half as deep a K tile for float32. Each pipeline
+    stage holds one weight tile (two when gated) and one x tile; as many stages (up to 4)
+    as fit the device's shared memory (4 stages of gate_up's 64x256 pair need 296 KB).
+    Narrow layers (SmolLM2's 576 rows) halve BLOCK_N down to tl.dot's 16 until there are
+    about half as many programs as SMs: 9 programs cannot stream even a small weight."""
+    block_n = 128 if n >= 16384 and not gated else 64 if k <= 4096 else 32
+    while block_n > 16 and triton.cdiv(n, block_n) < _num_sms(device) // 2:
+        block_n //= 2
+    block_k = (128 if block_n == 128 else 256) * 2 // w_bytes
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
+    return block_n, block_k, max(1, min(4, _shared_memory(device) // stage))
