@@ -114,6 +114,26 @@ def test_gemv_is_the_unfused_chain(n, k, dtype, transposed):
     assert logits.dtype == torch.float32 and torch.equal(logits, kernels.gemv(x, w).float())
 
 
+def test_skinny_config_fits_the_device(monkeypatch):
+    """Llama-8B's and SmolLM2's layers, half and float32 weights, 16 and 32 padded tokens:
+    every stage (weight tile or gated pair, x tile) fits an H100's 227 KB with at least one
+    stage, and a narrow layer gets BLOCK_N down to 16 before it runs on few programs (an
+    H100 refused 4 stages of gate_up's pair, and ran SmolLM2's layers on 9 programs)."""
+    from specserve.kernels import skinny
+
+    budget, sms = 227 * 1024 - 8 * 1024, 132
+    monkeypatch.setattr(skinny, "_shared_memory", lambda device: budget)
+    monkeypatch.setattr(skinny, "_num_sms", lambda device: sms)
+    shapes = [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True), (4096, 14336, False),
+              (128256, 4096, False), (960, 576, False), (576, 576, False), (1536, 576, True), (576, 1536, False)]
+    for (n, k, gated), w_bytes, block_t in zip(shapes * 4, [2] * 18 + [4] * 18, ([16] * 9 + [32] * 9) * 2):
+        block_n, block_k, stages = skinny._config(n, k, gated, w_bytes, block_t, DEV)
+        assert 1 <= stages <= 4 and 16 <= block_k <= max(16, k)
+        assert stages * ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes <= budget, (n, k, w_bytes)
+        assert block_n == 16 or -(-n // block_n) >= sms // 2, (n, block_n)
+    assert skinny._config(576, 576, False, 2, 16, DEV)[0] == 16  # 36 programs, not 9
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,n,k", [(2, 7, 64), (16, 96, 576), (23, 33, 300)])  # tokens padded to 16 / 32
 def test_skinny_is_the_unfused_chain(t, n, k, dtype):
