@@ -119,22 +119,18 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
     return out
 
 
-_SMEM: dict[int | None, int] = {}  # device index -> shared memory a program may use
+_LIMITS: dict[int | None, tuple[int, int]] = {}  # device index -> (shared memory a program may use, SMs)
 
 
-def _shared_memory(device: torch.device) -> int:
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(shared memory bytes a program may use, less 8 KB of Triton's own, SM count), read once per device."""
     if device.type != "cuda":
-        return 1 << 20  # the interpreter has no limit
-    if device.index not in _SMEM:
+        return 1 << 20, 1  # the interpreter has no limit
+    if device.index not in _LIMITS:
         props = torch.cuda.get_device_properties(device)
-        _SMEM[device.index] = getattr(props, "shared_memory_per_block_optin", 99 * 1024) - 8 * 1024
-    return _SMEM[device.index]
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+        smem = getattr(props, "shared_memory_per_block_optin", 99 * 1024) - 8 * 1024
+        _LIMITS[device.index] = smem, props.multi_processor_count
+    return _LIMITS[device.index]
 
 
 def _config(n: int, k: int, gated: bool, w_bytes: int, block_t: int, device: torch.device) -> tuple[int, int, int]:
@@ -145,10 +141,11 @@ def _config(n: int, k: int, gated: bool, w_bytes: int, block_t: int, device: tor
     as fit the device's shared memory (4 stages of gate_up's 64x256 pair need 296 KB).
     Narrow layers (SmolLM2's 576 rows) halve BLOCK_N down to tl.dot's 16 until there are
     about half as many programs as SMs: 9 programs cannot stream even a small weight."""
+    smem, sms = _device_limits(device)
     block_n = 128 if n >= 16384 and not gated else 64 if k <= 4096 else 32
-    while block_n > 16 and triton.cdiv(n, block_n) < _num_sms(device) // 2:
+    while block_n > 16 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
     block_k = (128 if block_n == 128 else 256) * 2 // w_bytes
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
-    return block_n, block_k, max(1, min(4, _shared_memory(device) // stage))
+    return block_n, block_k, max(1, min(4, smem // stage))

@@ -90,6 +90,18 @@ def test_silu_and_mul(tokens, inter, dtype):
     _close(kernels.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
+def _check_fused_forms(x: torch.Tensor, w: torch.Tensor, wg: torch.Tensor, res: torch.Tensor, norm) -> None:
+    """kernels.gemv's forms against the torch ops they replace: F.linear, RMSNorm before
+    it, the residual add after it, SiLU*mul over gate_up's halves."""
+    with kernels.fused_kernels(False):
+        normed = norm(x)
+    _close(kernels.gemv(x, w), F.linear(x, w))
+    _close(kernels.gemv(x, w, norm_weight=norm.weight, eps=norm.eps), F.linear(normed, w))
+    _close(kernels.gemv(x, w, residual=res), res + F.linear(x, w))
+    gate, up = F.linear(normed, wg).chunk(2, dim=-1)
+    _close(kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True), F.silu(gate) * up)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(7, 64), (96, 576), (33, 2500)])  # odd rows; K under, at, over a block
 @pytest.mark.parametrize("transposed", [False, True])  # the CPU's [in, out] weight layout
@@ -102,14 +114,7 @@ def test_gemv_is_the_unfused_chain(n, k, dtype, transposed):
     w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
     if transposed:
         w, wg = (t.t().contiguous().t() for t in (w, wg))
-    norm = _norm(k, dtype)
-    with kernels.fused_kernels(False):
-        normed = norm(x)
-    _close(kernels.gemv(x, w), F.linear(x, w))
-    _close(kernels.gemv(x, w, norm_weight=norm.weight, eps=norm.eps), F.linear(normed, w))
-    _close(kernels.gemv(x, w, residual=res), res + F.linear(x, w))
-    gate, up = F.linear(normed, wg).chunk(2, dim=-1)
-    _close(kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True), F.silu(gate) * up)
+    _check_fused_forms(x, w, wg, res, _norm(k, dtype))
     logits = kernels.gemv(x, w, out_dtype=torch.float32)  # the x-dtype result, widened
     assert logits.dtype == torch.float32 and torch.equal(logits, kernels.gemv(x, w).float())
 
@@ -122,8 +127,7 @@ def test_skinny_config_fits_the_device(monkeypatch):
     from specserve.kernels import skinny
 
     budget, sms = 227 * 1024 - 8 * 1024, 132
-    monkeypatch.setattr(skinny, "_shared_memory", lambda device: budget)
-    monkeypatch.setattr(skinny, "_num_sms", lambda device: sms)
+    monkeypatch.setattr(skinny, "_device_limits", lambda device: (budget, sms))
     shapes = [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True), (4096, 14336, False),
               (128256, 4096, False), (960, 576, False), (576, 576, False), (1536, 576, True), (576, 1536, False)]
     for (n, k, gated), w_bytes, block_t in zip(shapes * 4, [2] * 18 + [4] * 18, ([16] * 9 + [32] * 9) * 2):
@@ -141,14 +145,7 @@ def test_skinny_is_the_unfused_chain(t, n, k, dtype):
     x = torch.randn(t, k, device=DEV).to(dtype)
     res = torch.randn(t, n, device=DEV).to(dtype)
     w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
-    norm = _norm(k, dtype)
-    with kernels.fused_kernels(False):
-        normed = norm(x)
-    _close(kernels.gemv(x, w), F.linear(x, w))
-    _close(kernels.gemv(x, w, norm_weight=norm.weight, eps=norm.eps), F.linear(normed, w))
-    _close(kernels.gemv(x, w, residual=res), res + F.linear(x, w))
-    gate, up = F.linear(normed, wg).chunk(2, dim=-1)
-    _close(kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True), F.silu(gate) * up)
+    _check_fused_forms(x, w, wg, res, _norm(k, dtype))
     _close(kernels.gemv(x, w.t().contiguous().t()), F.linear(x, w))  # the CPU's [in, out] layout
 
 
