@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
 from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
                                                 online_softmax_step)
 
@@ -32,7 +34,8 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, Out, 
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   STORE_LSE: tl.constexpr, PREC: tl.constexpr, HAS_TAIL: tl.constexpr):
+                   STORE_LSE: tl.constexpr, PREC: tl.constexpr, HAS_TAIL: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,8 +84,9 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, Out, 
 @triton.jit
 def _reduce_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
                    stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     """out[b, h] = sum_s 2^lse_s o_s / sum_s 2^lse_s (split 0 is never empty)."""
+    wait_and_release(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -127,9 +131,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         req_to_token.stride(0), tail.stride(0) if has_tail else 0, *dst_strides, *lse_strides,
         GROUP=group, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         BLOCK_D=bd, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, PREC=dot_precision(k_pool.dtype),
-        HAS_TAIL=has_tail, num_warps=4, num_stages=2)
+        HAS_TAIL=has_tail, num_warps=4, num_stages=2, **pdl_flags(q.device))
     if num_splits > 1:
         _reduce_kernel[(bsz, heads)](
             dst, lse, out, *dst_strides, *lse_strides, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim, BLOCK_D=bd,
-            num_warps=4)
+            num_warps=4, **pdl_flags(q.device))

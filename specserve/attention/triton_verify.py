@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
 from specserve.attention.triton_decode import MAX_SPLITS, _reduce_kernel
 from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
                                                 online_softmax_step)
@@ -53,7 +55,8 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_RB: tl.constexpr,
-                  STORE_LSE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PREC: tl.constexpr):
+                  STORE_LSE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)
     b = tl.program_id(0) // NUM_RB
     rb = tl.program_id(0) % NUM_RB
     kvh = tl.program_id(1)
@@ -140,9 +143,9 @@ def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         GROUP=group, HEAD_DIM=dim, BLOCK_R=block_r,
         BLOCK_N=64 if dim * k_pool.element_size() <= 256 else 32, BLOCK_D=bd, NUM_SPLITS=num_splits, NUM_RB=num_rb,
         STORE_LSE=num_splits > 1, CUSTOM_MASK=custom, PREC=dot_precision(k_pool.dtype),
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **pdl_flags(q.device))
     if num_splits > 1:
         _reduce_kernel[(total, heads)](
             dst, lse, out, *dst_strides, *lse_strides, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim, BLOCK_D=bd,
-            num_warps=4)
+            num_warps=4, **pdl_flags(q.device))

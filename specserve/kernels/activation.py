@@ -11,11 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, sx, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, sx, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -35,5 +39,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(BLOCK, triton.next_power_of_2(i))
     _silu_and_mul_kernel[(t, triton.cdiv(i, block))](gate_up, out, i, gate_up.stride(0), BLOCK=block,
-                                                     num_warps=4)
+                                                     num_warps=4, **pdl_flags(gate_up.device))
     return out

@@ -21,13 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
+
 _HALF = (torch.float16, torch.bfloat16)
 MAX_N = 16384
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, sx0, sx1, sr0, sr1, N, eps,
-                     HAS_RES: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)
     row = tl.program_id(0)
     i, j = row // n_inner, row % n_inner  # row of x viewed as [A, B, N]
     cols = tl.arange(0, BLOCK)
@@ -84,7 +88,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3, r3, weight.contiguous(), out, new_res if new_res is not None else out, x3.shape[1],
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), n, eps,
         HAS_RES=residual is not None, HALF=x.dtype in _HALF, BLOCK=triton.next_power_of_2(n),
-        num_warps=_num_warps(n))
+        num_warps=_num_warps(n), **pdl_flags(x.device))
     return out, new_res
 
 

@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
+
 
 @triton.jit
 def _rotated(base, cos_ptr, sin_ptr, t, sc, d, mask, D, HALF_D: tl.constexpr, out_ptr):
@@ -68,7 +71,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @triton.jit
 def _rope_store_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slots_ptr, H, KVH,
-                       sx0, sx1, sc, sk0, sk1, sv0, sv1, D, HALF_D: tl.constexpr, BLOCK: tl.constexpr):
+                       sx0, sx1, sc, sk0, sk1, sv0, sv1, D, HALF_D: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)
     t = tl.program_id(0)
     j = tl.program_id(1)  # head: H queries, then kvH keys, then kvH values
     d = tl.arange(0, BLOCK)
@@ -104,5 +109,6 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.T
     _rope_store_kernel[(tokens, total)](qkv, cos, sin, q, k_cache, v_cache, slots, heads, kv_heads,
                                         qkv.stride(0), qkv.stride(1), cos.stride(0), k_cache.stride(0),
                                         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), dim,
-                                        HALF_D=dim // 2, BLOCK=triton.next_power_of_2(dim), num_warps=1)
+                                        HALF_D=dim // 2, BLOCK=triton.next_power_of_2(dim), num_warps=1,
+                                        **pdl_flags(qkv.device))
     return q

@@ -1,0 +1,18 @@
+"""The programmatic-dependent-launch prologue shared by the small Triton kernels.
+
+A kernel launched with `kernels.pdl_flags` (launch_pdl) may start while the kernel ahead
+of it is still running. `wait_and_release` is its first statement: it waits until every
+earlier kernel's writes are visible (gdc_wait) and lets the kernel after it launch
+(gdc_launch_dependents). Kernels with no work that is independent of their inputs gain
+the launch latency only; the GEMVs (`matvec.py`, `skinny.py`) fetch their first weight
+tile before the wait instead.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_and_release(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
