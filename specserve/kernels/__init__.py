@@ -103,11 +103,11 @@ def pdl_flags(device: torch.device) -> dict:
 
 def use_gemv(x: torch.Tensor) -> bool:
     """Whether linear layers on activations `x` [T, K] run as fused GEMVs: one token
-    (matvec.py), or up to SKINNY_MAX_TOKENS with SPECSERVE_SKINNY=1 (skinny.py, opt-in:
-    no clear win in the model yet), on the fused kernels' side of the switch."""
+    (matvec.py), or up to SKINNY_MAX_TOKENS (skinny.py, unless SPECSERVE_SKINNY=0), on
+    the fused kernels' side of the switch."""
     if x.dim() != 2 or not use_fused(x):
         return False
-    return x.shape[0] == 1 or (2 <= x.shape[0] <= SKINNY_MAX_TOKENS and os.environ.get("SPECSERVE_SKINNY") == "1")
+    return x.shape[0] == 1 or (2 <= x.shape[0] <= SKINNY_MAX_TOKENS and os.environ.get("SPECSERVE_SKINNY") != "0")
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,

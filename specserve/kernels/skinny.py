@@ -9,11 +9,12 @@ step of Llama-8B's GEMMs against cuBLAS's 5.64 (5.47 against 5.79 at 32 tokens).
 
 The fused forms and their rounding are `matvec.py`'s (norm prologue per token, gated
 SiLU*mul, residual add), so a layer run this way is the one-token layer for T tokens.
-Opt-in (SPECSERVE_SKINNY=1): inside the model it has not clearly won yet. On an H100,
-SmolLM2 + the shipped EAGLE-3 head (`bench mtbench`, 80 questions, one run each in one
-hold) ran 2126 tok/s with it against 2057 with cuBLAS (1.71x against 1.62x plain), within
-the run-to-run noise. float32 dots run in IEEE fp32, not TF32, so float32 models keep
-their precision.
+On by default (SPECSERVE_SKINNY=0 turns it off). On an H100 with PDL, SmolLM2's
+verify graph of a 32-node tree took 913 us with it against 1019 with cuBLAS and the
+separate norms and SiLU*mul (dummy weights, 300 cached tokens, separate processes).
+A row of up to 1024 takes one tile (`_config`), and then the norm's sum of squares comes
+from the tile the dot reads, with no pass of its own over x. float32 dots run in IEEE
+fp32, not TF32, so float32 models keep their precision.
 """
 from __future__ import annotations
 
@@ -22,8 +23,21 @@ import triton
 import triton.language as tl
 
 from specserve.kernels import SKINNY_MAX_TOKENS as MAX_TOKENS
+from specserve.kernels import pdl_flags
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _normed(x, nw_ptr, cols, kmask, rstd, NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """x [BLOCK_T, BLOCK_K] fp32, normalised per token as norm.py rounds it when NORM."""
+    if NORM:
+        g = tl.load(nw_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        if HALF:  # normalise, round, then scale by the weight and round
+            x = (g * (x * rstd[:, None]).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        else:
+            x = x * rstd[:, None] * g
+    return x
 
 
 @triton.jit
@@ -31,14 +45,7 @@ def _x_tile(x_ptr, nw_ptr, toks, tmask, cols, kmask, sx, rstd, NORM: tl.constexp
     """x[toks, cols] in fp32 [BLOCK_T, BLOCK_K], normalised per token as norm.py rounds it."""
     x = tl.load(x_ptr + toks[:, None] * sx + cols[None, :], mask=tmask[:, None] & kmask[None, :],
                 other=0.0).to(tl.float32)
-    if NORM:
-        g = tl.load(nw_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        if HALF:  # normalise, round, then scale by the weight and round
-            x = (g * (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)).to(x_ptr.dtype.element_ty)
-            x = x.to(tl.float32)
-        else:
-            x = x * rstd[:, None] * g
-    return x
+    return _normed(x, nw_ptr, cols, kmask, rstd, NORM, HALF, x_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -51,35 +58,64 @@ def _dot(w, xt, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _w_tiles(w_ptr, up_ptr, rows, rmask, cols, kmask, sw, swk, GATED: tl.constexpr):
+    """W[rows, cols] (and the up rows' tile when GATED) in the weight's dtype."""
+    offs = rows[:, None].to(tl.int64) * sw + cols[None, :] * swk
+    wmask = rmask[:, None] & kmask[None, :]
+    w = tl.load(w_ptr + offs, mask=wmask, other=0.0)
+    wu = w
+    if GATED:
+        wu = tl.load(up_ptr + offs, mask=wmask, other=0.0)
+    return w, wu
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, T, N, K, sx, sw, swk, so, sr, eps,
                    NORM: tl.constexpr, RES: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr,
-                   IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     toks = tl.arange(0, BLOCK_T)
     tmask = toks < T
     up_ptr = w_ptr + N.to(tl.int64) * sw  # GATED: the up rows follow the gate rows
+    cols = tl.arange(0, BLOCK_K)
+    # The weights are no earlier kernel's output: the first tile is fetched before the
+    # wait, so with PDL it is on its way while the kernel before this one finishes
+    w, wu = _w_tiles(w_ptr, up_ptr, rows, rmask, cols, cols < K, sw, swk, GATED)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # past this, every earlier kernel's writes (x, residual) are visible
+        tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
-    if NORM:  # per token: rsqrt(mean(x^2) + eps), in fp32
-        ss = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_ptr + toks[:, None] * sx + cols[None, :], mask=tmask[:, None] & (cols < K)[None, :],
-                         other=0.0).to(tl.float32)
-            ss += xs * xs
-        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)  # unused unless GATED
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        kmask = cols < K
-        xt = tl.trans(_x_tile(x_ptr, nw_ptr, toks, tmask, cols, kmask, sx, rstd, NORM, HALF).to(
-            w_ptr.dtype.element_ty))  # [BLOCK_K, BLOCK_T], exact: the values are x's dtype already
-        offs = rows[:, None].to(tl.int64) * sw + cols[None, :] * swk
-        wmask = rmask[:, None] & kmask[None, :]
-        acc = _dot(tl.load(w_ptr + offs, mask=wmask, other=0.0), xt, acc, IEEE)
+    if ONE_TILE:  # the whole row in one tile: the norm's sum of squares comes from it
+        x = tl.load(x_ptr + toks[:, None] * sx + cols[None, :], mask=tmask[:, None] & (cols < K)[None, :],
+                    other=0.0).to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)
+        x = _normed(x, nw_ptr, cols, cols < K, rstd, NORM, HALF, x_ptr.dtype.element_ty)
+    else:
+        if NORM:  # per token: rsqrt(mean(x^2) + eps), in fp32
+            ss = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xs = tl.load(x_ptr + toks[:, None] * sx + (k0 + cols)[None, :],
+                             mask=tmask[:, None] & (k0 + cols < K)[None, :], other=0.0).to(tl.float32)
+                ss += xs * xs
+            rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+        x = _x_tile(x_ptr, nw_ptr, toks, tmask, cols, cols < K, sx, rstd, NORM, HALF)
+    xt = tl.trans(x.to(w_ptr.dtype.element_ty))  # [BLOCK_K, BLOCK_T], exact: x's dtype values already
+    acc = _dot(w, xt, tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32), IEEE)
+    acc_up = acc  # unused unless GATED
+    if GATED:
+        acc_up = _dot(wu, xt, tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32), IEEE)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kcols = k0 + cols
+        kmask = kcols < K
+        xt = tl.trans(_x_tile(x_ptr, nw_ptr, toks, tmask, kcols, kmask, sx, rstd, NORM, HALF).to(
+            w_ptr.dtype.element_ty))
+        w, wu = _w_tiles(w_ptr, up_ptr, rows, rmask, kcols, kmask, sw, swk, GATED)
+        acc = _dot(w, xt, acc, IEEE)
         if GATED:
-            acc_up = _dot(tl.load(up_ptr + offs, mask=wmask, other=0.0), xt, acc_up, IEEE)
+            acc_up = _dot(wu, xt, acc_up, IEEE)
     # acc[n, t] is token t's output n; each dot rounded as F.linear's output is
     y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     if GATED:  # activation.py: silu rounded, then the product
@@ -108,14 +144,15 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
     if norm_weight is not None:
         assert norm_weight.shape == (k,), norm_weight.shape
     block_t = 16 if t <= 16 else 32
-    block_n, block_k, stages = _config(n, k, gated, weight.element_size(), block_t, x.device)
+    block_n, block_k, stages = _config(n, k, gated, norm_weight is not None, weight.element_size(), block_t,
+                                       x.device)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, residual if residual is not None else out, norm_weight if norm_weight is not None else x,
         t, n, k, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         residual.stride(0) if residual is not None else 0, eps,
         NORM=norm_weight is not None, RES=residual is not None, GATED=gated, HALF=x.dtype in _HALF,
         IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=stages)
+        ONE_TILE=block_k >= k, num_warps=4, num_stages=stages, **pdl_flags(x.device))
     return out
 
 
@@ -133,19 +170,32 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
     return _LIMITS[device.index]
 
 
-def _config(n: int, k: int, gated: bool, w_bytes: int, block_t: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_stages). From a sweep of the plain kernel over Llama-8B's
-    shapes at 16 and 32 tokens (H100): 128 rows for the widest layers, 64 for 4096-wide
-    inputs, 32 for down_proj's 14336; half as deep a K tile for float32. Each pipeline
-    stage holds one weight tile (two when gated) and one x tile; as many stages (up to 4)
-    as fit the device's shared memory (4 stages of gate_up's 64x256 pair need 296 KB).
-    Narrow layers (SmolLM2's 576 rows) halve BLOCK_N down to tl.dot's 16 until there are
-    about half as many programs as SMs: 9 programs cannot stream even a small weight."""
+def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
+            device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_stages); BLOCK_K >= k means one tile holds the whole row.
+
+    Rows up to 1024 wide that are not gated take one tile, 64 rows a program with the
+    norm, 16 without, unless the normed x tile of 32 tokens would not fit in registers.
+    SmolLM2 at 16 tokens (H100, PDL, 30 distinct weights in a graph): qkv 3.3 us against
+    4.2 looped, o_proj 2.3 against 2.6 (2.6 at 32 tokens).
+    Otherwise from a sweep of the plain kernel over Llama-8B's shapes at 16 and 32 tokens
+    (H100): 128 rows for the widest layers, 64 for 4096-wide inputs, 32 for down_proj's
+    14336; half as deep a K tile for float32. Each pipeline stage holds one weight tile
+    (two when gated) and one x tile; as many stages as fit the device's shared memory (4
+    stages of gate_up's 64x256 pair need 296 KB), up to 4, or 3 for rows of at most 2048
+    (SmolLM2's: 3 beat 2 and 1 on every layer). Narrow layers (SmolLM2's 576 rows) halve
+    BLOCK_N down to tl.dot's 16 until there are about half as many programs as SMs: 9
+    programs cannot stream even a small weight (gate_up 6.2 us and down_proj 4.8 at 32
+    tokens, against cuBLAS + SiLU*mul's 7.1 and cuBLAS's 5.0)."""
     smem, sms = _device_limits(device)
+    if not gated and k <= 1024 and (block_t == 16 or not norm):
+        block_n, block_k = (64 if norm else 16), max(16, triton.next_power_of_2(k))
+        if (block_n + block_t) * block_k * w_bytes <= smem:
+            return block_n, block_k, 1
     block_n = 128 if n >= 16384 and not gated else 64 if k <= 4096 else 32
     while block_n > 16 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
     block_k = (128 if block_n == 128 else 256) * 2 // w_bytes
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
-    return block_n, block_k, max(1, min(4, smem // stage))
+    return block_n, block_k, max(1, min(3 if k <= 2048 else 4, smem // stage))

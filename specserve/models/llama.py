@@ -10,7 +10,7 @@ The residual stream is carried as a pair (h, residual) whose sum is the stream: 
 residual add is deferred into the following norm (`RMSNorm.forward_add`), which on CUDA
 is one fused Triton launch (`specserve.kernels`); the final norm takes the last add. On
 CPU the same adds run in torch, in the same order, so results are unchanged. A forward
-of one token on CUDA (or up to 32 with SPECSERVE_SKINNY=1) instead carries the stream as
+of up to 32 tokens on CUDA (unless SPECSERVE_SKINNY=0: one) instead carries the stream as
 one tensor: the norms, SiLU*mul and residual adds ride on the linear layers' GEMVs
 (`kernels/matvec.py`, `kernels/skinny.py`), where each op rounds as its torch op does.
 

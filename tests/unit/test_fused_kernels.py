@@ -9,6 +9,8 @@ reference is the very code path CPU inference runs.
 """
 from __future__ import annotations
 
+import itertools
+
 import os
 
 import torch
@@ -120,22 +122,28 @@ def test_gemv_is_the_unfused_chain(n, k, dtype, transposed):
 
 
 def test_skinny_config_fits_the_device(monkeypatch):
-    """Llama-8B's and SmolLM2's layers, half and float32 weights, 16 and 32 padded tokens:
-    every stage (weight tile or gated pair, x tile) fits an H100's 227 KB with at least one
-    stage, and a narrow layer gets BLOCK_N down to 16 before it runs on few programs (an
-    H100 refused 4 stages of gate_up's pair, and ran SmolLM2's layers on 9 programs)."""
+    """Llama-8B's and SmolLM2's layers, half and float32 weights, 16 and 32 padded tokens,
+    with and without the norm: every stage (weight tile or gated pair, x tile) fits an
+    H100's 227 KB with at least one stage; a looped layer that is narrow gets BLOCK_N down
+    to 16 before it runs on few programs (an H100 refused 4 stages of gate_up's pair, and
+    ran SmolLM2's layers on 9 programs); one tile is taken for rows up to 1024 wide only,
+    never gated, and never for 32 normed tokens (their fp32 x tile spills registers)."""
     from specserve.kernels import skinny
 
     budget, sms = 227 * 1024 - 8 * 1024, 132
     monkeypatch.setattr(skinny, "_device_limits", lambda device: (budget, sms))
     shapes = [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True), (4096, 14336, False),
               (128256, 4096, False), (960, 576, False), (576, 576, False), (1536, 576, True), (576, 1536, False)]
-    for (n, k, gated), w_bytes, block_t in zip(shapes * 4, [2] * 18 + [4] * 18, ([16] * 9 + [32] * 9) * 2):
-        block_n, block_k, stages = skinny._config(n, k, gated, w_bytes, block_t, DEV)
-        assert 1 <= stages <= 4 and 16 <= block_k <= max(16, k)
+    for (n, k, gated), w_bytes, block_t, norm in itertools.product(shapes, (2, 4), (16, 32), (False, True)):
+        block_n, block_k, stages = skinny._config(n, k, gated, norm, w_bytes, block_t, DEV)
+        assert 1 <= stages <= 4 and 16 <= block_k, (n, k, block_k, stages)
         assert stages * ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes <= budget, (n, k, w_bytes)
-        assert block_n == 16 or -(-n // block_n) >= sms // 2, (n, block_n)
-    assert skinny._config(576, 576, False, 2, 16, DEV)[0] == 16  # 36 programs, not 9
+        if block_k >= k:  # one tile
+            assert stages == 1 and k <= 1024 and not gated and not (norm and block_t == 32), (n, k, norm, block_t)
+        else:
+            assert block_n == 16 or -(-n // block_n) >= sms // 2, (n, block_n)
+    assert skinny._config(576, 576, False, False, 2, 16, DEV)[1:] == (1024, 1)  # o_proj: one tile
+    assert skinny._config(576, 1536, False, False, 2, 16, DEV)[0] == 16  # down_proj: 36 programs, not 9
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -204,9 +212,9 @@ def _logits(model, fused: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kind,skinny", [("llama", False), ("qwen3", False), ("llama", True)])
 def test_tiny_model_fused_matches_torch(tmp_path, kind, skinny, monkeypatch):
-    """skinny: the 9-token extend runs the few-token layers too (SPECSERVE_SKINNY=1)."""
-    if skinny:
-        monkeypatch.setenv("SPECSERVE_SKINNY", "1")
+    """skinny: the 9-token extend runs the few-token layers too (the default; without,
+    SPECSERVE_SKINNY=0, it runs the separate norms and F.linear)."""
+    monkeypatch.setenv("SPECSERVE_SKINNY", "1" if skinny else "0")
     model = load_model(save_tiny_hf(kind, tmp_path / kind), torch.float32, DEV)
     model.aux_layers = (0, 1, 2)  # exercises the residual-stream capture too
     for got, ref in zip(_logits(model, True), _logits(model, False)):
