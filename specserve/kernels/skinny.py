@@ -175,7 +175,8 @@ def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     """(BLOCK_N, BLOCK_K, num_stages); BLOCK_K >= k means one tile holds the whole row.
 
     Rows up to 1024 wide that are not gated take one tile, 64 rows a program with the
-    norm, 16 without, unless the normed x tile of 32 tokens would not fit in registers.
+    norm, 16 without, unless the normed x tile of 32 tokens would not fit in registers
+    or the layer is an lm_head (16384 rows or more: not measured that way).
     SmolLM2 at 16 tokens (H100, PDL, 30 distinct weights in a graph): qkv 3.3 us against
     4.2 looped, o_proj 2.3 against 2.6 (2.6 at 32 tokens).
     Otherwise from a sweep of the plain kernel over Llama-8B's shapes at 16 and 32 tokens
@@ -188,7 +189,7 @@ def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     programs cannot stream even a small weight (gate_up 6.2 us and down_proj 4.8 at 32
     tokens, against cuBLAS + SiLU*mul's 7.1 and cuBLAS's 5.0)."""
     smem, sms = _device_limits(device)
-    if not gated and k <= 1024 and (block_t == 16 or not norm):
+    if not gated and k <= 1024 and n < 16384 and (block_t == 16 or not norm):
         block_n, block_k = (64 if norm else 16), max(16, triton.next_power_of_2(k))
         if (block_n + block_t) * block_k * w_bytes <= smem:
             return block_n, block_k, 1

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve import kernels
 from specserve.models.layers import Linear
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 from specserve.models.rope import RotaryEmbedding
@@ -49,7 +50,10 @@ class DraftModel(nn.Module, ABC):
         own previous h_next [T, H]. Returns (h_logits [T, H], h_next [T, H])."""
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 [R, draft_vocab] for h [R, H]."""
+        """float32 [R, draft_vocab] for h [R, H]: for up to 32 rows on CUDA the half
+        logits widened in the GEMV's own launch (not while training: it has no backward)."""
+        if kernels.use_gemv(h) and not torch.is_grad_enabled():
+            return kernels.gemv(h, self.lm_head.weight, out_dtype=torch.float32)
         return F.linear(h, self.lm_head.weight).float()
 
     # -- checkpoint names <-> parameter names (overridden by layouts that rename) ---------

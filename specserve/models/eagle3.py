@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve import kernels
 from specserve.models.draft_model import DraftModel
 from specserve.models.layers import Linear, RMSNorm
 from specserve.models.llama import MLP, Attention, LlamaConfig
@@ -38,7 +39,13 @@ class Eagle3MidLayer(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         hn = self.hidden_norm(h)
         residual = hn if self.norm_before_residual else h
-        x = residual + self.self_attn(torch.cat([self.input_layernorm(embeds), hn], dim=-1), fb, rope)
+        x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)
+        if kernels.use_gemv(x) and fb.attn_backend.pooled_kv and self.self_attn.few_tokens_ready:
+            # a few rows (a drafting depth): the residual adds ride on o_proj's and
+            # down_proj's GEMVs, the post-attention norm and SiLU*mul on gate_up's
+            x = self.self_attn.forward_few_tokens(x, None, fb, rope, residual=residual)
+            return self.mlp.forward_few_tokens(x, self.post_attention_layernorm)
+        x = residual + self.self_attn(x, fb, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -139,17 +139,21 @@ class Attention(nn.Module):
         """Whether `forward_few_tokens` can run: no q/k norms, no q/k/v bias."""
         return self.q_norm is None and self.qkv_proj.bias is None
 
-    def forward_few_tokens(self, stream: torch.Tensor, norm: RMSNorm, fb: ForwardBatch,
-                           rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """stream [T, hidden] + o_proj(attention(norm(stream))) for a few tokens: the norm
-        rides on the qkv GEMV and the residual add on o_proj's (kernels/matvec.py,
-        kernels/skinny.py); needs a pooled KV cache."""
+    def forward_few_tokens(self, stream: torch.Tensor, norm: RMSNorm | None, fb: ForwardBatch,
+                           rope: tuple[torch.Tensor, torch.Tensor],
+                           residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + o_proj(attention(norm(stream))) for a few tokens [T, in_features]
+        (residual: the stream itself unless given; norm None: none): the norm rides on the
+        qkv GEMV and the residual add on o_proj's (kernels/matvec.py, kernels/skinny.py);
+        needs a pooled KV cache."""
         h, kv, pool = self.heads, self.kv_heads, fb.kv_pool
-        qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=norm.weight, eps=norm.eps)
+        qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=None if norm is None else norm.weight,
+                           eps=0.0 if norm is None else norm.eps)
         q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope, pool.k[self.layer_id],
                                   pool.v[self.layer_id], fb.out_slots)
         out = fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale)
-        return kernels.gemv(out.reshape(stream.shape[0], -1), self.o_proj.out_in_weight, residual=stream)
+        return kernels.gemv(out.reshape(stream.shape[0], -1), self.o_proj.out_in_weight,
+                            residual=stream if residual is None else residual)
 
 
 class MLP(nn.Module):
@@ -255,8 +259,8 @@ class LlamaForCausalLM(nn.Module):
         return h, [captured[i] for i in self.aux_layers]
 
     def _few_tokens(self, h: torch.Tensor, fb: ForwardBatch) -> bool:
-        """Whether this forward takes the few-token GEMV path (`kernels.use_gemv`: one token,
-        or a few with the opt-in skinny kernel), a pooled KV cache, and layers it supports."""
+        """Whether this forward takes the few-token GEMV path (`kernels.use_gemv`: up to 32
+        tokens), a pooled KV cache, and layers it supports."""
         return (kernels.use_gemv(h) and fb.attn_backend.pooled_kv and len(self.model.layers) > 0
                 and all(layer.few_tokens_ready for layer in self.model.layers))
 
