@@ -147,6 +147,19 @@ def test_skinny_config_fits_the_device(monkeypatch):
     assert skinny._config(576, 1536, False, False, 2, 16, DEV)[0] == 16  # down_proj: 36 programs, not 9
 
 
+def test_few_token_path_takes_narrow_models_only(monkeypatch):
+    """One token always; 2-32 tokens up to 2048 wide (Llama-8B's 4096-wide verify was
+    faster on cuBLAS), unless SPECSERVE_SKINNY=0."""
+    def takes(t: int, width: int) -> bool:
+        with kernels.fused_kernels(True):
+            return kernels.use_gemv(torch.zeros(t, width))
+
+    assert takes(1, 4096) and takes(32, 576) and takes(2, 2048)
+    assert not takes(16, 4096) and not takes(33, 576)
+    monkeypatch.setenv("SPECSERVE_SKINNY", "0")
+    assert takes(1, 576) and not takes(16, 576)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,n,k", [(2, 7, 64), (16, 96, 576), (23, 33, 300)])  # tokens padded to 16 / 32
 def test_skinny_is_the_unfused_chain(t, n, k, dtype):
