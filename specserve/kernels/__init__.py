@@ -64,6 +64,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return norm.rms_norm(x, weight, eps)
 
 
+def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
+    """cat([RMSNorm(a; wa), RMSNorm(b; wb)], -1) for a, b [T, N] in one launch (norm.py):
+    EAGLE-3's midlayer input."""
+    from specserve.kernels import norm
+
+    return norm.rms_norm_pair(a, wa, b, wb, eps)
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(residual + x), residual + x) in one launch; the sum rounded to x's dtype."""

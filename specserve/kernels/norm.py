@@ -29,6 +29,16 @@ MAX_N = 16384
 
 
 @triton.jit
+def _normalize(x, w_ptr, cols, mask, N, eps, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """A row x (fp32, the x dtype's values) normalised and scaled as the module docstring says."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HALF:
+        return w * (x * rstd).to(DTYPE).to(tl.float32)
+    return x * rstd * w
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, sx0, sx1, sr0, sr1, N, eps,
                      HAS_RES: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_and_release(USE_PDL)
@@ -42,14 +52,27 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, sx0, sx
         s = (x + r).to(res_out_ptr.dtype.element_ty)  # rounded as torch's `residual + x`
         tl.store(res_out_ptr + row * N + cols, s, mask=mask)
         x = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HALF:
-        y = (x * rstd).to(x_ptr.dtype.element_ty)
-        out = w * y.to(tl.float32)
-    else:
-        out = x * rstd * w
+    out = _normalize(x, w_ptr, cols, mask, N, eps, HALF, x_ptr.dtype.element_ty)
     tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_pair_kernel(a_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, sa, sb, N, eps,
+                          HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t] = cat(norm(a[t]; wa), norm(b[t]; wb)): program (t, 0) the first half, (t, 1) the second."""
+    wait_and_release(USE_PDL)
+    t = tl.program_id(0)
+    second = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    if second == 0:
+        x = tl.load(a_ptr + t * sa + cols, mask=mask, other=0.0).to(tl.float32)
+        w_ptr = wa_ptr
+    else:
+        x = tl.load(b_ptr + t * sb + cols, mask=mask, other=0.0).to(tl.float32)
+        w_ptr = wb_ptr
+    out = _normalize(x, w_ptr, cols, mask, N, eps, HALF, a_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * 2 * N + second * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +121,21 @@ def _num_warps(n: int) -> int:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
+
+
+def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """cat([rms_norm(a, wa), rms_norm(b, wb)], -1) for a, b [T, N] of one dtype, in one launch."""
+    assert a.dim() == b.dim() == 2 and a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape)
+    t, n = a.shape
+    assert n <= MAX_N and wa.shape == wb.shape == (n,) and wa.dtype == wb.dtype, (wa.shape, wb.shape)
+    a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
+    out = torch.empty(t, 2 * n, dtype=_out_dtype(a.dtype, wa), device=a.device)
+    if t:
+        _rms_norm_pair_kernel[(t, 2)](a, wa.contiguous(), b, wb.contiguous(), out, a.stride(0), b.stride(0), n, eps,
+                                      HALF=a.dtype in _HALF, BLOCK=triton.next_power_of_2(n),
+                                      num_warps=_num_warps(n), **pdl_flags(a.device))
+    return out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -37,9 +37,14 @@ class Eagle3MidLayer(nn.Module):
 
     def forward(self, embeds: torch.Tensor, h: torch.Tensor, fb: ForwardBatch,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        hn = self.hidden_norm(h)
+        if kernels.use_fused(h) and embeds.dtype == h.dtype:  # both norms (one eps) and the cat: one launch
+            x = kernels.rms_norm_pair(embeds, self.input_layernorm.weight, h, self.hidden_norm.weight,
+                                      self.hidden_norm.eps)
+            hn = x[:, h.shape[-1]:]
+        else:
+            hn = self.hidden_norm(h)
+            x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)
         residual = hn if self.norm_before_residual else h
-        x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)
         if kernels.use_gemv(x) and fb.attn_backend.pooled_kv and self.self_attn.few_tokens_ready:
             # a few rows (a drafting depth): the residual adds ride on o_proj's and
             # down_proj's GEMVs, the post-attention norm and SiLU*mul on gate_up's

@@ -85,6 +85,18 @@ def test_rms_norm_on_strided_heads(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,n", [(1, 64), (6, 576), (3, 1000)])
+def test_rms_norm_pair_is_two_norms_and_a_cat(tokens, n, dtype):
+    """EAGLE-3's midlayer input, cat(norm(embeds), norm(hidden)), in one launch; the
+    hidden may be a row slice of a wider tensor."""
+    a, ma, mb = torch.randn(tokens, n, device=DEV).to(dtype), _norm(n, dtype), _norm(n, dtype)
+    b = torch.randn(tokens, 2 * n, device=DEV).to(dtype)[:, n:]
+    got = kernels.rms_norm_pair(a, ma.weight, b, mb.weight, ma.eps)
+    with kernels.fused_kernels(False), torch.no_grad():
+        _close(got, torch.cat([ma(a), mb(b)], dim=-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,inter", [(1, 96), (5, 1536), (3, 2000)])
 def test_silu_and_mul(tokens, inter, dtype):
     gate_up = 3 * torch.randn(tokens, 2 * inter, device=DEV).to(dtype)
