@@ -82,9 +82,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 SKINNY_MAX_TOKENS = 32  # skinny.py pads tokens to 16 or 32
 # The widest activations the few-token path takes: narrow models' layers are latency-bound
-# and gain from the fused forms; on an H100 Llama-8B's 4096-wide ones verified 16 tokens
-# at 1.22-1.23x a decode step with it against 1.18x with cuBLAS (bench limit, one hold),
-# SmolLM2's 576-wide ones 901 us against 1019 for a 32-node verify graph.
+# and gain from the fused forms (SmolLM2's 576-wide: 901 us against 1019 for a 32-node
+# verify graph on an H100). Llama-8B's 4096-wide ones did not: bench limit's verify(16)
+# ran 1.22-1.23x a decode step with it, 1.13-1.24x with cuBLAS (three holds).
 SKINNY_MAX_WIDTH = 2048
 _PDL_OK: dict[int | None, bool] = {}  # device index -> compute capability >= 9
 
