@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -82,9 +83,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, sw, swk, eps,
     wu = w
     if GATED:
         wu = _w_tile(up_ptr, rows, rmask, cols, kmask, sw, swk, EVEN_K)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # past this, every earlier kernel's writes (x, residual) are visible
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
     rstd = 1.0
     if NORM:  # rsqrt(mean(x^2) + eps) over the whole row, in fp32
         ss = tl.zeros([BLOCK_K], dtype=tl.float32)

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from specserve.kernels import SKINNY_MAX_TOKENS as MAX_TOKENS
 from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -83,9 +84,7 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, T, N, K, sx, sw, swk,
     # The weights are no earlier kernel's output: the first tile is fetched before the
     # wait, so with PDL it is on its way while the kernel before this one finishes
     w, wu = _w_tiles(w_ptr, up_ptr, rows, rmask, cols, cols < K, sw, swk, GATED)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # past this, every earlier kernel's writes (x, residual) are visible
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
     rstd = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
     if ONE_TILE:  # the whole row in one tile: the norm's sum of squares comes from it
         x = tl.load(x_ptr + toks[:, None] * sx + cols[None, :], mask=tmask[:, None] & (cols < K)[None, :],
