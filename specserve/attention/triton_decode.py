@@ -22,10 +22,24 @@ import triton.language as tl
 from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
 from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
-                                                online_softmax_step)
+                                                online_softmax_step, with_new_keys)
 
 BLOCK_N = 64  # keys per loop step
 MAX_SPLITS = 16
+
+
+@triton.jit
+def _slots(table, tail, n0, end, tail_start, BLOCK_N: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """The KV slots of keys n0 + [0, BLOCK_N) (0 past `end`): through the table row before
+    `tail_start`, from the tail row from there on."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    valid = offs_n < end
+    slots = tl.load(table + offs_n, mask=valid & (offs_n < tail_start), other=0)
+    if HAS_TAIL:
+        in_tail = valid & (offs_n >= tail_start)
+        tail_slots = tl.load(tail + (offs_n - tail_start), mask=in_tail, other=0)
+        slots = tl.where(in_tail, tail_slots, slots)
+    return slots
 
 
 @triton.jit
@@ -35,7 +49,6 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, Out, 
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    STORE_LSE: tl.constexpr, PREC: tl.constexpr, HAS_TAIL: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_and_release(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -51,24 +64,32 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, Out, 
     heads = kvh * GROUP + offs_h  # the query heads of this kv head
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    table = ReqToToken + row * stride_tr
+    tail_start = seq_len  # no tail: every key comes through the table row
+    if HAS_TAIL:
+        tail_start = tl.load(TailStart + b)
+    # Everything above, and the first key block's keys but the new token's, are no output
+    # of the kernel just before (RoPE + KV write: q and the new token's K/V), so with PDL
+    # they are fetched while it finishes; the new token's key is read after the wait
+    slots = _slots(table, Tail + b * stride_tail, start, end, tail_start, BLOCK_N, HAS_TAIL)
+    old = (start + tl.arange(0, BLOCK_N) < end) & (start + tl.arange(0, BLOCK_N) < seq_len - 1)
+    k = load_kv_block(K, slots, old, stride_ks, kvh * stride_kh, offs_d, mask_d)
+    v = load_kv_block(V, slots, old, stride_vs, kvh * stride_vh, offs_d, mask_d)
+    wait_and_release(USE_PDL)
     q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    table = ReqToToken + row * stride_tr
-    tail_start = seq_len  # no tail: every key comes through the table row
-    if HAS_TAIL:
-        tail_start = tl.load(TailStart + b)
-    for n0 in range(start, end, BLOCK_N):
+    k, v = with_new_keys(K, V, k, v, slots, start, end, seq_len - 1, kvh, stride_ks, stride_kh, stride_vs,
+                         stride_vh, offs_d, mask_d, BLOCK_N)
+    valid = start + tl.arange(0, BLOCK_N) < end
+    acc, m_i, l_i = online_softmax_step(q, k, v, valid[None, :], acc, m_i, l_i, qk_scale, PREC)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        slots = tl.load(table + offs_n, mask=valid & (offs_n < tail_start), other=0)
-        if HAS_TAIL:
-            in_tail = valid & (offs_n >= tail_start)
-            tail_slots = tl.load(Tail + b * stride_tail + (offs_n - tail_start), mask=in_tail, other=0)
-            slots = tl.where(in_tail, tail_slots, slots)
+        slots = _slots(table, Tail + b * stride_tail, n0, end, tail_start, BLOCK_N, HAS_TAIL)
         k = load_kv_block(K, slots, valid, stride_ks, kvh * stride_kh, offs_d, mask_d)
         v = load_kv_block(V, slots, valid, stride_vs, kvh * stride_vh, offs_d, mask_d)
         acc, m_i, l_i = online_softmax_step(q, k, v, valid[None, :], acc, m_i, l_i, qk_scale, PREC)

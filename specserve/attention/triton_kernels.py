@@ -24,6 +24,33 @@ def load_kv_block(pool, slots, valid, stride_slot, head_offset, offs_d, mask_d):
 
 
 @triton.jit
+def prefix_block(K, V, table, start, end, old_end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+                 offs_d, mask_d, BLOCK_N: tl.constexpr):
+    """The first key block [start, start + BLOCK_N) of a split: its slots (through a table
+    row) and the K/V of its keys before `old_end`, which no kernel of this forward writes
+    (zeros elsewhere). Called before a PDL wait; `with_new_keys` completes the block after it."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    valid = offs_n < end
+    slots = tl.load(table + offs_n, mask=valid, other=0)
+    old = valid & (offs_n < old_end)
+    k = load_kv_block(K, slots, old, stride_ks, kvh * stride_kh, offs_d, mask_d)
+    v = load_kv_block(V, slots, old, stride_vs, kvh * stride_vh, offs_d, mask_d)
+    return k, v, slots
+
+
+@triton.jit
+def with_new_keys(K, V, k, v, slots, start, end, old_end, kvh, stride_ks, stride_kh, stride_vs, stride_vh,
+                  offs_d, mask_d, BLOCK_N: tl.constexpr):
+    """`prefix_block`'s K/V with the keys at or after `old_end` (written by the kernel just
+    before: read only after the PDL wait) filled in."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    new = (offs_n < end) & (offs_n >= old_end)
+    k = tl.where(new[:, None], load_kv_block(K, slots, new, stride_ks, kvh * stride_kh, offs_d, mask_d), k)
+    v = tl.where(new[:, None], load_kv_block(V, slots, new, stride_vs, kvh * stride_vh, offs_d, mask_d), v)
+    return k, v
+
+
+@triton.jit
 def online_softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PREC: tl.constexpr):
     """Fold one key block into the running (acc, m_i, l_i) of a block of query rows.
 

@@ -30,7 +30,7 @@ from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
 from specserve.attention.triton_decode import MAX_SPLITS, _reduce_kernel
 from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
-                                                online_softmax_step)
+                                                online_softmax_step, prefix_block, with_new_keys)
 
 MAX_ROWS = 64  # rows (new tokens * GROUP) per program
 MAX_TOTAL_ROWS = 256  # per (request, kv head): a 64-node tree at GROUP 4; longer extends use the extend kernel
@@ -49,6 +49,23 @@ def row_blocks(max_extend: int, group: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _visible(n0, end, prefix, n_new, tok, mask_r, mask_base, BLOCK_N: tl.constexpr, CUSTOM_MASK: tl.constexpr):
+    """[BLOCK_R, BLOCK_N] which of keys n0 + [0, BLOCK_N) each row sees: the prefix (and
+    nothing past `end`), and among the new keys its tree mask's or the causal ones."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    valid = offs_n < end
+    m = offs_n - prefix  # index among the new tokens; < 0 in the prefix
+    if CUSTOM_MASK:
+        is_new = valid & (m >= 0)
+        bits = tl.load(mask_base + tok[:, None] * n_new + m[None, :],
+                       mask=mask_r[:, None] & is_new[None, :], other=0)
+        visible = valid[None, :] & ((m < 0)[None, :] | (bits != 0))
+    else:
+        visible = valid[None, :] & (m[None, :] <= tok[:, None])
+    return visible
+
+
+@triton.jit
 def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts, Mask, MaskIndptr,
                   Out, Lse, qk_scale,
                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
@@ -56,7 +73,6 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_RB: tl.constexpr,
                   STORE_LSE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_and_release(USE_PDL)
     b = tl.program_id(0) // NUM_RB
     rb = tl.program_id(0) % NUM_RB
     kvh = tl.program_id(1)
@@ -79,29 +95,33 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     t_rows = q_start + tok
+    table = ReqToToken + row * stride_tr
+    # Everything above and the first key block's prefix part are no output of the kernel
+    # just before (RoPE + KV write: q and the new tokens' K/V), so with PDL they are
+    # fetched while it finishes; the new keys are read after the wait
+    k_pre, v_pre, slots = prefix_block(K, V, table, start, end, prefix, kvh, stride_ks, stride_kh,
+                                       stride_vs, stride_vh, offs_d, mask_d, BLOCK_N)
+    wait_and_release(USE_PDL)
     q = tl.load(Q + t_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
 
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    table = ReqToToken + row * stride_tr
+    mask_base = Mask
     if CUSTOM_MASK:
         mask_base = Mask + tl.load(MaskIndptr + b)
-    for n0 in range(start, end, BLOCK_N):
+    k, v = with_new_keys(K, V, k_pre, v_pre, slots, start, end, prefix, kvh, stride_ks, stride_kh,
+                         stride_vs, stride_vh, offs_d, mask_d, BLOCK_N)
+    visible = _visible(start, end, prefix, n_new, tok, mask_r, mask_base, BLOCK_N, CUSTOM_MASK)
+    acc, m_i, l_i = online_softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PREC)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
         slots = tl.load(table + offs_n, mask=valid, other=0)
         k = load_kv_block(K, slots, valid, stride_ks, kvh * stride_kh, offs_d, mask_d)
         v = load_kv_block(V, slots, valid, stride_vs, kvh * stride_vh, offs_d, mask_d)
-        m = offs_n - prefix  # index among the new tokens; < 0 in the prefix
-        if CUSTOM_MASK:
-            is_new = valid & (m >= 0)
-            bits = tl.load(mask_base + tok[:, None] * n_new + m[None, :],
-                           mask=mask_r[:, None] & is_new[None, :], other=0)
-            visible = valid[None, :] & ((m < 0)[None, :] | (bits != 0))
-        else:
-            visible = valid[None, :] & (m[None, :] <= tok[:, None])
+        visible = _visible(n0, end, prefix, n_new, tok, mask_r, mask_base, BLOCK_N, CUSTOM_MASK)
         acc, m_i, l_i = online_softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PREC)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split writes o = 0, lse = -inf
