@@ -162,7 +162,7 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.T
 def topk_logprobs(logits: torch.Tensor, k: int,
                   token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(log-softmax values float32 [R, k], ids int64 [R, k]) of each row's k largest logits,
-    ids through `token_map` when given, in one launch (topk.py); None when the row is too
+    ids through `token_map` when given, in two launches (topk.py); None when the row is too
     long for the kernel (the caller takes its torch path)."""
     from specserve.kernels import topk
 
@@ -199,13 +199,14 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> tor
     return gumbel.gumbel_noise(seeds, counters, width)
 
 
-def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
-                target: torch.Tensor) -> torch.Tensor | None:
-    """The greedy accept walk of [B, N] trees given the target's argmax at each node:
-    int64 [B, 2N + 1] rows [on_path, tokens, bonus] in one launch (walk.py); None when
-    the trees are too large for the kernel (the caller takes its torch path)."""
+def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor,
+                logits: torch.Tensor) -> torch.Tensor | None:
+    """The greedy accept walk of [B, N] trees (ancestor masks [B, N, N]) given the
+    target's logits [B, N, V]: int64 [B, 2N + 1] rows [on_path, tokens, bonus] in two
+    launches (walk.py); None when the trees are too large for the kernel (the caller
+    takes its torch path)."""
     from specserve.kernels import walk
 
     if not walk.supports(tokens.shape[1]):
         return None
-    return walk.greedy_walk(tokens, parents, valid, target)
+    return walk.greedy_walk(tokens, parents, valid, mask, logits)

@@ -143,14 +143,13 @@ def walk_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None) ->
 
     if idx is not None:
         logits = logits[idx.to(dev, non_blocking=True)]
-    tok, par, valid = pick(drafts.tokens), pick(drafts.parents), pick(drafts.valid)
-    target = logits.argmax(-1)  # [G, N]: no copy of the logits
+    tok, par, valid, mask = pick(drafts.tokens), pick(drafts.parents), pick(drafts.valid), pick(drafts.tree_mask())
     n = tok.shape[1]
-    packed = kernels.greedy_walk(tok, par, valid, target) if kernels.use_fused(target) else None
-    if packed is not None:  # kernels/walk.py: the same walk in one launch
+    packed = kernels.greedy_walk(tok, par, valid, mask, logits) if kernels.use_fused(logits) else None
+    if packed is not None:  # kernels/walk.py: the argmax and the same walk in two launches
         on_path, bonus = packed[:, :n] != 0, packed[:, 2 * n:].contiguous()  # drafting ahead reads bonus[:, 0] flat
     else:
-        on_path, bonus = _walk_torch(tok, par, valid, pick(drafts.tree_mask()), target)
+        on_path, bonus = _walk_torch(tok, par, valid, mask, logits.argmax(-1))  # [G, N]: no copy of the logits
         packed = torch.cat([on_path.to(torch.int64), tok, bonus], dim=1)
     return packed, GreedyWalk(on_path, tok, bonus[:, 0])
 
