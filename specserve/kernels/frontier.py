@@ -26,7 +26,7 @@ import triton.language as tl
 def _frontier_kernel(score_ptr, logp_ptr, kid_ptr, frontier_ptr, size,
                      kid_score_ptr, parent_ptr, new_score_ptr, new_token_ptr, new_frontier_ptr,
                      states_ptr, new_states_ptr, H, tail_ptr, new_tail_ptr, D, next_slots_ptr,
-                     K: tl.constexpr, KK: tl.constexpr, HB: tl.constexpr, DB: tl.constexpr,
+                     K: tl.constexpr, KK: tl.constexpr, KB: tl.constexpr, HB: tl.constexpr, DB: tl.constexpr,
                      MOVE: tl.constexpr, HAS_STATES: tl.constexpr):
     b = tl.program_id(0)
     c = tl.arange(0, KK)
@@ -37,23 +37,34 @@ def _frontier_kernel(score_ptr, logp_ptr, kid_ptr, frontier_ptr, size,
     s = tl.where(valid, s, float("-inf"))
     tl.store(kid_score_ptr + b * K * K + c, s, mask=valid)
     tl.store(parent_ptr + b * K * K + c, tl.load(frontier_ptr + b * K + branch, mask=valid, other=0), mask=valid)
-    for t in tl.static_range(K):
-        best = tl.max(s, axis=0)
-        p = tl.argmax(s, axis=0, tie_break_left=True)
-        tl.store(new_score_ptr + b * K + t, best)
-        tl.store(new_token_ptr + b * K + t, tl.load(kid_ptr + b * K * K + p))
-        tl.store(new_frontier_ptr + b * K + t, size + p)
-        if MOVE:
-            src = b * K + p // K
-            dst = b * K + t
-            if HAS_STATES:
-                for h0 in range(0, H, HB):
-                    h = h0 + tl.arange(0, HB)
-                    tl.store(new_states_ptr + dst * H + h, tl.load(states_ptr + src * H + h, mask=h < H), mask=h < H)
-            d = tl.arange(0, DB)
-            tl.store(new_tail_ptr + dst * (D + 1) + d, tl.load(tail_ptr + src * D + d, mask=d < D), mask=d < D)
-            tl.store(new_tail_ptr + dst * (D + 1) + D, tl.load(next_slots_ptr + dst))
+    # the k best first, in registers; then every load and copy at once (a load per round
+    # would put k memory round trips in series)
+    t = tl.arange(0, KB)
+    picks = tl.zeros([KB], dtype=tl.int32)
+    bests = tl.zeros([KB], dtype=tl.float32)
+    for r in tl.static_range(K):
+        best, p = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        picks = tl.where(t == r, p, picks)
+        bests = tl.where(t == r, best, bests)
         s = tl.where(c == p, float("-inf"), s)  # the winner leaves
+    keep = t < K
+    tl.store(new_score_ptr + b * K + t, bests, mask=keep)
+    tl.store(new_token_ptr + b * K + t, tl.load(kid_ptr + b * K * K + picks, mask=keep, other=0), mask=keep)
+    tl.store(new_frontier_ptr + b * K + t, size + picks, mask=keep)
+    if MOVE:
+        src = b * K + picks // K
+        dst = b * K + t
+        if HAS_STATES:
+            for h0 in range(0, H, HB):
+                h = h0 + tl.arange(0, HB)
+                both = keep[:, None] & (h < H)[None, :]
+                tl.store(new_states_ptr + dst[:, None] * H + h[None, :],
+                         tl.load(states_ptr + src[:, None] * H + h[None, :], mask=both), mask=both)
+        d = tl.arange(0, DB)
+        both = keep[:, None] & (d < D)[None, :]
+        tl.store(new_tail_ptr + dst[:, None] * (D + 1) + d[None, :],
+                 tl.load(tail_ptr + src[:, None] * D + d[None, :], mask=both), mask=both)
+        tl.store(new_tail_ptr + dst * (D + 1) + D, tl.load(next_slots_ptr + dst, mask=keep), mask=keep)
 
 
 def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
@@ -90,6 +101,7 @@ def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, fr
         score, logp, kid, frontier, size, kid_score, parents, new_score, new_token, new_frontier,
         states if new_states is not None else score, new_states if new_states is not None else score, h,
         tail if move else frontier, new_tail if move else frontier, d, next_slots if move else frontier,
-        K=k, KK=triton.next_power_of_2(k * k), HB=min(1024, triton.next_power_of_2(h)),
+        K=k, KK=triton.next_power_of_2(k * k), KB=max(2, triton.next_power_of_2(k)),
+        HB=min(1024, triton.next_power_of_2(h)),
         DB=triton.next_power_of_2(d), MOVE=move, HAS_STATES=new_states is not None, num_warps=4)
     return kid_score, parents, new_score, new_token, new_frontier, new_states, new_tail
