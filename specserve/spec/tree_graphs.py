@@ -68,13 +68,9 @@ class TreeDraftGraphs:
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A pass over exactly B requests (no padding) from device tensors, without a
         replay of its own, so a caller's CUDA graph can hold it (spec/step_graphs.py):
-        roots, rows and tail starts [B], scratch [num_steps - 1, B*k] slots."""
-        b, k = roots.shape[0], self.drafter.topk
-        self.root_ids[:b].copy_(roots)
-        self.rows[:b].copy_(rows)
-        self.tail_start[:b].copy_(tail_start)
-        self.scratch[:, :b * k].copy_(scratch)
-        return self._pass(b)
+        roots, rows and tail starts [B], scratch [num_steps - 1, B*k] slots, read where
+        they are (a copy into the static inputs would be four launches more)."""
+        return self._expand(roots, rows, tail_start, scratch)
 
     def _host_index(self, root_ids: list[int], rows: list[int], tail_start: list[int],
                     scratch: torch.Tensor) -> torch.Tensor:
@@ -103,8 +99,11 @@ class TreeDraftGraphs:
 
     def _pass(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The trees and their masks (verify reads them: computed here, no launches of their own)."""
-        k = self.drafter.topk
-        rows = self.rows[:bs]
+        return self._expand(self.root_ids[:bs], self.rows[:bs], self.tail_start[:bs],
+                            self.scratch[:, :bs * self.drafter.topk])
+
+    def _expand(self, roots: torch.Tensor, rows: torch.Tensor, tail_start: torch.Tensor, scratch: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logp, ids, states = self.roots.get(rows)
-        x = TreeInputs(logp, ids, states, self.root_ids[:bs], rows, self.tail_start[:bs], self.scratch[:, :bs * k])
+        x = TreeInputs(logp, ids, states, roots, rows, tail_start, scratch)
         return self.drafter.expand(x, self.drafter.step, self.num_nodes)
