@@ -73,8 +73,13 @@ class LlamaForCausalLMEagle3(DraftModel):
             self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if hidden.shape[-1] != self.config.hidden_size:
-            hidden = self.fc(hidden)  # target aux features [T, 3 * H_target] -> [T, H]
+        if hidden.shape[-1] != self.config.hidden_size:  # target aux features [T, 3 * H_target] -> [T, H]
+            # a few rows (a draft extend) take the GEMV: cuBLAS took 4.8 us (H100, SmolLM2);
+            # not while training (the Triton kernels have no backward)
+            if self.fc.bias is None and kernels.use_gemv(hidden) and not torch.is_grad_enabled():
+                hidden = kernels.gemv(hidden, self.fc.out_in_weight)
+            else:
+                hidden = self.fc(hidden)
         out = self.midlayer(self.embed_tokens(fb.input_ids), hidden, fb, self.rotary.lookup(fb.positions))
         return self.norm(out), out
 
