@@ -45,7 +45,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.theta, self.scaling = theta, scaling
-        self.cos: torch.Tensor | None = None  # [max_positions, D]
+        self.table: torch.Tensor | None = None  # [max_positions, 2D]: cos, then sin
+        self.cos: torch.Tensor | None = None  # [max_positions, D], a view of the table
         self.sin: torch.Tensor | None = None  # [max_positions, D], first half negated
 
     def build(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -55,12 +56,16 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, inv_freq)
         # rotate_half(x) * sin == roll(x, D/2) * [-sin | sin]: one roll instead of
         # slice/neg/cat, bit-identical (negation is exact).
-        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
-        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
+        cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
+        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
+        self.table = torch.cat([cos, sin], dim=-1)  # [max_positions, 2D]: one gather per lookup
+        self.cos, self.sin = self.table[:, :self.head_dim], self.table[:, self.head_dim:]
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin) [T, 1, D] for positions [T]; looked up once per forward."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """(cos, signed sin) [T, 1, D] for positions [T]: views of one gathered [T, 1, 2D]
+        (a launch, where two gathers were two); looked up once per forward."""
+        both = self.table[positions].unsqueeze(1)
+        return both[..., :self.head_dim], both[..., self.head_dim:]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
