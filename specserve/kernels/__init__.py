@@ -2,8 +2,8 @@
 
 Owns the decision "fused kernel or torch path" (`use_fused`) and thin entry points that
 import the Triton modules on first call, so this package imports without triton. The
-kernels (`norm.py`, `activation.py`, `rope.py`, `matvec.py`, `skinny.py`, `topk.py`, `frontier.py`,
-`node_select.py`, `gumbel.py`, `walk.py`) replace chains of small launches on CUDA: per
+kernels (`norm.py`, `activation.py`, `rope.py`, `matvec.py`, `skinny.py`, `embed.py`, `topk.py`,
+`frontier.py`, `node_select.py`, `gumbel.py`, `walk.py`) replace chains of small launches on CUDA: per
 decoder layer, add+RMSNorm twice, RoPE with the KV-cache write once, SiLU*mul once (at
 one token the norms, the SiLU*mul and the residual adds ride on the linear layers' GEMVs
 instead: `matvec.py`); per tree-drafting depth, the children's top-k log-probabilities
@@ -134,6 +134,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
 
     kernel = matvec.gemv if x.numel() == x.shape[-1] else skinny.skinny
     return kernel(x, weight, norm_weight=norm_weight, eps=eps, residual=residual, gated=gated, out_dtype=out_dtype)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight[ids] for ids [T]: one gather launch (embed.py)."""
+    from specserve.kernels import embed
+
+    return embed.embedding(ids, weight)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

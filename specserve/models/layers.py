@@ -1,4 +1,4 @@
-"""Building blocks shared by our model files: RMSNorm and Linear.
+"""Building blocks shared by our model files: RMSNorm, Linear and Embedding.
 
 `Linear` keeps checkpoint layout ([out, in]) for loading. On CPU, `use_gemv_layout()`
 swaps it for a contiguous [in, out] copy: batch-1 decode is a GEMV that streams every
@@ -67,3 +67,13 @@ class Linear(nn.Module):
         if self.bias is None:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose lookup of a flat id vector is one Triton gather where the fused
+    kernels run (`kernels.embedding`), outside autograd (the kernel has no backward)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() == 1 and kernels.use_fused(self.weight) and not torch.is_grad_enabled():
+            return kernels.embedding(ids, self.weight)
+        return super().forward(ids)

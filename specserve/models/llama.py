@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import kernels
-from specserve.models.layers import Linear, RMSNorm
+from specserve.models.layers import Embedding, Linear, RMSNorm
 from specserve.models.rope import RotaryEmbedding, apply_rope
 from specserve.runner.forward_batch import ForwardBatch
 
@@ -222,7 +222,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

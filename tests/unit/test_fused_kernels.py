@@ -496,3 +496,20 @@ def test_tree_select_ties_go_to_the_lower_candidate():
         got = tree_select(torch.tensor([5], device=DEV), scores, tokens, parents, 2, 2)
     assert got[0].tolist() == [[5, 10, 11]] and got[1].tolist() == [[-1, 0, 0]]
     assert got[2].tolist() == [[[True, False, False], [True, True, False], [True, False, True]]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_kernel_is_the_lookup(dtype):
+    """The model's embedding through one gather launch: the rows nn.Embedding gives, for
+    int32 and int64 ids with repeats; an id outside the vocabulary gives a zero row."""
+    from specserve.models.layers import Embedding
+
+    torch.manual_seed(0)
+    emb = Embedding(50, 24).to(DEV, dtype)
+    for ids in (torch.tensor([3, 49, 0, 3, 17], device=DEV), torch.tensor([7], dtype=torch.int32, device=DEV)):
+        with torch.inference_mode():
+            got, ref = _both(lambda: emb(ids))
+        assert got.dtype == dtype and torch.equal(got, ref)
+    with kernels.fused_kernels(True), torch.inference_mode():
+        out = emb(torch.tensor([2, 50, -1], device=DEV))
+    assert torch.equal(out[0], emb.weight[2]) and not out[1:].any()
