@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels.topk import k_best
+
 
 @triton.jit
 def _frontier_kernel(score_ptr, logp_ptr, kid_ptr, frontier_ptr, size,
@@ -39,14 +41,8 @@ def _frontier_kernel(score_ptr, logp_ptr, kid_ptr, frontier_ptr, size,
     tl.store(parent_ptr + b * K * K + c, tl.load(frontier_ptr + b * K + branch, mask=valid, other=0), mask=valid)
     # the k best first, in registers; then every load and copy at once (a load per round
     # would put k memory round trips in series)
+    bests, picks = k_best(s, c, K, KB)
     t = tl.arange(0, KB)
-    picks = tl.zeros([KB], dtype=tl.int32)
-    bests = tl.zeros([KB], dtype=tl.float32)
-    for r in tl.static_range(K):
-        best, p = tl.max(s, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        picks = tl.where(t == r, p, picks)
-        bests = tl.where(t == r, best, bests)
-        s = tl.where(c == p, float("-inf"), s)  # the winner leaves
     keep = t < K
     tl.store(new_score_ptr + b * K + t, bests, mask=keep)
     tl.store(new_token_ptr + b * K + t, tl.load(kid_ptr + b * K * K + picks, mask=keep, other=0), mask=keep)

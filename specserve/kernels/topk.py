@@ -47,13 +47,29 @@ def _chunk_kernel(x_ptr, m_ptr, s_ptr, vals_ptr, idx_ptr, V, stride_x, C,
 
 
 @triton.jit
+def k_best(x, cand, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K largest of x [BLOCK] (positions `cand` = arange) in descending order, ties
+    to the lower position: (values float32 [BLOCK_K], positions int32 [BLOCK_K]), held in
+    registers so a caller can issue every load that depends on them at once (a load per
+    round would put K memory round trips in series)."""
+    j = tl.arange(0, BLOCK_K)
+    vals = tl.zeros([BLOCK_K], dtype=tl.float32)
+    pos = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for r in tl.static_range(K):
+        best, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        vals = tl.where(j == r, best, vals)
+        pos = tl.where(j == r, i, pos)
+        x = tl.where(cand == i, float("-inf"), x)  # the winner leaves
+    return vals, pos
+
+
+@triton.jit
 def _merge_kernel(m_ptr, s_ptr, cvals_ptr, cidx_ptr, map_ptr, vals_ptr, ids_ptr, C,
                   K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     """Row r: the log-sum-exp from its chunks' (m, s), then the k best of its chunks' C*k
     candidates, laid out chunk-major so that the first of equal values has the lower index.
-    Every load is issued up front and the winners are gathered in registers: a load per
-    round would put 2k memory round trips in series."""
+    Every load is issued up front and the winners' indices gathered in registers."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     m = tl.load(m_ptr + row * C + c, mask=c < C, other=float("-inf"))
@@ -64,14 +80,9 @@ def _merge_kernel(m_ptr, s_ptr, cvals_ptr, cidx_ptr, map_ptr, vals_ptr, ids_ptr,
     idx = tl.load(cidx_ptr + row * C * K + cand, mask=live, other=0)
     top = tl.max(m, axis=0)
     lse = top + tl.log(tl.sum(s * tl.exp(m - top), axis=0))
+    best_v, pos = k_best(x, cand, K, BLOCK_K)
+    best_i = tl.sum(tl.where(cand[None, :] == pos[:, None], idx[None, :], 0), axis=1)  # [BLOCK_K]
     j = tl.arange(0, BLOCK_K)
-    best_v = tl.zeros([BLOCK_K], dtype=tl.float32)
-    best_i = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for r in tl.static_range(K):
-        best, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        best_v = tl.where(j == r, best, best_v)
-        best_i = tl.where(j == r, tl.sum(tl.where(cand == i, idx, 0), axis=0), best_i)
-        x = tl.where(cand == i, float("-inf"), x)
     keep = j < K
     tl.store(vals_ptr + row * K + j, best_v - lse, mask=keep)
     if HAS_MAP:
