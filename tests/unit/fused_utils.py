@@ -1,0 +1,29 @@
+"""Shared set-up of the fused-kernel tests: the Triton interpreter on a machine without a
+GPU (TRITON_INTERPRET=1 must be set before triton is first imported, so import this
+first), the device, the dtypes, and running one call on both sides of the switch.
+
+Half types: bf16 on CUDA only, since the interpreter casts fp32 -> bf16 by truncation
+rather than round-to-nearest (checked: results differ by 1 bf16 ulp); fp16 everywhere.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from specserve import kernels  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV.type == "cuda" else [])
+
+
+def both(fn):
+    """(fused result, torch result) of fn()."""
+    with kernels.fused_kernels(True), torch.no_grad():
+        got = fn()
+    with kernels.fused_kernels(False), torch.no_grad():
+        ref = fn()
+    return got, ref
