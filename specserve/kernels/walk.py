@@ -55,6 +55,7 @@ def _walk_kernel(tok_ptr, par_ptr, valid_ptr, mask_ptr, val_ptr, idx_ptr, out_pt
     pval = tl.load(val_ptr + part, mask=pmask, other=float("-inf"))
     pidx = tl.load(idx_ptr + part, mask=pmask, other=2**62)
     target = tl.min(tl.where(pval == tl.max(pval, axis=1)[:, None], pidx, 2**62), axis=1)
+    target = tl.where(target == 2**62, 0, target)  # NaN logits match no max: token 0, never an id past V
     at_parent = tl.sum(tl.where(par[:, None] == i[None, :], target[None, :], 0), axis=1)
     hit = ((tok == at_parent) & valid) | (i == 0)  # the root is given
     # an earlier sibling that hits shadows a later one: hits are unique per parent
