@@ -8,15 +8,15 @@ the tokens padded to 16 or 32 (acc [BLOCK_N, BLOCK_T] = W_tile @ x_tile^T: tl.do
 step of Llama-8B's GEMMs against cuBLAS's 5.64 (5.47 against 5.79 at 32 tokens).
 
 The fused forms and their rounding are `matvec.py`'s (norm prologue per token, gated
-SiLU*mul, residual add), so a layer run this way is the one-token layer for T tokens.
-On by default (SPECSERVE_SKINNY=0 turns it off). At 32 padded tokens the norm runs
-first as norm.py's own launch: every program normalising all 32 tokens cost SmolLM2's qkv
-4.99 us against 2.89 without the norm, and gate_up 6.33 against 4.31 (H100, PDL), where a
-norm launch costs about 1.5. On an H100 with PDL, SmolLM2's
+SiLU*mul, residual add), so a layer run this way is the one-token layer for T tokens;
+past one tile of 16 tokens the norm is deferred (`product`): its weight scales x before
+the dot, its rsqrt the product after, so no program normalises all T tokens before its
+first dot. That pre-pass cost SmolLM2's qkv 4.99 us against 2.89 without the norm at 32
+tokens, and gate_up 6.33 against 4.31 (H100, PDL); norm.py's own launch instead cost about
+1.5 us. On by default (SPECSERVE_SKINNY=0 turns it off). On an H100 with PDL, SmolLM2's
 verify graph of a 32-node tree took 913 us with it against 1019 with cuBLAS and the
 separate norms and SiLU*mul (dummy weights, 300 cached tokens, separate processes).
-A row of up to 1024 takes one tile (`_config`), and then the norm's sum of squares comes
-from the tile the dot reads, with no pass of its own over x. float32 dots run in IEEE
+A row of up to 1024 takes one tile (`_config`). float32 dots run in IEEE
 fp32, not TF32, so float32 models keep their precision.
 """
 from __future__ import annotations
@@ -33,23 +33,31 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _normed(x, nw_ptr, cols, kmask, rstd, NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
-    """x [BLOCK_T, BLOCK_K] fp32, normalised per token as norm.py rounds it when NORM."""
+def _norm_weight(nw_ptr, cols, kmask, NORM: tl.constexpr):
+    """The norm's weight [BLOCK_K] in fp32 at `cols` (ones without a norm)."""
+    g = tl.full(cols.shape, 1.0, tl.float32)
     if NORM:
-        g = tl.load(nw_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        g = tl.load(nw_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+    return g
+
+
+@triton.jit
+def _normed(x, g, rstd, NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """x [BLOCK_T, BLOCK_K] fp32, normalised per token as norm.py rounds it when NORM
+    (g: the norm's weight [BLOCK_K]; rstd all ones: only scaled by it, the deferred form)."""
+    if NORM:
         if HALF:  # normalise, round, then scale by the weight and round
-            x = (g * (x * rstd[:, None]).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+            x = (g[None, :] * (x * rstd[:, None]).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
         else:
-            x = x * rstd[:, None] * g
+            x = x * rstd[:, None] * g[None, :]
     return x
 
 
 @triton.jit
-def _x_tile(x_ptr, nw_ptr, toks, tmask, cols, kmask, sx, rstd, NORM: tl.constexpr, HALF: tl.constexpr):
-    """x[toks, cols] in fp32 [BLOCK_T, BLOCK_K], normalised per token as norm.py rounds it."""
-    x = tl.load(x_ptr + toks[:, None] * sx + cols[None, :], mask=tmask[:, None] & kmask[None, :],
-                other=0.0).to(tl.float32)
-    return _normed(x, nw_ptr, cols, kmask, rstd, NORM, HALF, x_ptr.dtype.element_ty)
+def _x_tile(x_ptr, toks, tmask, cols, kmask, sx):
+    """x[toks, cols] in fp32 [BLOCK_T, BLOCK_K]; 0 where masked."""
+    return tl.load(x_ptr + toks[:, None] * sx + cols[None, :], mask=tmask[:, None] & kmask[None, :],
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -74,37 +82,61 @@ def _w_tiles(w_ptr, up_ptr, rows, rmask, cols, kmask, sw, swk, GATED: tl.constex
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, T, N, K, sx, sw, swk, so, sr, eps,
-                   NORM: tl.constexpr, RES: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr,
-                   IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
+def _sum_squares(x, ss, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """ss [BLOCK_N, BLOCK_T] += every token's sum of x^2 over this tile, in each of the
+    BLOCK_N rows: a dot of ones with x^2 (x [BLOCK_T, BLOCK_K] fp32), so the sums come out
+    in the accumulator's layout. A row reduction (tl.sum) instead, and its conversion to
+    that layout, cost SmolLM2's qkv about 2 us of its 3.6 at 32 tokens (H100). The dot
+    is fp32 (TF32 products: fp32's range, where half x^2 would overflow fp16 past |x| = 256;
+    IEEE for fp32 models)."""
+    xsq = tl.trans(x * x)
+    if IEEE:
+        ss = tl.dot(tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32), xsq, ss, input_precision="ieee")
+    else:
+        ss = tl.dot(tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32), xsq, ss, input_precision="tf32")
+    return ss
+
+
+@triton.jit
+def first_tiles(w_ptr, nw_ptr, rows, rmask, N, K, sw, swk, NORM: tl.constexpr, GATED: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """(w, wu, g): the first K tile of W[rows] (of the up rows too when GATED) and of the
+    norm's weight. No earlier kernel writes them, so a kernel fetches them before its PDL
+    wait and they are on their way while the kernel before it finishes."""
+    cols = tl.arange(0, BLOCK_K)
+    w, wu = _w_tiles(w_ptr, w_ptr + N.to(tl.int64) * sw, rows, rmask, cols, cols < K, sw, swk, GATED)
+    return w, wu, _norm_weight(nw_ptr, cols, cols < K, NORM)
+
+
+@triton.jit
+def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, eps,
+            NORM: tl.constexpr, DEFER: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr,
+            IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            ONE_TILE: tl.constexpr):
+    """(acc, acc_up) fp32 [BLOCK_N, BLOCK_T]: acc[n, t] = W[rows[n]] . norm(x[t]) (acc_up
+    the same for the up rows, which follow the gate rows, when GATED; else acc again),
+    from `first_tiles`' (w, wu, g); called past the PDL wait (x is an earlier kernel's).
+
+    The norm, when NORM, is one of two forms. Exact (DEFER off; one tile only): x is
+    normalised as norm.py rounds it, then multiplied. Deferred: the dots take x scaled by
+    the norm's weight alone, the same tiles give the sums of squares (`_sum_squares`), and
+    the products are scaled by rsqrt(mean(x^2) + eps) at the end: no pass of its own over
+    x and no fp32 tile of all K held for it (rounded once at x * weight, not at x * rstd too)."""
+    tl.static_assert(ONE_TILE or DEFER or not NORM)
     toks = tl.arange(0, BLOCK_T)
     tmask = toks < T
     up_ptr = w_ptr + N.to(tl.int64) * sw  # GATED: the up rows follow the gate rows
     cols = tl.arange(0, BLOCK_K)
-    # The weights are no earlier kernel's output: the first tile is fetched before the
-    # wait, so with PDL it is on its way while the kernel before this one finishes
-    w, wu = _w_tiles(w_ptr, up_ptr, rows, rmask, cols, cols < K, sw, swk, GATED)
-    wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
-    rstd = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
-    if ONE_TILE:  # the whole row in one tile: the norm's sum of squares comes from it
-        x = tl.load(x_ptr + toks[:, None] * sx + cols[None, :], mask=tmask[:, None] & (cols < K)[None, :],
-                    other=0.0).to(tl.float32)
-        if NORM:
-            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)
-        x = _normed(x, nw_ptr, cols, cols < K, rstd, NORM, HALF, x_ptr.dtype.element_ty)
-    else:
-        if NORM:  # per token: rsqrt(mean(x^2) + eps), in fp32
-            ss = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xs = tl.load(x_ptr + toks[:, None] * sx + (k0 + cols)[None, :],
-                             mask=tmask[:, None] & (k0 + cols < K)[None, :], other=0.0).to(tl.float32)
-                ss += xs * xs
-            rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
-        x = _x_tile(x_ptr, nw_ptr, toks, tmask, cols, cols < K, sx, rstd, NORM, HALF)
-    xt = tl.trans(x.to(w_ptr.dtype.element_ty))  # [BLOCK_K, BLOCK_T], exact: x's dtype values already
+    dtype = x_ptr.dtype.element_ty
+    ones = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
+    x = _x_tile(x_ptr, toks, tmask, cols, cols < K, sx)
+    rstd = ones
+    if NORM and not DEFER:  # the whole row is this tile
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)
+    ss = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    if NORM and DEFER:
+        ss = _sum_squares(x, ss, BLOCK_N, BLOCK_K, IEEE)
+    xt = tl.trans(_normed(x, g, rstd, NORM, HALF, dtype).to(w_ptr.dtype.element_ty))
     acc = _dot(w, xt, tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32), IEEE)
     acc_up = acc  # unused unless GATED
     if GATED:
@@ -112,12 +144,35 @@ def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, T, N, K, sx, sw, swk,
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kcols = k0 + cols
         kmask = kcols < K
-        xt = tl.trans(_x_tile(x_ptr, nw_ptr, toks, tmask, kcols, kmask, sx, rstd, NORM, HALF).to(
-            w_ptr.dtype.element_ty))
+        x = _x_tile(x_ptr, toks, tmask, kcols, kmask, sx)
+        if NORM:
+            ss = _sum_squares(x, ss, BLOCK_N, BLOCK_K, IEEE)
+        g = _norm_weight(nw_ptr, kcols, kmask, NORM)
+        xt = tl.trans(_normed(x, g, ones, NORM, HALF, dtype).to(w_ptr.dtype.element_ty))
         w, wu = _w_tiles(w_ptr, up_ptr, rows, rmask, kcols, kmask, sw, swk, GATED)
         acc = _dot(w, xt, acc, IEEE)
         if GATED:
             acc_up = _dot(wu, xt, acc_up, IEEE)
+    if NORM and DEFER:
+        scale = tl.rsqrt(ss / K + eps)  # [BLOCK_N, BLOCK_T], every row the same
+        acc = acc * scale
+        acc_up = acc_up * scale
+    return acc, acc_up
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, T, N, K, sx, sw, swk, so, sr, eps,
+                   NORM: tl.constexpr, DEFER: tl.constexpr, RES: tl.constexpr, GATED: tl.constexpr,
+                   HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    w, wu, g = first_tiles(w_ptr, nw_ptr, rows, rmask, N, K, sw, swk, NORM, GATED, BLOCK_K)
+    wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
+    acc, acc_up = product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, eps, NORM, DEFER,
+                          GATED, HALF, IEEE, BLOCK_T, BLOCK_N, BLOCK_K, ONE_TILE)
+    toks = tl.arange(0, BLOCK_T)
+    tmask = toks < T
     # acc[n, t] is token t's output n; each dot rounded as F.linear's output is
     y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     if GATED:  # activation.py: silu rounded, then the product
@@ -143,23 +198,24 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
     if residual is not None:
         assert residual.shape == (t, n) and residual.dtype == x.dtype, (residual.shape, residual.dtype)
         residual = residual.contiguous()
-    if norm_weight is not None:
-        assert norm_weight.shape == (k,), norm_weight.shape
-        if t > 16 and norm_weight.dtype == x.dtype:  # norm.py's launch costs less than every program's norm
-            from specserve.kernels.norm import rms_norm
-
-            x, norm_weight = rms_norm(x, norm_weight, eps), None
+    norm = norm_weight is not None
+    assert not norm or norm_weight.shape == (k,), norm_weight.shape
     block_t = 16 if t <= 16 else 32
-    block_n, block_k, stages = _config(n, k, gated, norm_weight is not None, weight.element_size(), block_t,
-                                       x.device)
+    block_n, block_k, stages = _config(n, k, gated, norm, weight.element_size(), block_t, x.device)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, residual if residual is not None else out, norm_weight if norm_weight is not None else x,
         t, n, k, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         residual.stride(0) if residual is not None else 0, eps,
-        NORM=norm_weight is not None, RES=residual is not None, GATED=gated, HALF=x.dtype in _HALF,
-        IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM=norm, DEFER=defer_norm(norm, block_k >= k, block_t), RES=residual is not None, GATED=gated,
+        HALF=x.dtype in _HALF, IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
         ONE_TILE=block_k >= k, num_warps=4, num_stages=stages, **pdl_flags(x.device))
     return out
+
+
+def defer_norm(norm: bool, one_tile: bool, block_t: int) -> bool:
+    """Whether `product` takes the norm's deferred form: always but for one tile of up to
+    16 tokens, where the exact form costs nothing extra (the tile the dot reads is the row)."""
+    return norm and not (one_tile and block_t == 16)
 
 
 _LIMITS: dict[int | None, tuple[int, int]] = {}  # device index -> (shared memory a program may use, SMs)
@@ -181,8 +237,9 @@ def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     """(BLOCK_N, BLOCK_K, num_stages); BLOCK_K >= k means one tile holds the whole row.
 
     Rows up to 1024 wide that are not gated take one tile, 64 rows a program with the
-    norm, 16 without, unless the normed x tile of 32 tokens would not fit in registers
-    or the layer is an lm_head (16384 rows or more: not measured that way).
+    exact norm (16 tokens), 16 without a norm, unless the layer is an lm_head (16384 rows
+    or more: not measured that way) or normed at 32 tokens (SmolLM2's qkv: 4.06 us in one
+    tile against 3.67 looped 16 x 256 deep, deferred norm, H100).
     SmolLM2 at 16 tokens (H100, PDL, 30 distinct weights in a graph): qkv 3.3 us against
     4.2 looped, o_proj 2.3 against 2.6 (2.6 at 32 tokens).
     Otherwise from a sweep of the plain kernel over Llama-8B's shapes at 16 and 32 tokens

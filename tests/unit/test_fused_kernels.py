@@ -27,12 +27,15 @@ from specserve.runner.forward_batch import ForwardMode  # noqa: E402
 from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
 
 
-def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
+def _close(got: torch.Tensor, ref: torch.Tensor, half_tol: float = 1e-2) -> None:
+    """float32: a few ulp (the reduction order differs). Half types: one ulp at most
+    (fp32 rsqrt/exp differ by ulps before rounding), or half_tol where the fused form
+    rounds elsewhere (the deferred norm: at x * weight, not at x * rstd)."""
     assert got.dtype == ref.dtype and got.shape == ref.shape
-    if ref.dtype == torch.float32:  # reduction order differs: a few ulp
+    if ref.dtype == torch.float32:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    else:  # one half-type ulp at most (fp32 rsqrt/exp differ by ulps before rounding)
-        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+    else:
+        torch.testing.assert_close(got, ref, rtol=half_tol, atol=half_tol)
 
 
 def _norm(n: int, dtype: torch.dtype) -> RMSNorm:
@@ -93,10 +96,10 @@ def _check_fused_forms(x: torch.Tensor, w: torch.Tensor, wg: torch.Tensor, res: 
     with kernels.fused_kernels(False):
         normed = norm(x)
     _close(kernels.gemv(x, w), F.linear(x, w))
-    _close(kernels.gemv(x, w, norm_weight=norm.weight, eps=norm.eps), F.linear(normed, w))
+    _close(kernels.gemv(x, w, norm_weight=norm.weight, eps=norm.eps), F.linear(normed, w), 2e-2)
     _close(kernels.gemv(x, w, residual=res), res + F.linear(x, w))
     gate, up = F.linear(normed, wg).chunk(2, dim=-1)
-    _close(kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True), F.silu(gate) * up)
+    _close(kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True), F.silu(gate) * up, 2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -122,7 +125,7 @@ def test_skinny_config_fits_the_device(monkeypatch):
     H100's 227 KB with at least one stage; a looped layer that is narrow gets BLOCK_N down
     to 16 before it runs on few programs (an H100 refused 4 stages of gate_up's pair, and
     ran SmolLM2's layers on 9 programs); one tile is taken for rows up to 1024 wide only,
-    never gated, and never for 32 normed tokens (their fp32 x tile spills registers)."""
+    never gated, and not for 32 normed tokens (the deferred norm runs faster looped)."""
     from specserve.kernels import skinny
 
     budget, sms = 227 * 1024 - 8 * 1024, 132
@@ -156,9 +159,11 @@ def test_few_token_path_takes_narrow_models_only(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,n,k", [(2, 7, 64), (16, 96, 576), (23, 33, 300)])  # tokens padded to 16 / 32
+@pytest.mark.parametrize("t,n,k", [(2, 7, 64), (16, 96, 576), (23, 33, 300), (5, 20, 1100)])
 def test_skinny_is_the_unfused_chain(t, n, k, dtype):
-    """The few-token kernel (skinny.py) against the same torch ops, per token."""
+    """The few-token kernel (skinny.py) against the same torch ops, per token: tokens
+    padded to 16 and 32, one K tile and several (1100), so the norm's exact form (one
+    tile, 16 tokens) and its deferred form (32 tokens, several tiles, gated)."""
     x = torch.randn(t, k, device=DEV).to(dtype)
     res = torch.randn(t, n, device=DEV).to(dtype)
     w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
