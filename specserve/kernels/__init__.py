@@ -166,6 +166,21 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.T
     return rope.rope_store_kv(qkv, heads, cos, sin, k_cache, v_cache, slots)
 
 
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *,
+                   norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor | None:
+    """`gemv` of x [T, K] (2 <= T <= SKINNY_MAX_TOKENS) through an attention layer's fused
+    qkv weight, then `rope_store_kv`, in one launch (qkv_rope.py): the rotated queries
+    [T, heads, D]. None where it does not apply (one token: the GEMV's layout; head dims
+    that are not a multiple of 16), for the caller's two launches."""
+    from specserve.kernels import qkv_rope
+
+    if x.shape[0] < 2 or not qkv_rope.supports(k_cache.shape[-1]):
+        return None
+    return qkv_rope.qkv_rope_store(x, weight, heads, cos, sin, k_cache, v_cache, slots, norm_weight=norm_weight,
+                                   eps=eps)
+
+
 def topk_logprobs(logits: torch.Tensor, k: int,
                   token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(log-softmax values float32 [R, k], ids int64 [R, k]) of each row's k largest logits,

@@ -144,13 +144,17 @@ class Attention(nn.Module):
                            residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + o_proj(attention(norm(stream))) for a few tokens [T, in_features]
         (residual: the stream itself unless given; norm None: none): the norm rides on the
-        qkv GEMV and the residual add on o_proj's (kernels/matvec.py, kernels/skinny.py);
-        needs a pooled KV cache."""
+        qkv GEMV and the residual add on o_proj's (kernels/matvec.py, kernels/skinny.py), and
+        for 2 or more tokens RoPE and the KV write too (kernels/qkv_rope.py); needs a pooled
+        KV cache."""
         h, kv, pool = self.heads, self.kv_heads, fb.kv_pool
-        qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=None if norm is None else norm.weight,
-                           eps=0.0 if norm is None else norm.eps)
-        q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope, pool.k[self.layer_id],
-                                  pool.v[self.layer_id], fb.out_slots)
+        norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        caches = pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots
+        q = kernels.qkv_rope_store(stream, self.qkv_proj.out_in_weight, h, *rope, *caches, norm_weight=norm_weight,
+                                   eps=eps)
+        if q is None:  # one token (or an odd head dim): the GEMV, then RoPE and the KV write
+            qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=norm_weight, eps=eps)
+            q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope, *caches)
         out = fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale)
         return kernels.gemv(out.reshape(stream.shape[0], -1), self.o_proj.out_in_weight,
                             residual=stream if residual is None else residual)

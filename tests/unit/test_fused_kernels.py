@@ -214,6 +214,33 @@ def test_rope_store_kv_is_rope_then_the_pool_write(tokens, heads, kv_heads, dim,
             assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim,k,norm", [(2, 4, 2, 16, 64, True), (6, 9, 3, 64, 576, True),
+                                                             (23, 9, 3, 64, 576, True), (5, 2, 1, 128, 1100, False),
+                                                             (17, 2, 1, 32, 1100, True)])
+def test_qkv_rope_store_is_the_projection_then_rope_store_kv(tokens, heads, kv_heads, dim, k, norm, dtype):
+    """One launch (qkv_rope.py) against its two: the few-token projection (with the exact
+    norm, the deferred one, or none; one K tile or several) and then rope_store_kv; the
+    cache rows of other slots untouched."""
+    from specserve.kernels import qkv_rope
+
+    rot = RotaryEmbedding(dim, 256, 10000.0, None)
+    rot.build(DEV, dtype)
+    cos, sin = rot.lookup(torch.randint(0, 256, (tokens,), device=DEV))
+    x = torch.randn(tokens, k, device=DEV).to(dtype)
+    w = torch.randn((heads + 2 * kv_heads) * dim, k, device=DEV).div(k ** 0.5).to(dtype)
+    nw = _norm(k, dtype).weight if norm else None
+    slots = torch.randperm(40, device=DEV)[:tokens]
+    caches = [torch.randn(40, kv_heads, dim, device=DEV).to(dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    with kernels.fused_kernels(True), torch.no_grad():
+        q = qkv_rope.qkv_rope_store(x, w, heads, cos, sin, *caches, slots, norm_weight=nw, eps=1e-6)
+        qkv = kernels.gemv(x, w, norm_weight=nw, eps=1e-6).view(tokens, -1, dim)
+        q_ref = kernels.rope_store_kv(qkv, heads, cos, sin, *ref_caches, slots)
+    for got, ref in zip([q, *caches], [q_ref, *ref_caches]):  # another row tiling may sum the dot differently
+        _close(got, ref, 2e-2)
+
+
 def _logits(model, fused: bool) -> list[torch.Tensor]:
     """Logits of a 9-token extend, then of a 1-token decode."""
     with kernels.fused_kernels(fused):

@@ -1,0 +1,118 @@
+"""An attention layer's fused qkv projection for a few tokens, with RoPE and the KV-cache
+write in the same launch: `skinny.skinny` then `rope.rope_store_kv`, as one kernel.
+
+A verify or draft forward of 2-32 tokens ran the projection (skinny.py) and then a launch
+of its own that rotated q and k and stored k and v (rope.py): 30 of a SmolLM2 verify's
+launches. Rotate-half pairs dim d of a head with dim d + D/2, so a program here takes the
+16 weight rows of 8 such pairs, interleaved (row 2p is dim d0 + p, row 2p + 1 its partner
+d0 + p + D/2): after the dot the pairs are adjacent columns of [tokens, 16], which
+`tl.split` separates and `tl.join` puts back. A head of 64 dims is 4 programs, the same 16
+rows a program as the plain kernel's, so the grid is the plain kernel's.
+
+Rounding is that of the two launches it replaces: the product rounded to x's dtype (the
+qkv tensor), each RoPE product and their sum rounded to the queries' dtype (rope.py's
+`_rotated`), then keys and values to the cache's.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.kernels import SKINNY_MAX_TOKENS, pdl_flags
+from specserve.kernels.pdl import wait_and_release
+from specserve.kernels.skinny import _HALF, _config, defer_norm, first_tiles, product
+
+PAIRS = 8  # rotation pairs a program owns: 16 weight rows, tl.dot's least
+
+
+def supports(head_dim: int) -> bool:
+    """Whether heads of `head_dim` split into programs of PAIRS rotation pairs."""
+    return head_dim % (2 * PAIRS) == 0
+
+
+@triton.jit
+def _tables(cos_ptr, sin_ptr, toks, tmask, sc, d0, D: tl.constexpr, PAIRS: tl.constexpr):
+    """(cos, sin) [BLOCK_T, PAIRS] at dims d0 + p, then at their partners d0 + p + D/2, fp32."""
+    da = (d0 + tl.arange(0, PAIRS))[None, :]
+    offs, m = toks[:, None] * sc, tmask[:, None]
+    ca = tl.load(cos_ptr + offs + da, mask=m, other=0.0).to(tl.float32)
+    sa = tl.load(sin_ptr + offs + da, mask=m, other=0.0).to(tl.float32)
+    cb = tl.load(cos_ptr + offs + da + D // 2, mask=m, other=0.0).to(tl.float32)
+    sb = tl.load(sin_ptr + offs + da + D // 2, mask=m, other=0.0).to(tl.float32)
+    return ca, sa, cb, sb
+
+
+@triton.jit
+def _rotate(y, ca, sa, cb, sb, DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr):
+    """y [BLOCK_T, 2 PAIRS] fp32, columns interleaved (dim d0 + p, its partner d0 + p + D/2),
+    rotated: out[d] = x[d] cos[d] + x[d +- D/2] sin[d] (signed sin, `_tables`), each
+    product and the sum rounded to DTYPE as rope.py's `_rotated` rounds them."""
+    a, b = tl.split(tl.reshape(y, [BLOCK_T, PAIRS, 2]))
+    ra = ((a * ca).to(DTYPE).to(tl.float32) + (b * sa).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+    rb = ((b * cb).to(DTYPE).to(tl.float32) + (a * sb).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+    return tl.reshape(tl.join(ra, rb), [BLOCK_T, 2 * PAIRS])
+
+
+@triton.jit
+def _qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slots_ptr,
+                     T, K, H, KVH, sx, sw, swk, sc, sk0, sk1, sv0, sv1, eps,
+                     D: tl.constexpr, NORM: tl.constexpr, DEFER: tl.constexpr, HALF: tl.constexpr,
+                     IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                     PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
+    per_head: tl.constexpr = D // (2 * PAIRS)
+    head = tl.program_id(0) // per_head  # H query heads, then KVH keys, then KVH values
+    d0 = (tl.program_id(0) % per_head) * PAIRS
+    i = tl.arange(0, 2 * PAIRS)
+    d = d0 + i // 2 + (i % 2) * (D // 2)  # this program's dims, interleaved in pairs
+    rows = head * D + d
+    n = (H + 2 * KVH) * D
+    w, wu, g = first_tiles(w_ptr, nw_ptr, rows, rows < n, n, K, sw, swk, NORM, False, BLOCK_K)
+    wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, the tables) are visible
+    toks = tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    ca, sa, cb, sb = _tables(cos_ptr, sin_ptr, toks, tmask, sc, d0, D, PAIRS)  # on their way during the dot
+    acc, _ = product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rows < n, T, n, K, sx, sw, swk, eps, NORM, DEFER, False,
+                     HALF, IEEE, BLOCK_T, 2 * PAIRS, BLOCK_K, ONE_TILE)
+    y = tl.trans(acc.to(x_ptr.dtype.element_ty).to(tl.float32))  # [BLOCK_T, 2 PAIRS]: the qkv values
+    if head < H + KVH:
+        y = _rotate(y, ca, sa, cb, sb, q_ptr.dtype.element_ty, BLOCK_T, PAIRS)
+    m = tmask[:, None]
+    if head < H:
+        tl.store(q_ptr + (toks[:, None] * H + head) * D + d[None, :], y.to(q_ptr.dtype.element_ty), mask=m)
+    else:
+        slot = tl.load(slots_ptr + toks, mask=tmask, other=0)[:, None]
+        if head < H + KVH:
+            tl.store(k_cache + slot * sk0 + (head - H) * sk1 + d[None, :], y.to(k_cache.dtype.element_ty), mask=m)
+        else:
+            tl.store(v_cache + slot * sv0 + (head - H - KVH) * sv1 + d[None, :], y.to(v_cache.dtype.element_ty),
+                     mask=m)
+
+
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *,
+                   norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """x [T, K] (T <= SKINNY_MAX_TOKENS) through the fused qkv weight [(heads + 2 kvH) D, K]
+    (RMSNorm first when norm_weight is given) -> rotated queries [T, heads, D]; the rotated
+    keys and the values stored at k_cache/v_cache[slots[t]] ([slots, kvH, D]). cos, sin
+    [T, 1, D] or [T, D] signed tables (`RotaryEmbedding.lookup`)."""
+    t, k = x.shape
+    kv_heads, dim = k_cache.shape[1:]
+    assert 1 <= t <= SKINNY_MAX_TOKENS and supports(dim) and weight.shape == ((heads + 2 * kv_heads) * dim, k)
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and v_cache.shape[1:] == (kv_heads, dim)
+    assert slots.shape == (t,) and (norm_weight is None or norm_weight.shape == (k,))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.reshape(t, -1), sin.reshape(t, -1)  # views of lookup()'s [T, 1, D]
+    assert cos.shape == sin.shape == (t, dim) and cos.stride(0) == sin.stride(0) and cos.stride(1) == 1
+    q = torch.empty(t, heads, dim, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    norm, block_t = norm_weight is not None, 16 if t <= 16 else 32
+    _, block_k, stages = _config(weight.shape[0], k, False, norm, weight.element_size(), block_t, x.device)
+    _qkv_rope_kernel[((heads + 2 * kv_heads) * dim // (2 * PAIRS),)](
+        x, weight, norm_weight if norm else x, cos, sin, q, k_cache, v_cache, slots,
+        t, k, heads, kv_heads, x.stride(0), weight.stride(0), weight.stride(1), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
+        D=dim, NORM=norm, DEFER=defer_norm(norm, block_k >= k, block_t), HALF=x.dtype in _HALF,
+        IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_K=block_k, ONE_TILE=block_k >= k,
+        PAIRS=PAIRS, num_warps=4, num_stages=stages, **pdl_flags(x.device))
+    return q
