@@ -11,9 +11,9 @@ The fused forms and their rounding are `matvec.py`'s (norm prologue per token, g
 SiLU*mul, residual add), so a layer run this way is the one-token layer for T tokens;
 past one tile of 16 tokens the norm is deferred (`product`): its weight scales x before
 the dot, its rsqrt the product after, so no program normalises all T tokens before its
-first dot. That pre-pass cost SmolLM2's qkv 4.99 us against 2.89 without the norm at 32
-tokens, and gate_up 6.33 against 4.31 (H100, PDL); norm.py's own launch instead cost about
-1.5 us. On by default (SPECSERVE_SKINNY=0 turns it off). On an H100 with PDL, SmolLM2's
+first dot (that pre-pass cost SmolLM2's qkv 4.99 us against 2.89 without the norm at 32
+tokens; deferred, 3.54 against 2.92, where norm.py's own launch took about 1.5; H100, PDL).
+On by default (SPECSERVE_SKINNY=0 turns it off). On an H100 with PDL, SmolLM2's
 verify graph of a 32-node tree took 913 us with it against 1019 with cuBLAS and the
 separate norms and SiLU*mul (dummy weights, 300 cached tokens, separate processes).
 A row of up to 1024 takes one tile (`_config`). float32 dots run in IEEE
