@@ -21,7 +21,7 @@ import triton.language as tl
 
 from specserve.kernels import SKINNY_MAX_TOKENS, pdl_flags
 from specserve.kernels.pdl import wait_and_release
-from specserve.kernels.skinny import _HALF, _config, defer_norm, first_tiles, product
+from specserve.kernels.skinny import _config, first_tiles, product, product_flags
 
 PAIRS = 8  # rotation pairs a program owns: 16 weight rows, tl.dot's least
 
@@ -112,7 +112,6 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch
         x, weight, norm_weight if norm else x, cos, sin, q, k_cache, v_cache, slots,
         t, k, heads, kv_heads, x.stride(0), weight.stride(0), weight.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
-        D=dim, NORM=norm, DEFER=defer_norm(norm, block_k >= k, block_t), HALF=x.dtype in _HALF,
-        IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_K=block_k, ONE_TILE=block_k >= k,
-        PAIRS=PAIRS, num_warps=4, num_stages=stages, **pdl_flags(x.device))
+        D=dim, PAIRS=PAIRS, num_warps=4, num_stages=stages, **product_flags(x, norm, k, block_t, block_k),
+        **pdl_flags(x.device))
     return q
