@@ -52,8 +52,10 @@ from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.h2d import h2d
+from specserve.runner.prefill_graphs import prefill_sizes
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.spec.accept import DevicePaths, GreedyWalk
+from specserve.spec.draft_prefill_graphs import DraftPrefillGraphs
 from specserve.spec.drafts import Drafts
 from specserve.spec.extend_graphs import DraftExtendGraphs
 from specserve.spec.proposer import Decoded, Verified
@@ -87,12 +89,14 @@ class EagleProposer:
         self.roots = RootStates(kv.table.table.shape[0], spec.eagle_topk, c.hidden_size, runner.dtype, runner.device)
         self.extend_len = spec.num_steps + 1  # the most tokens one verify commits
         self.extend_graphs = self.decoded_graphs = None  # after a verify; after a plain step (1 token)
+        self.prefill_graphs: DraftPrefillGraphs | None = None  # after one request's prefill chunk
         # (request ids, their trees) drafted ahead for the next propose over exactly those requests
         self._ahead: tuple[list[str], Drafts] | None = None
         if self._can_capture(runner):
             self.tree.graphs = self._capture_tree(runner, max_running) if spec.num_steps > 1 else None
             self.extend_graphs = self._capture_extend(runner, max_running, self.extend_len)
             self.decoded_graphs = self._capture_extend(runner, max_running, 1)
+            self.prefill_graphs = self._capture_prefill(runner)
 
     # -- request life cycle -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -105,6 +109,14 @@ class EagleProposer:
     # -- keeping the draft KV in sync -----------------------------------------------------
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
         """Draft-extend the chunk the target just prefilled, over the same slots."""
+        graphs = self.prefill_graphs
+        if graphs is not None and len(batch.reqs) == 1 and graphs.can_run(batch.extend_lens[0]):
+            req, start, n = batch.reqs[0], batch.prefix_lens[0], batch.extend_lens[0]
+            graphs.run(extend_tokens(req.all_ids, start, start + n), start, batch.out_slots, features, req.row,
+                       req.row if batch.sample_mask[0] else None)
+            if batch.sample_mask[0]:
+                self.roots.mark([req])
+            return
         ids = []
         for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             ids += extend_tokens(req.all_ids, start, start + n)
@@ -287,12 +299,24 @@ class EagleProposer:
     def _capture_extend(self, runner: ModelRunner, max_running: int, tokens_per_req: int) -> DraftExtendGraphs:
         """One graph per batch size for the draft extend of `tokens_per_req` tokens per request
         (and the root states it leaves)."""
-        hidden = runner.model.config.hidden_size
-        width = hidden * len(self.model.aux_layers) if self.model.feature_mode == "aux" else hidden
         with torch.inference_mode():
             return DraftExtendGraphs(self.model, self.backend, self.pool, self.kv.table.table,
-                                     runner.graph_max_bs(max_running), tokens_per_req, width,
+                                     runner.graph_max_bs(max_running), tokens_per_req, self._feature_width(runner),
                                      self.topk, self.token_map, self.roots)
+
+    def _capture_prefill(self, runner: ModelRunner) -> DraftPrefillGraphs | None:
+        """Graphs of one request's draft prefill chunk, at the target's prefill-graph sizes
+        (none when --cuda-graph-max-prefill-tokens turns those off)."""
+        if not prefill_sizes(runner.prefill_graph_max_tokens()):
+            return None
+        with torch.inference_mode():
+            return DraftPrefillGraphs(self.model, self.backend, self.pool, self.kv.table.table,
+                                      runner.prefill_graph_max_tokens(), self._feature_width(runner), self.topk,
+                                      self.token_map, self.roots)
+
+    def _feature_width(self, runner: ModelRunner) -> int:
+        hidden = runner.model.config.hidden_size
+        return hidden * len(self.model.aux_layers) if self.model.feature_mode == "aux" else hidden
 
     @torch.inference_mode()
     def _step(self, batch: ScheduleBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

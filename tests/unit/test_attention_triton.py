@@ -330,6 +330,64 @@ def test_prefill_graph_equals_eager_forward(tmp_path):
             torch.testing.assert_close(a[1:], b[1:], rtol=1e-4, atol=1e-4)
 
 
+def test_draft_prefill_graph_equals_eager_extend(tmp_path):
+    """EAGLE-3's draft extend over a prefill chunk through its bucket's graph
+    (spec/draft_prefill_graphs.py; on a CPU the body runs eagerly, interpreted) against the
+    eager draft extend: a middle chunk of 20 tokens padded to 32 (its root state goes to the
+    scratch row), then the final 5 over the cached 20 padded to 16. The root state (top-k
+    log-probabilities, ids, next hidden) and the draft's K/V agree; padding wrote only slot 0."""
+    from specserve.models.draft_layouts import save_eagle3
+    from specserve.models.draft_loader import load_draft
+    from specserve.spec.draft_prefill_graphs import DraftPrefillGraphs
+    from specserve.spec.root_states import RootStates
+    from specserve.spec.tree_draft import top_children
+
+    path = save_tiny_hf("llama", tmp_path / "m")
+    target = load_model(path, torch.float32, DEV)
+    draft = load_draft(save_eagle3(tmp_path / "e3", path, draft_vocab=96, aux_ids=[-1, 0, 1]), target, "EAGLE3", torch.float32, DEV)
+    eager, graphed = BareRunner(draft), BareRunner(draft)
+    graphed.backend = TritonBackend(DEV)
+    hidden = draft.config.hidden_size
+    roots = RootStates(MAX_REQS, 3, hidden, torch.float32, DEV)
+    with torch.inference_mode():
+        graphs = DraftPrefillGraphs(draft, graphed.backend, graphed.pool, graphed.table.table, 32, 3 * hidden, 3,
+                                    draft.token_map, roots, capture=DEV.type == "cuda")
+    assert graphs.sizes == [16, 32] and graphs.can_run(32) and not graphs.can_run(33)
+    g = torch.Generator().manual_seed(0)
+    tokens = [(7 * i + 3) % 512 for i in range(25)]
+    features = torch.randn(25, 3 * hidden, generator=g).to(DEV)
+    for prefix, n, final in ((0, 20, False), (20, 5, True)):
+        chunk, feats = tokens[prefix:prefix + n], features[prefix:prefix + n]
+        with torch.inference_mode():
+            fb = _draft_extend_batch(eager, prefix, chunk)
+            h_logits, h_next = draft(fb, feats)
+            want = (*top_children(draft.compute_logits(h_logits[-1:]), 3, draft.token_map), h_next[-1:])
+            slots = graphed.slots(n)
+            graphed.table.write(0, prefix, slots)
+            graphs.run(chunk, prefix, slots, feats, table_row=0, root_row=0 if final else None)
+        row = 0 if final else roots.scratch_row
+        got = roots.logp[row:row + 1], roots.ids[row:row + 1], roots.hidden[row:row + 1]
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-4)
+        if not final:  # a middle chunk leaves the request's row alone
+            assert not roots.hidden[0].any()
+    for a, b in ((graphed.pool.k[0], eager.pool.k[0]), (graphed.pool.v[0], eager.pool.v[0])):
+        torch.testing.assert_close(a[1:], b[1:], rtol=1e-4, atol=1e-4)
+
+
+def _draft_extend_batch(runner: BareRunner, prefix: int, chunk: list[int]) -> ForwardBatch:
+    """A DRAFT_EXTEND batch of one request (table row 0) over its next len(chunk) positions."""
+    slots = runner.slots(len(chunk))
+    runner.table.write(0, prefix, slots)
+    n = len(chunk)
+    fb = ForwardBatch(ForwardMode.DRAFT_EXTEND, torch.tensor(chunk, device=DEV), torch.arange(prefix, prefix + n,
+                      device=DEV), slots.to(DEV), torch.zeros(1, dtype=torch.int64, device=DEV), [prefix], [n],
+                      runner.table.table, runner.pool, runner.backend, logit_rows=torch.tensor([n - 1], device=DEV))
+    runner.backend.init_forward_metadata(fb)
+    return fb
+
+
 def _prefill_batch(runner: BareRunner, prefix: int, chunk: list[int]) -> ForwardBatch:
     """An EXTEND batch of one request (table row 0) whose logits are wanted at its last token."""
     slots = runner.slots(len(chunk))
