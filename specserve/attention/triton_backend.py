@@ -35,7 +35,7 @@ from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 @dataclass
 class TritonMeta:
     req_rows: torch.Tensor  # [B] int64 rows of req_to_token
-    seq_lens: torch.Tensor | None  # [B] int32 prefix + 1 (decode kernel only)
+    seq_lens: torch.Tensor | None  # [B] int32 prefix + 1 (decode kernel only; None with a tail)
     num_splits: int  # decode and short extends: KV splits per (request, kv head)
     # extend kernel only:
     prefix_lens: torch.Tensor | None = None  # [B] int32
@@ -46,7 +46,7 @@ class TritonMeta:
     mask_indptr: torch.Tensor | None = None  # [B] int64 offset of request b's mask
     # decode with a draft tail (tree drafting): keys >= tail_start[b] come from tail[b]
     tail: torch.Tensor | None = None  # [B, d] int64
-    tail_start: torch.Tensor | None = None  # [B] int32
+    tail_start: torch.Tensor | None = None  # [B] int32 or int64; the keys are [0, tail_start + d)
 
     @property
     def is_decode(self) -> bool:
@@ -96,9 +96,8 @@ class TritonBackend(AttentionBackend):
         """Metadata for a DECODE batch with a draft tail from device tensors only (no host
         list is read), so tree drafting can build it inside a captured graph; tail_start
         [B] is fb.prefix_lens on the device."""
-        tail_start = tail_start.to(torch.int32)
-        seq = tail_start + fb.draft_tail.shape[1]
-        fb.attn_meta = TritonMeta(fb.req_rows, seq, self._num_splits(fb), tail=fb.draft_tail.contiguous(),
+        # no launch of its own: the decode kernel adds the tail's width to tail_start itself
+        fb.attn_meta = TritonMeta(fb.req_rows, None, self._num_splits(fb), tail=fb.draft_tail.contiguous(),
                                   tail_start=tail_start)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

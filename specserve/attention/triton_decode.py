@@ -43,7 +43,7 @@ def _slots(table, tail, n0, end, tail_start, BLOCK_N: tl.constexpr, HAS_TAIL: tl
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, Out, Lse, qk_scale,
+def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_len, Out, Lse, qk_scale,
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_tail,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -52,7 +52,12 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, Out, 
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b)
+    if HAS_TAIL:  # the table's keys, then the tail's tail_len
+        tail_start = tl.load(TailStart + b).to(tl.int32)
+        seq_len = tail_start + tail_len
+    else:
+        seq_len = tl.load(SeqLens + b)
+        tail_start = seq_len  # every key comes through the table row
     row = tl.load(ReqRows + b)
     # Splits are whole key blocks; short sequences leave the last splits empty.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -65,9 +70,6 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, Out, 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     table = ReqToToken + row * stride_tr
-    tail_start = seq_len  # no tail: every key comes through the table row
-    if HAS_TAIL:
-        tail_start = tl.load(TailStart + b)
     # Everything above, and the first key block's keys but the new token's, are no output
     # of the kernel just before (RoPE + KV write: q and the new token's K/V), so with PDL
     # they are fetched while it finishes; the new token's key is read after the wait
@@ -123,19 +125,25 @@ def _reduce_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
-                     req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
+                     req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor | None,
                      scale: float, num_splits: int, tail: torch.Tensor | None = None,
                      tail_start: torch.Tensor | None = None) -> None:
     """out[b] = attention of q[b] over slots req_to_token[req_rows[b], :seq_lens[b]], or
-    with a tail, over req_to_token[req_rows[b], :tail_start[b]] ++ tail[b, :seq_lens[b] - tail_start[b]].
+    with a tail, over req_to_token[req_rows[b], :tail_start[b]] ++ tail[b, :W] (seq_lens
+    unused: the kernel adds W to tail_start itself, where a tree pass spent two launches
+    a depth on the cast and the sum).
 
     q, out [B, H, D] (last dim contiguous); k_pool, v_pool [slots, kvH, D]; req_rows [B]
-    int64, seq_lens and tail_start [B] int32, tail [B, W] int64 (W >= the longest tail),
-    all on q's device. Launches without reading any device value.
+    int64, seq_lens [B] int32, tail_start [B] int32 or int64, tail [B, W] int64, all on
+    q's device. Launches without reading any device value.
     """
     bsz, heads, dim = q.shape
     group = heads // k_pool.shape[1]
     assert req_to_token.stride(1) == 1 and 1 <= num_splits <= MAX_SPLITS
+    has_tail = tail is not None
+    assert (tail.stride(1) == 1 and tail_start is not None) if has_tail else seq_lens is not None
+    if has_tail:
+        seq_lens = tail_start  # never dereferenced
     bd = block_d(dim)
     if num_splits == 1:  # write the final output directly; Lse is never dereferenced
         dst, lse, dst_strides, lse_strides = out, seq_lens, (out.stride(0), out.stride(1), 0), (0, 0)
@@ -143,11 +151,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         dst = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
         dst_strides, lse_strides = dst.stride()[:3], lse.stride()[:2]
-    has_tail = tail is not None
-    assert not has_tail or (tail.stride(1) == 1 and tail_start is not None)
     _decode_kernel[(bsz, k_pool.shape[1], num_splits)](
         q, k_pool, v_pool, req_to_token, req_rows, seq_lens, tail if has_tail else req_rows,
-        tail_start if has_tail else seq_lens, dst, lse, scale * LOG2E,
+        tail_start if has_tail else seq_lens, tail.shape[1] if has_tail else 0, dst, lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         req_to_token.stride(0), tail.stride(0) if has_tail else 0, *dst_strides, *lse_strides,
         GROUP=group, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
