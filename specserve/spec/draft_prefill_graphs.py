@@ -55,22 +55,18 @@ class DraftPrefillGraphs:
     def run(self, ids: list[int], start: int, slots: torch.Tensor, features: torch.Tensor, table_row: int,
             root_row: int | None) -> None:
         """Draft-extend positions [start, start + n) of table row `table_row`: `ids` [n] the
-        tokens paired with them (eagle.py `extend_tokens`), `slots` [n] their KV slots,
-        `features` [n, F] the target's; the root state goes to `root_row` (None: nowhere)."""
+        tokens paired with them (eagle.py `extend_tokens`), `slots` [n] their KV slots (on
+        the host, as the allocator hands them out), `features` [n, F] the target's; the
+        root state goes to `root_row` (None: nowhere)."""
         n = len(ids)
         b = self.sizes[bisect.bisect_left(self.sizes, n)]
         big = self.ids.numel()
         host = torch.zeros(self.index.numel(), dtype=torch.int64)
         host[:n] = torch.tensor(ids, dtype=torch.int64)
         host[big:big + n] = torch.arange(start, start + n)
-        on_host = slots.device.type == "cpu"
-        if on_host:  # padding rows keep slot 0 (the scratch slot)
-            host[2 * big:2 * big + n] = slots
+        host[2 * big:2 * big + n] = slots  # padding rows keep slot 0 (the scratch slot)
         host[3 * big:] = torch.tensor([table_row, n - 1, self.roots.scratch_row if root_row is None else root_row])
         self.index.copy_(host, non_blocking=True)  # pageable: staged before the call returns
-        if not on_host:
-            self.slots[n:b].zero_()
-            self.slots[:n].copy_(slots)
         self.features[:n].copy_(features)
         fb = self._batch(b, start, n)
         self.backend.init_metadata_for_replay(fb)

@@ -52,8 +52,8 @@ from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.h2d import h2d
-from specserve.runner.prefill_graphs import prefill_sizes
 from specserve.runner.model_runner import ModelRunner, make_backend
+from specserve.runner.prefill_graphs import prefill_sizes
 from specserve.spec.accept import DevicePaths, GreedyWalk
 from specserve.spec.draft_prefill_graphs import DraftPrefillGraphs
 from specserve.spec.drafts import Drafts
