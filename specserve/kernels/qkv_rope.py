@@ -21,7 +21,8 @@ import triton.language as tl
 
 from specserve.kernels import SKINNY_MAX_TOKENS, pdl_flags
 from specserve.kernels.pdl import wait_and_release
-from specserve.kernels.skinny import _config, first_tiles, product, product_flags
+from specserve.kernels.skinny import (_config, deferred_norm, first_tiles, product, product_flags, split_buffers,
+                                      split_range, split_sum)
 
 PAIRS = 8  # rotation pairs a program owns: 16 weight rows, tl.dot's least
 
@@ -55,11 +56,11 @@ def _rotate(y, ca, sa, cb, sb, DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slots_ptr,
+def _qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slots_ptr, part_ptr, count_ptr,
                      T, K, H, KVH, sx, sw, swk, sc, sk0, sk1, sv0, sv1, eps,
                      D: tl.constexpr, NORM: tl.constexpr, DEFER: tl.constexpr, HALF: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                     PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
     per_head: tl.constexpr = D // (2 * PAIRS)
     head = tl.program_id(0) // per_head  # H query heads, then KVH keys, then KVH values
     d0 = (tl.program_id(0) % per_head) * PAIRS
@@ -67,14 +68,33 @@ def _qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_c
     d = d0 + i // 2 + (i % 2) * (D // 2)  # this program's dims, interleaved in pairs
     rows = head * D + d
     n = (H + 2 * KVH) * D
-    w, wu, g = first_tiles(w_ptr, nw_ptr, rows, rows < n, n, K, sw, swk, NORM, False, BLOCK_K)
+    k_lo, k_len = split_range(K, SPLIT_K, BLOCK_K)  # the whole K without a split
+    xk, wk, nwk = x_ptr + k_lo, w_ptr + k_lo * swk, nw_ptr + k_lo
+    w, wu, g = first_tiles(wk, nwk, rows, rows < n, n, k_len, sw, swk, NORM, False, BLOCK_K)
     wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, the tables) are visible
     toks = tl.arange(0, BLOCK_T)
     tmask = toks < T
     ca, sa, cb, sb = _tables(cos_ptr, sin_ptr, toks, tmask, sc, d0, D, PAIRS)  # on their way during the dot
-    acc, _ = product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rows < n, T, n, K, sx, sw, swk, eps, NORM, DEFER, False,
-                     HALF, IEEE, BLOCK_T, 2 * PAIRS, BLOCK_K, ONE_TILE)
-    y = tl.trans(acc.to(x_ptr.dtype.element_ty).to(tl.float32))  # [BLOCK_T, 2 PAIRS]: the qkv values
+    acc, _, ss = product(xk, wk, nwk, w, wu, g, rows, rows < n, T, n, k_len, sx, sw, swk, eps, NORM, DEFER, False,
+                         HALF, IEEE, BLOCK_T, 2 * PAIRS, BLOCK_K, ONE_TILE)
+    last = True
+    if SPLIT_K > 1:
+        tl.static_assert(DEFER or not NORM)  # the exact norm needs the whole row in one program
+        acc, _, ss, last = split_sum(part_ptr, count_ptr, acc, acc, ss, False, NORM, SPLIT_K, 2 * PAIRS, BLOCK_T)
+    if last:
+        acc, _ = deferred_norm(acc, acc, ss, K, eps, NORM, DEFER)
+        _rope_store(acc, q_ptr, k_cache, v_cache, slots_ptr, ca, sa, cb, sb, head, d, T, H, KVH, sk0, sk1, sv0, sv1,
+                    x_ptr.dtype.element_ty, D, BLOCK_T, PAIRS)
+
+
+@triton.jit
+def _rope_store(acc, q_ptr, k_cache, v_cache, slots_ptr, ca, sa, cb, sb, head, d, T, H, KVH, sk0, sk1, sv0, sv1,
+                DTYPE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr):
+    """The projection acc [2 PAIRS, BLOCK_T] rounded to the activations' DTYPE, rotated
+    (queries and keys) and stored: queries to q_ptr, keys and values at their slots."""
+    toks = tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    y = tl.trans(acc.to(DTYPE).to(tl.float32))  # [BLOCK_T, 2 PAIRS]: the qkv values
     if head < H + KVH:
         y = _rotate(y, ca, sa, cb, sb, q_ptr.dtype.element_ty, BLOCK_T, PAIRS)
     m = tmask[:, None]
@@ -107,11 +127,14 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch
     assert cos.shape == sin.shape == (t, dim) and cos.stride(0) == sin.stride(0) and cos.stride(1) == 1
     q = torch.empty(t, heads, dim, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
     norm, block_t = norm_weight is not None, 16 if t <= 16 else 32
-    _, block_k, stages = _config(weight.shape[0], k, False, norm, weight.element_size(), block_t, x.device)
-    _qkv_rope_kernel[((heads + 2 * kv_heads) * dim // (2 * PAIRS),)](
-        x, weight, norm_weight if norm else x, cos, sin, q, k_cache, v_cache, slots,
+    cfg = _config(weight.shape[0], k, False, norm, weight.element_size(), block_t, x.device)
+    programs = (heads + 2 * kv_heads) * dim // (2 * PAIRS)
+    cfg = cfg._replace(block_n=2 * PAIRS)  # this kernel's rows a program
+    part, counts = split_buffers(x.device, programs, cfg, block_t)
+    _qkv_rope_kernel[(programs, cfg.split)](
+        x, weight, norm_weight if norm else x, cos, sin, q, k_cache, v_cache, slots, part, counts,
         t, k, heads, kv_heads, x.stride(0), weight.stride(0), weight.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
-        D=dim, PAIRS=PAIRS, num_warps=4, num_stages=stages, **product_flags(x, norm, k, block_t, block_k),
-        **pdl_flags(x.device))
+        D=dim, PAIRS=PAIRS, SPLIT_K=cfg.split, num_warps=4, num_stages=cfg.stages,
+        **product_flags(x, norm, k, block_t, cfg.block_k, cfg.split), **pdl_flags(x.device))
     return q

@@ -18,8 +18,18 @@ verify graph of a 32-node tree took 913 us with it against 1019 with cuBLAS and 
 separate norms and SiLU*mul (dummy weights, 300 cached tokens, separate processes).
 A row of up to 1024 takes one tile (`_config`). float32 dots run in IEEE
 fp32, not TF32, so float32 models keep their precision.
+
+K may be split over programs (grid axis 1, `split_range`): each multiplies its part of
+the columns and the last of a row block's programs to finish sums the fp32 parts in a
+fixed order (`split_sum`, through a per-device counter), then applies the epilogue.
+SmolLM2's down_proj (576 rows, K 1536) ran on 36 programs of 16 rows; split 3 ways, each
+part one 512-deep tile fetched before the PDL wait, it took 3.25 us against 4.57 at 32
+tokens (H100, PDL, 30 distinct weights in a graph). The other narrow layers (K 576) did
+not gain from a split.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -113,9 +123,11 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
             NORM: tl.constexpr, DEFER: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr,
             IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             ONE_TILE: tl.constexpr):
-    """(acc, acc_up) fp32 [BLOCK_N, BLOCK_T]: acc[n, t] = W[rows[n]] . norm(x[t]) (acc_up
+    """(acc, acc_up, ss) fp32 [BLOCK_N, BLOCK_T]: acc[n, t] = W[rows[n]] . norm(x[t]) (acc_up
     the same for the up rows, which follow the gate rows, when GATED; else acc again),
     from `first_tiles`' (w, wu, g); called past the PDL wait (x is an earlier kernel's).
+    A deferred norm is not applied yet: `ss` holds the sums of squares that
+    `deferred_norm` scales by, once a split K's parts are summed (`split_sum`).
 
     The norm, when NORM, is one of two forms. Exact (DEFER off; one tile only): x is
     normalised as norm.py rounds it, then multiplied. Deferred: the dots take x scaled by
@@ -153,35 +165,106 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
         acc = _dot(w, xt, acc, IEEE)
         if GATED:
             acc_up = _dot(wu, xt, acc_up, IEEE)
+    return acc, acc_up, ss
+
+
+@triton.jit
+def deferred_norm(acc, acc_up, ss, K, eps, NORM: tl.constexpr, DEFER: tl.constexpr):
+    """`product`'s (acc, acc_up) scaled by rsqrt(mean(x^2) + eps) when the norm is deferred
+    (ss: the sums of squares over all K columns, [BLOCK_N, BLOCK_T], every row the same)."""
     if NORM and DEFER:
-        scale = tl.rsqrt(ss / K + eps)  # [BLOCK_N, BLOCK_T], every row the same
+        scale = tl.rsqrt(ss / K + eps)
         acc = acc * scale
         acc_up = acc_up * scale
     return acc, acc_up
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, T, N, K, sx, sw, swk, so, sr, eps,
-                   NORM: tl.constexpr, DEFER: tl.constexpr, RES: tl.constexpr, GATED: tl.constexpr,
-                   HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, USE_PDL: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    w, wu, g = first_tiles(w_ptr, nw_ptr, rows, rmask, N, K, sw, swk, NORM, GATED, BLOCK_K)
-    wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
-    acc, acc_up = product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, eps, NORM, DEFER,
-                          GATED, HALF, IEEE, BLOCK_T, BLOCK_N, BLOCK_K, ONE_TILE)
+def split_range(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(first column, columns) of this program's part of K (program axis 1): SPLIT_K parts
+    of whole BLOCK_K tiles; a part past K has none (its products are zeros)."""
+    chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(1) * chunk
+    return k_lo, tl.minimum(chunk, K - k_lo)
+
+
+@triton.jit
+def split_sum(part_ptr, count_ptr, acc, acc_up, ss, GATED: tl.constexpr, NORM: tl.constexpr,
+              SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(acc, acc_up, ss, last) summed over the SPLIT_K programs of this row block (program
+    axis 0), in the last of them to arrive (`last`; the others' sums are not).
+
+    Each program stores its fp32 parts at part_ptr [row blocks, SPLIT_K, 3, BLOCK_N,
+    BLOCK_T] and counts itself in on count_ptr[row block]; the one that counts SPLIT_K
+    sums the parts in split order, whoever came last, so the result does not depend on
+    the programs' timing, and sets the count back to 0 for the next launch (launches on
+    one stream never overlap: a later kernel's PDL wait waits for this one to finish).
+    The barrier puts every thread's stores before the counting atomic (acq_rel, GPU
+    scope), and the sums are read past L1 (.cg), which another SM's writes do not reach."""
+    tile: tl.constexpr = BLOCK_N * BLOCK_T
+    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+    base = part_ptr + tl.program_id(0).to(tl.int64) * (SPLIT_K * 3 * tile)
+    mine = base + tl.program_id(1) * (3 * tile)
+    tl.store(mine + offs, acc)
+    if GATED:
+        tl.store(mine + tile + offs, acc_up)
+    if NORM:
+        tl.store(mine + 2 * tile + offs, ss)
+    tl.debug_barrier()
+    last = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel") == SPLIT_K - 1
+    if last:
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        acc_up = acc
+        ss = acc
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(base + s * (3 * tile) + offs, cache_modifier=".cg")
+            if GATED:
+                acc_up += tl.load(base + s * (3 * tile) + tile + offs, cache_modifier=".cg")
+            if NORM:
+                ss += tl.load(base + s * (3 * tile) + 2 * tile + offs, cache_modifier=".cg")
+        tl.store(count_ptr + tl.program_id(0), 0)
+    return acc, acc_up, ss, last
+
+
+@triton.jit
+def _store_out(acc, acc_up, out_ptr, res_ptr, rows, rmask, T, so, sr, RES: tl.constexpr, GATED: tl.constexpr,
+               DTYPE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """out[t, rows] = the products rounded as F.linear's output is (acc[n, t] is token t's
+    output n), through SiLU*mul when GATED, plus the residual when RES."""
     toks = tl.arange(0, BLOCK_T)
     tmask = toks < T
-    # acc[n, t] is token t's output n; each dot rounded as F.linear's output is
-    y = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = acc.to(DTYPE).to(tl.float32)
     if GATED:  # activation.py: silu rounded, then the product
-        up = acc_up.to(x_ptr.dtype.element_ty).to(tl.float32)
-        y = (y / (1.0 + tl.exp(-y))).to(x_ptr.dtype.element_ty).to(tl.float32) * up
+        up = acc_up.to(DTYPE).to(tl.float32)
+        y = (y / (1.0 + tl.exp(-y))).to(DTYPE).to(tl.float32) * up
     omask = rmask[:, None] & tmask[None, :]
     if RES:
         y = tl.load(res_ptr + toks[None, :] * sr + rows[:, None], mask=omask, other=0.0).to(tl.float32) + y
     tl.store(out_ptr + toks[None, :] * so + rows[:, None], y.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, part_ptr, count_ptr, T, N, K, sx, sw, swk, so, sr, eps,
+                   NORM: tl.constexpr, DEFER: tl.constexpr, RES: tl.constexpr, GATED: tl.constexpr,
+                   HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    k_lo, k_len = split_range(K, SPLIT_K, BLOCK_K)  # the whole K without a split
+    xk, wk, nwk = x_ptr + k_lo, w_ptr + k_lo * swk, nw_ptr + k_lo
+    w, wu, g = first_tiles(wk, nwk, rows, rmask, N, k_len, sw, swk, NORM, GATED, BLOCK_K)
+    wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
+    acc, acc_up, ss = product(xk, wk, nwk, w, wu, g, rows, rmask, T, N, k_len, sx, sw, swk, eps, NORM, DEFER,
+                              GATED, HALF, IEEE, BLOCK_T, BLOCK_N, BLOCK_K, ONE_TILE)
+    last = True
+    if SPLIT_K > 1:
+        tl.static_assert(DEFER or not NORM)  # the exact norm needs the whole row in one program
+        acc, acc_up, ss, last = split_sum(part_ptr, count_ptr, acc, acc_up, ss, GATED, NORM, SPLIT_K, BLOCK_N,
+                                          BLOCK_T)
+    if last:
+        acc, acc_up = deferred_norm(acc, acc_up, ss, K, eps, NORM, DEFER)
+        _store_out(acc, acc_up, out_ptr, res_ptr, rows, rmask, T, so, sr, RES, GATED, x_ptr.dtype.element_ty,
+                   BLOCK_T)
 
 
 def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
@@ -201,21 +284,56 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
     norm = norm_weight is not None
     assert not norm or norm_weight.shape == (k,), norm_weight.shape
     block_t = 16 if t <= 16 else 32
-    block_n, block_k, stages = _config(n, k, gated, norm, weight.element_size(), block_t, x.device)
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, residual if residual is not None else out, norm_weight if norm else x,
+    cfg = _config(n, k, gated, norm, weight.element_size(), block_t, x.device)
+    grid_n = triton.cdiv(n, cfg.block_n)
+    part, counts = split_buffers(x.device, grid_n, cfg, block_t)
+    _skinny_kernel[(grid_n, cfg.split)](
+        x, weight, out, residual if residual is not None else out, norm_weight if norm else x, part, counts,
         t, n, k, x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         residual.stride(0) if residual is not None else 0, eps, RES=residual is not None, GATED=gated,
-        BLOCK_N=block_n, num_warps=4, num_stages=stages, **product_flags(x, norm, k, block_t, block_k),
-        **pdl_flags(x.device))
+        BLOCK_N=cfg.block_n, num_warps=4, num_stages=cfg.stages, SPLIT_K=cfg.split,
+        **product_flags(x, norm, k, block_t, cfg.block_k, cfg.split), **pdl_flags(x.device))
     return out
 
 
-def product_flags(x: torch.Tensor, norm: bool, k: int, block_t: int, block_k: int) -> dict:
+class Config(NamedTuple):
+    """A few-token launch's shape: weight rows and K columns per tile, pipeline stages,
+    and the programs K is split over (1: none; `split_sum`)."""
+    block_n: int
+    block_k: int
+    stages: int
+    split: int = 1
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}  # device -> split_sum's counts, all 0 between launches
+MAX_ROW_BLOCKS = 4096  # row blocks of a split launch
+
+
+def split_buffers(device: torch.device, row_blocks: int, cfg: Config,
+                  block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parts, counts) for `split_sum`: fp32 scratch [row_blocks, split, 3, BLOCK_N, BLOCK_T]
+    (empty without a split) and the device's counts, one per row block. The counts are
+    one zeroed buffer per device, allocated once so that CUDA graphs keep its address;
+    every launch leaves them 0."""
+    if cfg.split == 1:
+        return torch.empty(0, dtype=torch.float32, device=device), _counts(device)
+    assert row_blocks <= MAX_ROW_BLOCKS, row_blocks
+    part = torch.empty(row_blocks * cfg.split * 3 * cfg.block_n * block_t, dtype=torch.float32, device=device)
+    return part, _counts(device)
+
+
+def _counts(device: torch.device) -> torch.Tensor:
+    if device not in _COUNTS:
+        _COUNTS[device] = torch.zeros(MAX_ROW_BLOCKS, dtype=torch.int32, device=device)
+    return _COUNTS[device]
+
+
+def product_flags(x: torch.Tensor, norm: bool, k: int, block_t: int, block_k: int, split: int = 1) -> dict:
     """`product`'s constexprs for activations x [T, k] and a K tile of block_k. The norm
     is deferred but for one tile of up to 16 tokens, where the exact form measured faster
-    (SmolLM2's qkv 3.7-3.9 us against 4.1 deferred and looped, H100)."""
-    one_tile = block_k >= k
+    (SmolLM2's qkv 3.7-3.9 us against 4.1 deferred and looped, H100); a K split across
+    programs always defers it."""
+    one_tile = block_k >= k and split == 1
     return dict(NORM=norm, DEFER=norm and not (one_tile and block_t == 16), HALF=x.dtype in _HALF,
                 IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_K=block_k, ONE_TILE=one_tile)
 
@@ -235,8 +353,8 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
 
 
 def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
-            device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_stages); BLOCK_K >= k means one tile holds the whole row.
+            device: torch.device) -> Config:
+    """The launch's Config; BLOCK_K >= k means one tile holds the whole row.
 
     Rows up to 1024 wide that are not gated take one tile, 64 rows a program with the
     exact norm (16 tokens), 16 without a norm, unless the layer is an lm_head (16384 rows
@@ -254,12 +372,17 @@ def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     64-deep tiles (SmolLM2's 49152 x 576: 26 us against 34 with 128, H100). Narrow layers (SmolLM2's 576 rows) halve
     BLOCK_N down to tl.dot's 16 until there are about half as many programs as SMs: 9
     programs cannot stream even a small weight (gate_up 6.2 us and down_proj 4.8 at 32
-    tokens, against cuBLAS + SiLU*mul's 7.1 and cuBLAS's 5.0)."""
+    tokens, against cuBLAS + SiLU*mul's 7.1 and cuBLAS's 5.0). A row deeper than 1024 on
+    fewer than half as many 16-row programs as SMs is split into 512-deep parts, one tile
+    each (SmolLM2's down_proj at 32 tokens: 3.25 us against 4.57; at 6 tokens, a drafting
+    depth, 2.97, where no unsplit configuration of the sweep ran under 3.7)."""
     smem, sms = _device_limits(device)
+    if not gated and k > 1024 and triton.cdiv(n, 16) < sms // 2 and n < 16384:  # SmolLM2's down_proj
+        return Config(16, 512, 1, triton.cdiv(k, 512))
     if not gated and k <= 1024 and n < 16384 and (block_t == 16 or not norm):
         block_n, block_k = (64 if norm else 16), max(16, triton.next_power_of_2(k))
         if (block_n + block_t) * block_k * w_bytes <= smem:
-            return block_n, block_k, 1
+            return Config(block_n, block_k, 1)
     block_n = 128 if n >= 16384 and not gated else 64 if k <= 4096 else 32
     while block_n > 16 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
@@ -268,4 +391,4 @@ def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
         block_k = 64 * 2 // w_bytes
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
-    return block_n, block_k, max(1, min(4, smem // stage))
+    return Config(block_n, block_k, max(1, min(4, smem // stage)))

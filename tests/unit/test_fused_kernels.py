@@ -134,14 +134,14 @@ def test_skinny_config_fits_the_device(monkeypatch):
               (128256, 4096, False), (960, 576, False), (576, 576, False), (1536, 576, True), (576, 1536, False),
               (49152, 576, False)]
     for (n, k, gated), w_bytes, block_t, norm in itertools.product(shapes, (2, 4), (16, 32), (False, True)):
-        block_n, block_k, stages = skinny._config(n, k, gated, norm, w_bytes, block_t, DEV)
+        block_n, block_k, stages, split = skinny._config(n, k, gated, norm, w_bytes, block_t, DEV)
         assert 1 <= stages <= 4 and 16 <= block_k, (n, k, block_k, stages)
         assert stages * ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes <= budget, (n, k, w_bytes)
         if block_k >= k:  # one tile
             assert stages == 1 and k <= 1024 and n < 16384 and not gated and not (norm and block_t == 32), (n, k, norm)
         else:
             assert block_n == 16 or -(-n // block_n) >= sms // 2, (n, block_n)
-    assert skinny._config(576, 576, False, False, 2, 16, DEV)[1:] == (1024, 1)  # o_proj: one tile
+    assert skinny._config(576, 576, False, False, 2, 16, DEV)[1:3] == (1024, 1)  # o_proj: one tile
     assert skinny._config(576, 1536, False, False, 2, 16, DEV)[0] == 16  # down_proj: 36 programs, not 9
 
 
@@ -169,6 +169,30 @@ def test_skinny_is_the_unfused_chain(t, n, k, dtype):
     w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
     _check_fused_forms(x, w, wg, res, _norm(k, dtype))
     _close(kernels.gemv(x, w.t().contiguous().t()), F.linear(x, w))  # the CPU's [in, out] layout
+
+
+def _force_split(monkeypatch, module, split: int) -> None:
+    """The module's few-token launches split K over `split` programs (skinny._config's
+    choice otherwise)."""
+    config = module._config
+    monkeypatch.setattr(module, "_config", lambda *a: config(*a)._replace(split=split))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("t,n,k", [(5, 20, 1100), (16, 96, 576), (23, 33, 300)])
+def test_skinny_split_k_is_the_unfused_chain(t, n, k, split, dtype, monkeypatch):
+    """K split over programs (skinny.split_sum: parts summed by the last to arrive) gives
+    every fused form, the norm deferred, as the torch ops do; a part may hold no columns
+    (300 in 3 parts of 256-deep tiles); the counts are 0 again after every launch."""
+    from specserve.kernels import skinny
+
+    _force_split(monkeypatch, skinny, split)
+    x = torch.randn(t, k, device=DEV).to(dtype)
+    res = torch.randn(t, n, device=DEV).to(dtype)
+    w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
+    _check_fused_forms(x, w, wg, res, _norm(k, dtype))
+    assert not skinny._counts(DEV).any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -218,11 +242,15 @@ def test_rope_store_kv_is_rope_then_the_pool_write(tokens, heads, kv_heads, dim,
 @pytest.mark.parametrize("tokens,heads,kv_heads,dim,k,norm", [(2, 4, 2, 16, 64, True), (6, 9, 3, 64, 576, True),
                                                              (23, 9, 3, 64, 576, True), (5, 2, 1, 128, 1100, False),
                                                              (17, 2, 1, 32, 1100, True)])
-def test_qkv_rope_store_is_the_projection_then_rope_store_kv(tokens, heads, kv_heads, dim, k, norm, dtype):
+@pytest.mark.parametrize("split", [1, 3])
+def test_qkv_rope_store_is_the_projection_then_rope_store_kv(tokens, heads, kv_heads, dim, k, norm, split, dtype,
+                                                             monkeypatch):
     """One launch (qkv_rope.py) against its two: the few-token projection (with the exact
-    norm, the deferred one, or none; one K tile or several) and then rope_store_kv; the
-    cache rows of other slots untouched."""
+    norm, the deferred one, or none; one K tile or several; K split over 3 programs or
+    not) and then rope_store_kv; the cache rows of other slots untouched."""
     from specserve.kernels import qkv_rope
+
+    _force_split(monkeypatch, qkv_rope, split)  # the reference's projection unsplit
 
     rot = RotaryEmbedding(dim, 256, 10000.0, None)
     rot.build(DEV, dtype)
