@@ -92,9 +92,14 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
     tok = offs_r // GROUP  # the row's new token (query index within the request)
     heads = kvh * GROUP + offs_r % GROUP
     mask_r = tok < n_new
+    t_rows = q_start + tok
+    if start >= end:  # no key here (short sequences leave the last splits empty): lse -inf only
+        if STORE_LSE:
+            wait_and_release(USE_PDL)
+            tl.store(Lse + t_rows * stride_lt + heads * stride_lh + split, float("-inf"), mask=mask_r)
+        return
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    t_rows = q_start + tok
     table = ReqToToken + row * stride_tr
     # Everything above and the first key block's prefix part are no output of the kernel
     # just before (RoPE + KV write: q and the new tokens' K/V), so with PDL they are
@@ -124,7 +129,7 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
         visible = _visible(n0, end, prefix, n_new, tok, mask_r, mask_base, BLOCK_N, CUSTOM_MASK)
         acc, m_i, l_i = online_softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PREC)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split writes o = 0, lse = -inf
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows that see no key here: o = 0, lse = -inf
     store = mask_r[:, None] & mask_d[None, :]
     out = Out + t_rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=store)
