@@ -23,9 +23,12 @@ from __future__ import annotations
 import importlib.util
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from specserve.models.rope import RopeAt
 
 _ENV = os.environ.get("SPECSERVE_FUSED_KERNELS", "").strip()
 _override: bool | None = None if _ENV == "" else _ENV not in ("0", "false", "off")
@@ -166,19 +169,19 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.T
     return rope.rope_store_kv(qkv, heads, cos, sin, k_cache, v_cache, slots)
 
 
-def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, rope: RopeAt,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *,
                    norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor | None:
     """`gemv` of x [T, K] (2 <= T <= SKINNY_MAX_TOKENS) through an attention layer's fused
-    qkv weight, then `rope_store_kv`, in one launch (qkv_rope.py): the rotated queries
-    [T, heads, D]. None where it does not apply (one token: the GEMV's layout; head dims
-    that are not a multiple of 16), for the caller's two launches."""
+    qkv weight, then `rope_store_kv` at the rope's positions (`models.rope.RopeAt`), in one
+    launch (qkv_rope.py): the rotated queries [T, heads, D]. None where it does not apply
+    (one token: the GEMV's layout; head dims that are not a multiple of 16), for the
+    caller's two launches."""
     from specserve.kernels import qkv_rope
 
     if x.shape[0] < 2 or not qkv_rope.supports(k_cache.shape[-1]):
         return None
-    return qkv_rope.qkv_rope_store(x, weight, heads, cos, sin, k_cache, v_cache, slots, norm_weight=norm_weight,
-                                   eps=eps)
+    return qkv_rope.qkv_rope_store(x, weight, heads, rope, k_cache, v_cache, slots, norm_weight=norm_weight, eps=eps)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int,

@@ -15,6 +15,8 @@ qkv tensor), each RoPE product and their sum rounded to the queries' dtype (rope
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,9 @@ from specserve.kernels import SKINNY_MAX_TOKENS, pdl_flags
 from specserve.kernels.pdl import wait_and_release
 from specserve.kernels.skinny import (_config, deferred_norm, first_tiles, product, product_flags, split_buffers,
                                       split_range, split_sum)
+
+if TYPE_CHECKING:
+    from specserve.models.rope import RopeAt
 
 PAIRS = 8  # rotation pairs a program owns: 16 weight rows, tl.dot's least
 
@@ -33,14 +38,16 @@ def supports(head_dim: int) -> bool:
 
 
 @triton.jit
-def _tables(cos_ptr, sin_ptr, toks, tmask, sc, d0, D: tl.constexpr, PAIRS: tl.constexpr):
-    """(cos, sin) [BLOCK_T, PAIRS] at dims d0 + p, then at their partners d0 + p + D/2, fp32."""
+def _tables(table_ptr, pos_ptr, toks, tmask, st, d0, D: tl.constexpr, PAIRS: tl.constexpr):
+    """(cos, sin) [BLOCK_T, PAIRS] at dims d0 + p, then at their partners d0 + p + D/2, fp32,
+    from the rows of table [positions, 2D] (cos, then signed sin) at the tokens' positions."""
     da = (d0 + tl.arange(0, PAIRS))[None, :]
-    offs, m = toks[:, None] * sc, tmask[:, None]
-    ca = tl.load(cos_ptr + offs + da, mask=m, other=0.0).to(tl.float32)
-    sa = tl.load(sin_ptr + offs + da, mask=m, other=0.0).to(tl.float32)
-    cb = tl.load(cos_ptr + offs + da + D // 2, mask=m, other=0.0).to(tl.float32)
-    sb = tl.load(sin_ptr + offs + da + D // 2, mask=m, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + toks, mask=tmask, other=0)
+    offs, m = table_ptr + pos[:, None] * st, tmask[:, None]
+    ca = tl.load(offs + da, mask=m, other=0.0).to(tl.float32)
+    sa = tl.load(offs + D + da, mask=m, other=0.0).to(tl.float32)
+    cb = tl.load(offs + da + D // 2, mask=m, other=0.0).to(tl.float32)
+    sb = tl.load(offs + D + da + D // 2, mask=m, other=0.0).to(tl.float32)
     return ca, sa, cb, sb
 
 
@@ -56,8 +63,8 @@ def _rotate(y, ca, sa, cb, sb, DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slots_ptr, part_ptr, count_ptr,
-                     T, K, H, KVH, sx, sw, swk, sc, sk0, sk1, sv0, sv1, eps,
+def _qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, table_ptr, pos_ptr, q_ptr, k_cache, v_cache, slots_ptr, part_ptr, count_ptr,
+                     T, K, H, KVH, sx, sw, swk, st, sk0, sk1, sv0, sv1, eps,
                      D: tl.constexpr, NORM: tl.constexpr, DEFER: tl.constexpr, HALF: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
                      SPLIT_K: tl.constexpr, PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
@@ -74,7 +81,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_c
     wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, the tables) are visible
     toks = tl.arange(0, BLOCK_T)
     tmask = toks < T
-    ca, sa, cb, sb = _tables(cos_ptr, sin_ptr, toks, tmask, sc, d0, D, PAIRS)  # on their way during the dot
+    ca, sa, cb, sb = _tables(table_ptr, pos_ptr, toks, tmask, st, d0, D, PAIRS)  # on their way during the dot
     acc, _, ss = product(xk, wk, nwk, w, wu, g, rows, rows < n, T, n, k_len, sx, sw, swk, eps, NORM, DEFER, False,
                          HALF, IEEE, BLOCK_T, 2 * PAIRS, BLOCK_K, ONE_TILE)
     last = True
@@ -109,31 +116,31 @@ def _rope_store(acc, q_ptr, k_cache, v_cache, slots_ptr, ca, sa, cb, sb, head, d
                      mask=m)
 
 
-def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor,
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, rope: RopeAt,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *,
                    norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """x [T, K] (T <= SKINNY_MAX_TOKENS) through the fused qkv weight [(heads + 2 kvH) D, K]
     (RMSNorm first when norm_weight is given) -> rotated queries [T, heads, D]; the rotated
-    keys and the values stored at k_cache/v_cache[slots[t]] ([slots, kvH, D]). cos, sin
-    [T, 1, D] or [T, D] signed tables (`RotaryEmbedding.lookup`)."""
+    keys and the values stored at k_cache/v_cache[slots[t]] ([slots, kvH, D]). The cos and
+    signed sin of token t are rope.table's row rope.positions[t] (`RopeAt`: no gather)."""
     t, k = x.shape
     kv_heads, dim = k_cache.shape[1:]
     assert 1 <= t <= SKINNY_MAX_TOKENS and supports(dim) and weight.shape == ((heads + 2 * kv_heads) * dim, k)
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and v_cache.shape[1:] == (kv_heads, dim)
     assert slots.shape == (t,) and (norm_weight is None or norm_weight.shape == (k,))
+    table, positions = rope.table, rope.positions
+    assert rope.head_dim == dim and table.shape[1] == 2 * dim and table.stride(1) == 1 and positions.shape == (t,)
     if x.stride(1) != 1:
         x = x.contiguous()
-    cos, sin = cos.reshape(t, -1), sin.reshape(t, -1)  # views of lookup()'s [T, 1, D]
-    assert cos.shape == sin.shape == (t, dim) and cos.stride(0) == sin.stride(0) and cos.stride(1) == 1
-    q = torch.empty(t, heads, dim, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    q = torch.empty(t, heads, dim, dtype=torch.promote_types(x.dtype, table.dtype), device=x.device)
     norm, block_t = norm_weight is not None, 16 if t <= 16 else 32
     cfg = _config(weight.shape[0], k, False, norm, weight.element_size(), block_t, x.device)
     programs = (heads + 2 * kv_heads) * dim // (2 * PAIRS)
     cfg = cfg._replace(block_n=2 * PAIRS)  # this kernel's rows a program
     part, counts = split_buffers(x.device, programs, cfg, block_t)
     _qkv_rope_kernel[(programs, cfg.split)](
-        x, weight, norm_weight if norm else x, cos, sin, q, k_cache, v_cache, slots, part, counts,
-        t, k, heads, kv_heads, x.stride(0), weight.stride(0), weight.stride(1), cos.stride(0),
+        x, weight, norm_weight if norm else x, table, positions, q, k_cache, v_cache, slots, part, counts,
+        t, k, heads, kv_heads, x.stride(0), weight.stride(0), weight.stride(1), table.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
         D=dim, PAIRS=PAIRS, SPLIT_K=cfg.split, num_warps=4, num_stages=cfg.stages,
         **product_flags(x, norm, k, block_t, cfg.block_k, cfg.split), **pdl_flags(x.device))

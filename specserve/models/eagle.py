@@ -30,7 +30,7 @@ class LlamaForCausalLMEagle(DraftModel):
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.fc(torch.cat([self.embed_tokens(fb.input_ids), hidden], dim=-1))  # [T, 2H] -> [T, H]
-        rope = self.rotary.lookup(fb.positions)
+        rope = self.rotary.at(fb.positions)
         for layer in self.layers:
             x = layer(x, fb, rope)
         return x, x

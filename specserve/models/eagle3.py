@@ -21,6 +21,7 @@ from specserve import kernels
 from specserve.models.draft_model import DraftModel
 from specserve.models.layers import Linear, RMSNorm
 from specserve.models.llama import MLP, Attention, LlamaConfig
+from specserve.models.rope import RopeAt
 from specserve.runner.forward_batch import ForwardBatch
 
 
@@ -36,7 +37,7 @@ class Eagle3MidLayer(nn.Module):
         self.norm_before_residual = norm_before_residual
 
     def forward(self, embeds: torch.Tensor, h: torch.Tensor, fb: ForwardBatch,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                rope: RopeAt) -> torch.Tensor:
         if kernels.use_fused(h) and embeds.dtype == h.dtype:  # both norms (one eps) and the cat: one launch
             x = kernels.rms_norm_pair(embeds, self.input_layernorm.weight, h, self.hidden_norm.weight,
                                       self.hidden_norm.eps)
@@ -80,7 +81,7 @@ class LlamaForCausalLMEagle3(DraftModel):
                 hidden = kernels.gemv(hidden, self.fc.out_in_weight)
             else:
                 hidden = self.fc(hidden)
-        out = self.midlayer(self.embed_tokens(fb.input_ids), hidden, fb, self.rotary.lookup(fb.positions))
+        out = self.midlayer(self.embed_tokens(fb.input_ids), hidden, fb, self.rotary.at(fb.positions))
         return self.norm(out), out
 
     def finalize(self, device: torch.device, dtype: torch.dtype) -> None:

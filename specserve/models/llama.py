@@ -31,7 +31,7 @@ from torch import nn
 
 from specserve import kernels
 from specserve.models.layers import Embedding, Linear, RMSNorm
-from specserve.models.rope import RotaryEmbedding, apply_rope
+from specserve.models.rope import RopeAt, RotaryEmbedding, apply_rope
 from specserve.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger("specserve")
@@ -118,18 +118,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: RopeAt) -> torch.Tensor:
         h, kv = self.heads, self.kv_heads
         qkv = self.qkv_proj(x).view(-1, h + 2 * kv, self.head_dim)  # [T, H + 2 kvH, D]
         if self.q_norm is None and kernels.use_fused(qkv) and fb.attn_backend.pooled_kv:
             # one launch: RoPE, and the keys and values written into this layer's cache
             pool = fb.kv_pool
-            q = kernels.rope_store_kv(qkv, h, *rope, pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots)
+            q = kernels.rope_store_kv(qkv, h, *rope.tables(), pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots)
             return self.o_proj(fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale))
         qk, v = qkv[:, :h + kv], qkv[:, h + kv:]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        qk = apply_rope(qk, *rope)  # queries and keys rotated together
+        qk = apply_rope(qk, *rope.tables())  # queries and keys rotated together
         q, k = qk[:, :h], qk[:, h:]
         out = fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale)
         return self.o_proj(out)
@@ -140,7 +140,7 @@ class Attention(nn.Module):
         return self.q_norm is None and self.qkv_proj.bias is None
 
     def forward_few_tokens(self, stream: torch.Tensor, norm: RMSNorm | None, fb: ForwardBatch,
-                           rope: tuple[torch.Tensor, torch.Tensor],
+                           rope: RopeAt,
                            residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + o_proj(attention(norm(stream))) for a few tokens [T, in_features]
         (residual: the stream itself unless given; norm None: none): the norm rides on the
@@ -150,11 +150,11 @@ class Attention(nn.Module):
         h, kv, pool = self.heads, self.kv_heads, fb.kv_pool
         norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         caches = pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots
-        q = kernels.qkv_rope_store(stream, self.qkv_proj.out_in_weight, h, *rope, *caches, norm_weight=norm_weight,
+        q = kernels.qkv_rope_store(stream, self.qkv_proj.out_in_weight, h, rope, *caches, norm_weight=norm_weight,
                                    eps=eps)
         if q is None:  # one token (or an odd head dim): the GEMV, then RoPE and the KV write
             qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=norm_weight, eps=eps)
-            q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope, *caches)
+            q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope.tables(), *caches)
         out = fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale)
         return kernels.gemv(out.reshape(stream.shape[0], -1), self.o_proj.out_in_weight,
                             residual=stream if residual is None else residual)
@@ -190,13 +190,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: RopeAt) -> torch.Tensor:
         """Stream in, stream out: x + attn + mlp (the interface the draft models use)."""
         h, residual = self.step(x, None, fb, rope)
         return residual + h
 
     def step(self, h: torch.Tensor, residual: torch.Tensor | None, fb: ForwardBatch,
-             rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+             rope: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream entering is h + residual (just h when residual is None); returns
         (mlp output, residual) whose sum is the stream leaving. Both adds are left to
         the next norm, which fuses them on CUDA."""
@@ -214,7 +214,7 @@ class DecoderLayer(nn.Module):
         return isinstance(self.input_layernorm, RMSNorm) and self.self_attn.few_tokens_ready
 
     def step_few_tokens(self, stream: torch.Tensor, fb: ForwardBatch,
-                        rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                        rope: RopeAt) -> torch.Tensor:
         """The stream [T, hidden] in and out (a few tokens) as one residual tensor, no
         deferred adds: five launches besides the attention kernel (kernels/matvec.py)."""
         stream = self.self_attn.forward_few_tokens(stream, self.input_layernorm, fb, rope)
@@ -245,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         """Final normed hidden [T, hidden] and the aux hidden states [T, hidden] asked for,
         in the order of `self.aux_layers`."""
         h = self.model.embed_tokens(fb.input_ids)
-        rope = self.model.rotary.lookup(fb.positions)
+        rope = self.model.rotary.at(fb.positions)
         if self._few_tokens(h, fb):
             return self._forward_few_tokens(h, fb, rope)
         captured: dict[int, torch.Tensor] = {}
@@ -269,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
                 and all(layer.few_tokens_ready for layer in self.model.layers))
 
     def _forward_few_tokens(self, h: torch.Tensor, fb: ForwardBatch,
-                            rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                            rope: RopeAt) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`forward` for a few tokens: the stream is one tensor, each residual add fused into
         the GEMV before it, so the captured aux states are the stream itself."""
         captured: dict[int, torch.Tensor] = {}

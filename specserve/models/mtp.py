@@ -92,7 +92,7 @@ class DeepseekNextN(_PrefixRenamed):
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.cat([self.enorm(self.embed_tokens(fb.input_ids)), self.hnorm(hidden)], dim=-1)
-        out = self.decoder(self.eh_proj(x), fb, self.rotary.lookup(fb.positions))  # [T, 2H] -> [T, H]
+        out = self.decoder(self.eh_proj(x), fb, self.rotary.at(fb.positions))  # [T, 2H] -> [T, H]
         normed = self.shared_head["norm"](out)
         return normed, normed
 
@@ -117,6 +117,6 @@ class MiMoMTP(_PrefixRenamed):
         embeds = self.embed_tokens(fb.input_ids)
         embeds = embeds.masked_fill((fb.positions == 0)[:, None], 0.0)  # MiMo masks position 0
         x = torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(embeds)], dim=-1)
-        out = self.mtp_block(self.input_proj(x), fb, self.rotary.lookup(fb.positions))
+        out = self.mtp_block(self.input_proj(x), fb, self.rotary.at(fb.positions))
         normed = self.final_layernorm(out)
         return normed, normed

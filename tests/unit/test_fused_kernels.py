@@ -247,14 +247,15 @@ def test_qkv_rope_store_is_the_projection_then_rope_store_kv(tokens, heads, kv_h
                                                              monkeypatch):
     """One launch (qkv_rope.py) against its two: the few-token projection (with the exact
     norm, the deferred one, or none; one K tile or several; K split over 3 programs or
-    not) and then rope_store_kv; the cache rows of other slots untouched."""
+    not) and then rope_store_kv on the gathered tables (the kernel reads the table's rows
+    at the positions itself); the cache rows of other slots untouched."""
     from specserve.kernels import qkv_rope
 
     _force_split(monkeypatch, qkv_rope, split)  # the reference's projection unsplit
 
     rot = RotaryEmbedding(dim, 256, 10000.0, None)
     rot.build(DEV, dtype)
-    cos, sin = rot.lookup(torch.randint(0, 256, (tokens,), device=DEV))
+    rope = rot.at(torch.randint(0, 256, (tokens,), device=DEV))
     x = torch.randn(tokens, k, device=DEV).to(dtype)
     w = torch.randn((heads + 2 * kv_heads) * dim, k, device=DEV).div(k ** 0.5).to(dtype)
     nw = _norm(k, dtype).weight if norm else None
@@ -262,9 +263,9 @@ def test_qkv_rope_store_is_the_projection_then_rope_store_kv(tokens, heads, kv_h
     caches = [torch.randn(40, kv_heads, dim, device=DEV).to(dtype) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]
     with kernels.fused_kernels(True), torch.no_grad():
-        q = qkv_rope.qkv_rope_store(x, w, heads, cos, sin, *caches, slots, norm_weight=nw, eps=1e-6)
+        q = qkv_rope.qkv_rope_store(x, w, heads, rope, *caches, slots, norm_weight=nw, eps=1e-6)
         qkv = kernels.gemv(x, w, norm_weight=nw, eps=1e-6).view(tokens, -1, dim)
-        q_ref = kernels.rope_store_kv(qkv, heads, cos, sin, *ref_caches, slots)
+        q_ref = kernels.rope_store_kv(qkv, heads, *rope.tables(), *ref_caches, slots)
     for got, ref in zip([q, *caches], [q_ref, *ref_caches]):  # another row tiling may sum the dot differently
         _close(got, ref, 2e-2)
 
