@@ -124,7 +124,8 @@ class Attention(nn.Module):
         if self.q_norm is None and kernels.use_fused(qkv) and fb.attn_backend.pooled_kv:
             # one launch: RoPE, and the keys and values written into this layer's cache
             pool = fb.kv_pool
-            q = kernels.rope_store_kv(qkv, h, *rope.tables(), pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots)
+            caches = pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots
+            q = kernels.rope_store_kv(qkv, h, *rope.tables(), *caches)
             return self.o_proj(fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale))
         qk, v = qkv[:, :h + kv], qkv[:, h + kv:]
         if self.q_norm is not None:
