@@ -312,11 +312,11 @@ MAX_ROW_BLOCKS = 4096  # row blocks of a split launch
 def split_buffers(device: torch.device, row_blocks: int, cfg: Config,
                   block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(parts, counts) for `split_sum`: fp32 scratch [row_blocks, split, 3, BLOCK_N, BLOCK_T]
-    (empty without a split) and the device's counts, one per row block. The counts are
-    one zeroed buffer per device, allocated once so that CUDA graphs keep its address;
-    every launch leaves them 0."""
+    (without a split, the counts again: never dereferenced, and no allocation a launch)
+    and the device's counts, one per row block. The counts are one zeroed buffer per
+    device, allocated once so that CUDA graphs keep its address; every launch leaves them 0."""
     if cfg.split == 1:
-        return torch.empty(0, dtype=torch.float32, device=device), _counts(device)
+        return _counts(device), _counts(device)
     assert row_blocks <= MAX_ROW_BLOCKS, row_blocks
     part = torch.empty(row_blocks * cfg.split * 3 * cfg.block_n * block_t, dtype=torch.float32, device=device)
     return part, _counts(device)

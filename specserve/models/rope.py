@@ -66,7 +66,7 @@ class RotaryEmbedding(nn.Module):
         (a launch, where two gathers were two)."""
         return self.at(positions).tables()
 
-    def at(self, positions: torch.Tensor) -> "RopeAt":
+    def at(self, positions: torch.Tensor) -> RopeAt:
         """The tables at one forward's positions [T], gathered when a layer first asks."""
         return RopeAt(self.table, positions, self.head_dim)
 
