@@ -59,9 +59,12 @@ class ReqToTokenTable:
         self.table.view(-1).index_copy_(0, flat, slots.reshape(-1))
 
     def write_each(self, rows: list[int], cols: list[int], slots: torch.Tensor) -> None:
-        """table[rows[i], cols[i]] = slots[i]: one position per row (a decode step), one copy."""
-        dev_r, dev_c, dev_s = h2d_many([rows, cols, slots], self.table.device)
-        self.table[dev_r, dev_c] = dev_s
+        """table[rows[i], cols[i]] = slots[i]: one position per row (a decode step), one
+        copy and one index_copy_ over the flat table (a 2-D index_put costs several times
+        its host time)."""
+        stride = self.table.stride(0)
+        flat, dev_s = h2d_many([[r * stride + c for r, c in zip(rows, cols)], slots], self.table.device)
+        self.table.view(-1).index_copy_(0, flat, dev_s)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """The slots of positions [start, end) of a row, as a CPU int64 tensor of its own

@@ -199,7 +199,7 @@ class ModelRunner:
                 "logit_rows": logit_rows}
         host = [k for k, v in vecs.items() if not (isinstance(v, torch.Tensor) and v.device.type == self.device.type)]
         vecs |= dict(zip(host, h2d_many([vecs[k] for k in host], self.device)))
-        ids, pos, slots, req_rows, logit_rows = (vecs[k].to(torch.int64) for k in vecs)
+        ids, pos, slots, req_rows, logit_rows = (_int64(vecs[k]) for k in vecs)
         return ForwardBatch(
             mode=batch.mode, input_ids=ids, positions=pos, out_slots=slots, req_rows=req_rows,
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
@@ -284,3 +284,8 @@ class ModelRunner:
         fb.attn_backend.init_forward_metadata(fb)
         hidden, _ = model(fb)
         return model.compute_logits(hidden[fb.logit_rows])
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """t as int64, without dispatching a no-op conversion (host time: see runner/h2d.py)."""
+    return t if t.dtype == torch.int64 else t.to(torch.int64)

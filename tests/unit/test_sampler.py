@@ -64,3 +64,25 @@ def test_logprobs_are_model_log_softmax():
     ref = logits.log_softmax(-1)
     torch.testing.assert_close(out.logprobs, ref.max(-1).values)
     torch.testing.assert_close(out.top_logprobs, ref.topk(3).values)
+
+
+def test_greedy_batches_share_their_tensors_and_take_the_argmax():
+    """sampling_batch builds a greedy batch's (unread) tensors once per batch size; any
+    request that samples, penalises or wants logprobs takes the general path."""
+    from specserve.engine.batch import sampling_batch
+    from specserve.engine.request import Req
+    from specserve.engine.sampling_params import SamplingParams
+
+    def reqs(*params: SamplingParams) -> list[Req]:
+        return [Req(f"r{i}", [1, 2], p, seed=i, detok=None, stops=None) for i, p in enumerate(params)]
+
+    greedy = SamplingParams(temperature=0)
+    a, b = sampling_batch(reqs(greedy, greedy), 100, torch.device("cpu")), \
+        sampling_batch(reqs(greedy, greedy), 100, torch.device("cpu"))
+    assert a.all_greedy and not a.has_penalties and a.temperature is b.temperature
+    logits = torch.randn(2, 100)
+    assert torch.equal(sample(logits, a).next_ids, logits.argmax(-1))
+    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, frequency_penalty=0.5),
+                  SamplingParams(temperature=0, logprobs=True)):
+        mixed = sampling_batch(reqs(greedy, other), 100, torch.device("cpu"))
+        assert mixed.temperature is not a.temperature
