@@ -19,7 +19,7 @@ def h2d(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch
 
 def h2d_many(parts: list, device: torch.device, dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
     """Several index vectors in one copy (each copy is a launch): [len(p)] tensors on `device`."""
-    # ~3 us of host time per dispatched op, so conversions that change nothing are skipped:
+    # Every dispatched op costs host time, so conversions that change nothing are skipped:
     # at batch 1 a plain decode step is bound by its host work (H100 host: 819 us a step
     # against the decode graph's 473)
     host = [_flat(p, dtype) for p in parts]
