@@ -23,13 +23,12 @@ def h2d_many(parts: list, device: torch.device, dtype: torch.dtype = torch.int64
     # at batch 1 a plain decode step is bound by its host work (H100 host: 819 us a step
     # against the decode graph's 473)
     host = [_flat(p, dtype) for p in parts]
-    if len(host) == 1:  # a copy even on the same device: the result never aliases a part
-        return [host[0].to(device, non_blocking=True, copy=True)]
-    flat = torch.cat(host).to(device, non_blocking=True)
+    flat = torch.cat(host).to(device, non_blocking=True)  # cat copies: never a view of a part
     return list(flat.split([h.numel() for h in host]))
 
 
 def _flat(p, dtype: torch.dtype) -> torch.Tensor:
+    """A part as a 1-D CPU tensor of `dtype`, converted only where it is not one already."""
     if not isinstance(p, torch.Tensor):
         return torch.tensor(p, dtype=dtype)
     p = p if p.dtype == dtype else p.to(dtype)
