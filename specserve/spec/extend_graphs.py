@@ -21,6 +21,12 @@ The graph also writes the root states into `RootStates` (padding requests into i
 scratch row), and every per-replay index lives in one flat static buffer, so a replay
 from host lists is one host->device copy, one feature gather, the metadata copy and the
 graph: a handful of launches instead of a few dozen.
+
+A draft LLM (STANDALONE: `feature_width` 0) takes no features and keeps no hidden; its
+catch-up over the tokens a verify committed is the same padded extend. With
+`table_slots` the static slots hold flat table indices (row * stride + position; -1 for
+padding, the scratch slot 0), resolved inside the graph: the host, which does not know
+the slots a verify kept, then reads nothing back.
 """
 from __future__ import annotations
 
@@ -37,14 +43,15 @@ from specserve.spec.tree_draft import top_children
 class DraftExtendGraphs:
     def __init__(self, model, backend, kv_pool, req_to_token: torch.Tensor, max_bs: int, tokens_per_req: int,
                  feature_width: int, topk: int, token_map: torch.Tensor | None, roots: RootStates,
-                 capture: bool = True) -> None:
-        """`capture` False runs the same padded batches eagerly (any backend, CPU tests)."""
+                 capture: bool = True, table_slots: bool = False) -> None:
+        """`capture` False runs the same padded batches eagerly (any backend, CPU tests);
+        `feature_width` 0: a draft LLM (no features); `table_slots`: see the module docstring."""
         self.model, self.backend, self.kv_pool, self.table = model, backend, kv_pool, req_to_token
         self.L, self.topk, self.token_map, self.roots = tokens_per_req, topk, token_map, roots
         self.sizes = capture_sizes(max_bs)
         n, dev = self.sizes[-1], req_to_token.device
         dtype = next(p for p in model.parameters()).dtype
-        self.capture = capture
+        self.capture, self.table_slots = capture, table_slots
         self.mode = ForwardMode.DECODE if self.L == 1 else ForwardMode.DRAFT_EXTEND
         if capture:
             backend.init_cuda_graph_state(n, self.L, causal=True)
@@ -52,7 +59,9 @@ class DraftExtendGraphs:
         self._parts = [n * self.L] * 4 + [n] * 3
         self.index = torch.zeros(sum(self._parts), dtype=torch.int64, device=dev)
         self.ids, self.pos, self.slots, self.feat_rows, self.rows, self.last, self.dst = self.index.split(self._parts)
-        self.features = torch.zeros(n * self.L, feature_width, dtype=dtype, device=dev)
+        self.features = torch.zeros(n * self.L, feature_width, dtype=dtype, device=dev) if feature_width else None
+        # table_slots: the slots resolved from the indices (kept apart, so a replay never rewrites its own input)
+        self.resolved = torch.zeros(n * self.L, dtype=torch.int64, device=dev) if table_slots else None
         self.graphs = {}
         if capture:
             batches = {bs: self._batch(bs, [0] * bs) for bs in self.sizes}
@@ -68,7 +77,7 @@ class DraftExtendGraphs:
         return self.sizes[bisect.bisect_left(self.sizes, bsz)]
 
     @torch.inference_mode()
-    def replay_host(self, tokens: list[list[int]], reqs: list[list[int]], features: torch.Tensor,
+    def replay_host(self, tokens: list[list[int]], reqs: list[list[int]], features: torch.Tensor | None,
                     prefix_lens: list[int]) -> None:
         """Extend B requests and write their root states (rows reqs[0]) from host lists.
 
@@ -85,6 +94,9 @@ class DraftExtendGraphs:
         for values, size in zip(parts, self._parts):  # padding tokens: id 0, position 0, slot 0, feature row 0
             host[offset:offset + len(values)] = torch.tensor(values, dtype=torch.int64)
             offset += size
+        if self.table_slots:  # the padding requests' tokens: table index -1, the scratch slot 0
+            slots = host[2 * self._parts[0]:3 * self._parts[0]]
+            slots[b * self.L:] = -1
         self.index.copy_(host, non_blocking=True)  # pageable: staged before the call returns
         self._go(bs, b, features, prefix_lens)
 
@@ -92,6 +104,7 @@ class DraftExtendGraphs:
     def replay(self, index: list[torch.Tensor], features: torch.Tensor, prefix_lens: list[int] | torch.Tensor) -> None:
         """The same from device tensors: `index` = [ids, positions, slots, feature rows]
         (each [B*L]), [rows, last] (each [B]); root states go to `rows`."""
+        assert not self.table_slots, "replay() takes slots, not table indices"
         ids, pos, slots, feat_rows, rows, last = index
         b, L = rows.shape[0], self.L
         bs = self.size_for(b)
@@ -126,13 +139,14 @@ class DraftExtendGraphs:
         the backend's graph buffers from the device prefix lengths [B]."""
         self._go(b, b, features, prefix_lens, replay=False)
 
-    def _go(self, bs: int, b: int, features: torch.Tensor, prefix_lens: list[int] | torch.Tensor,
+    def _go(self, bs: int, b: int, features: torch.Tensor | None, prefix_lens: list[int] | torch.Tensor,
             replay: bool = True) -> None:
         """`prefix_lens` [b]: host ints, or a device tensor when the host does not know them
         yet (a pipelined step, spec/pipeline.py). `replay` False runs the captured body
         itself (inside a caller's capture)."""
         t = bs * self.L
-        torch.index_select(features, 0, self.feat_rows[:t], out=self.features[:t])
+        if self.features is not None:
+            torch.index_select(features, 0, self.feat_rows[:t], out=self.features[:t])
         if isinstance(prefix_lens, torch.Tensor):
             fb = self._batch(bs, [0] * bs)
             fb.device_prefix = pad_device_prefix(prefix_lens, bs)
@@ -150,11 +164,19 @@ class DraftExtendGraphs:
 
     def _batch(self, bs: int, prefix_lens: list[int]) -> ForwardBatch:
         t = bs * self.L
-        return ForwardBatch(self.mode, self.ids[:t], self.pos[:t], self.slots[:t], self.rows[:bs],
+        slots = self.resolved if self.table_slots else self.slots
+        return ForwardBatch(self.mode, self.ids[:t], self.pos[:t], slots[:t], self.rows[:bs],
                             prefix_lens, [self.L] * bs, self.table, self.kv_pool, self.backend)
 
     def _run(self, fb: ForwardBatch, bs: int) -> None:
-        h_logits, h_next = self.model(fb, self.features[:bs * self.L])
+        t = bs * self.L
+        if self.table_slots:  # flat table indices -> slots, before the forward writes K/V there
+            index = self.slots[:t]
+            self.resolved[:t].copy_(torch.where(index >= 0, self.table.view(-1)[index.clamp_min(0)], 0))
+        if self.features is None:  # a draft LLM
+            h_logits, h_next = self.model(fb)[0], None
+        else:
+            h_logits, h_next = self.model(fb, self.features[:t])
         last = self.last[:bs]
         logp, ids = top_children(self.model.compute_logits(h_logits[last]), self.topk, self.token_map)
-        self.roots.write(self.dst[:bs], logp, ids, h_next[last])
+        self.roots.write(self.dst[:bs], logp, ids, h_next[last] if h_next is not None else None)
