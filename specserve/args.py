@@ -162,7 +162,8 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-draft-model-revision", default=_P.draft_model_revision,
                    help="draft model revision (default: None, \"main\" when a draft path is set)")
     g.add_argument("--speculative-draft-load-format", default=_P.draft_load_format,
-                   choices=("auto", "safetensors", "gguf"), help="draft model weight format")
+                   choices=("auto", "safetensors", "gguf", "dummy"),
+                   help="draft model weight format (dummy: random weights of its config.json, STANDALONE only)")
     _add_draft_tree(g)
     g.add_argument("--speculative-token-map", default=_P.token_map,
                    help="FR-Spec high-frequency token map (ignored for EAGLE3)")

@@ -224,6 +224,9 @@ def warn_ignored_spec_flags(cfg: Config, ctx: CheckContext) -> Config:
     if algo == "STANDALONE" and cfg.spec.token_map is not None:
         raise ConfigError("--speculative-token-map (FR-Spec) is supported for --speculative-algorithm "
                           "EAGLE only (EAGLE-2 heads and MTP layers)")
+    if algo not in (None, "NGRAM", "STANDALONE") and cfg.spec.draft_load_format == "dummy":
+        raise ConfigError("--speculative-draft-load-format dummy is supported for --speculative-algorithm "
+                          "STANDALONE only (a draft LLM of random weights, for benchmarks)")
     if algo == "EAGLE3" and cfg.spec.token_map is not None:
         logger.warning("--speculative-token-map is ignored for EAGLE3: EAGLE3 models already "
                        "have a draft vocabulary")

@@ -30,7 +30,7 @@ from specserve.runner.memory import OOM_ADVICE
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import SampleOutput, sample
 from specserve.server.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from specserve.spec.factory import make_spec_worker, prefix_backoff
+from specserve.spec.factory import draft_kv_shape, make_spec_worker, prefix_backoff
 from specserve.spec.proposer import Decoded
 
 DECODE_RESERVE_CLIP = 256  # future tokens per request counted when admitting new work
@@ -55,7 +55,8 @@ class Scheduler:
     def _build_device_state(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
         """Model, KV memory, speculative worker and CUDA graphs: everything that allocates on the device."""
         self.runner = ModelRunner(model_dir, cfg.model, cfg.cache, cfg.runner, spec_algorithm=cfg.spec.algorithm,
-                                  chunked_prefill_size=cfg.scheduler.chunked_prefill_size)
+                                  chunked_prefill_size=cfg.scheduler.chunked_prefill_size,
+                                  draft_kv_shape=draft_kv_shape(cfg.spec))
         self.context_length = self.runner.context_length
         sc = cfg.scheduler
         self.max_running = sc.max_running_requests or (256 if self.runner.device.type == "cuda" else 128)

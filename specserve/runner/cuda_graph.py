@@ -7,7 +7,8 @@ is padded up to the next captured size. Modes:
   * DECODE: one token per request;
   * VERIFY (when speculation is on): exactly N tree nodes per request (the caller pads
     ragged trees to N), with the tree masks and, for EAGLE, the target features.
-Draft-model steps still run eagerly.
+Drafts capture their own (spec/extend_graphs.py, tree_graphs.py, step_graphs.py); a
+STANDALONE draft LLM's chain DECODEs use a runner of this class over its own KV pool.
 
 Static buffers hold everything a captured forward reads: input ids, positions, output
 slots and table rows, plus the attention backend's own metadata (`init_cuda_graph_state`

@@ -59,11 +59,15 @@ def _has_triton() -> bool:
 class ModelRunner:
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, cache_cfg: CacheConfig,
                  runner_cfg: RunnerConfig, model: LlamaForCausalLM | None = None,
-                 spec_algorithm: str | None = None, chunked_prefill_size: int | None = None) -> None:
+                 spec_algorithm: str | None = None, chunked_prefill_size: int | None = None,
+                 draft_kv_shape: tuple[int, int, int] | None = None) -> None:
         """`model`: an already built model for `model_dir`'s config; by default the weights
         are loaded from `model_dir` (random ones with --load-format dummy). The speculative
-        algorithm and chunk size only size the GPU memory headroom (`memory.py`)."""
+        algorithm and chunk size only size the GPU memory headroom (`memory.py`);
+        `draft_kv_shape` (layers, KV heads, head dim) is a draft LLM's own KV pool, one
+        slot per target slot, which the KV budget counts in (STANDALONE)."""
         self.spec_algorithm, self.chunked_prefill_size = spec_algorithm, chunked_prefill_size
+        self.draft_kv_shape = draft_kv_shape
         self.device = pick_device(model_cfg.device)
         self.model_dir = Path(model_dir)
         hf = read_hf_config(model_dir)
@@ -159,7 +163,11 @@ class ModelRunner:
             # layer of the target's KV shape per slot (the published heads), sized in here
             # rather than left to the fixed headroom, which a large pool outgrows.
             draft_layers = 1 if self.spec_algorithm in ("EAGLE", "EAGLE3") else 0
-            n = self._gpu_budget(cache_cfg, per_slot * (cfg.num_layers + draft_layers) // cfg.num_layers)
+            # A draft LLM's pool has a slot for each of ours (spec/standalone.py): left out,
+            # the target's cache took the memory and the draft's pool ran out of it (H100,
+            # SmolLM2 drafting for itself, auto memory fraction)
+            draft = KVPool.bytes_per_slot(*self.draft_kv_shape, self.dtype) if self.draft_kv_shape else 0
+            n = self._gpu_budget(cache_cfg, per_slot * (cfg.num_layers + draft_layers) // cfg.num_layers + draft)
         else:
             n = min(CPU_KV_BUDGET_BYTES // per_slot, 4 * self.context_length)
         if n < self.context_length + 1:

@@ -18,6 +18,16 @@ def prefix_backoff(spec: SpecConfig) -> int:
     return 1 if spec.algorithm in EAGLE_FAMILY else 0
 
 
+def draft_kv_shape(spec: SpecConfig) -> tuple[int, int, int] | None:
+    """(layers, KV heads, head dim) of a STANDALONE draft's own KV pool, which has a slot for
+    each of the target's (the runner sizes its KV budget with it); None otherwise."""
+    if not spec.enabled or spec.algorithm != "STANDALONE":
+        return None
+    from specserve.spec.standalone import kv_shape
+
+    return kv_shape(spec)
+
+
 def make_spec_worker(spec: SpecConfig, runner: ModelRunner, kv: KVManager, eos_ids: frozenset[int],
                      context_length: int, architecture: str, max_running: int) -> SpecWorker | None:
     if not spec.enabled:
@@ -39,7 +49,7 @@ def make_spec_worker(spec: SpecConfig, runner: ModelRunner, kv: KVManager, eos_i
     elif spec.algorithm == "STANDALONE":
         from specserve.spec.standalone import StandaloneProposer
 
-        proposer = StandaloneProposer(spec, runner, kv)
+        proposer = StandaloneProposer(spec, runner, kv, max_running)
     elif spec.algorithm in EAGLE_FAMILY:
         from specserve.spec.eagle import EagleProposer
 

@@ -326,6 +326,14 @@ def test_token_map_is_refused_for_standalone(implemented: None) -> None:
         "(EAGLE-2 heads and MTP layers)")
 
 
+def test_dummy_draft_weights_are_for_standalone_only(implemented: None) -> None:
+    dummy = ("--speculative-draft-model-path", "d", "--speculative-draft-load-format", "dummy")
+    assert cfg("--speculative-algorithm", "STANDALONE", *dummy).spec.draft_load_format == "dummy"
+    assert error_of("--speculative-algorithm", "EAGLE3", *dummy) == (
+        "--speculative-draft-load-format dummy is supported for --speculative-algorithm STANDALONE only "
+        "(a draft LLM of random weights, for benchmarks)")
+
+
 def test_attention_backends_are_accepted() -> None:
     assert cfg("--attention-backend", "triton").runner.attention_backend == "triton"
     for name in ("torch", "triton"):

@@ -8,6 +8,7 @@ without breaking greedy equality); a random draft must still be exactly right.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specserve import Engine
 from specserve.models.draft_layouts import save_eagle2, save_eagle3
@@ -101,6 +102,107 @@ def test_standalone_with_a_random_draft_is_still_exact(smollm2_dir, reference, t
                     speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
     results = _check(engine, reference, batch_sizes=(8,))
     assert all(r["meta_info"]["spec_accept_length"] < 1.5 for r in results)
+
+
+def test_standalone_with_dummy_draft_weights_is_exact(smollm2_dir, reference):
+    """--speculative-draft-load-format dummy: the draft's config with random weights."""
+    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
+                    speculative_draft_model_path=str(smollm2_dir), speculative_draft_load_format="dummy")
+    results = _check(engine, reference, batch_sizes=(8,))
+    assert all(r["meta_info"]["spec_accept_length"] < 1.5 for r in results)
+
+
+def test_the_kv_budget_counts_a_draft_llms_pool():
+    """A STANDALONE draft keeps a KV slot for each of the target's: on a GPU the budget
+    divides memory by both pools' bytes a slot (counting the target's alone, the draft's
+    pool ran out of memory at start-up)."""
+    from types import SimpleNamespace
+
+    from specserve.cache.kv_pool import KVPool
+    from specserve.config import CacheConfig
+    from specserve.runner.model_runner import ModelRunner
+
+    target = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
+    seen = []
+    runner = SimpleNamespace(model=SimpleNamespace(config=target), dtype=torch.bfloat16,
+                             device=torch.device("cuda"), spec_algorithm="STANDALONE", draft_kv_shape=(4, 2, 128),
+                             context_length=1024, _gpu_budget=lambda cache, per_slot: seen.append(per_slot) or 10**6)
+    assert ModelRunner._kv_budget(runner, CacheConfig()) == 10**6
+    assert seen == [KVPool.bytes_per_slot(30, 3, 64, torch.bfloat16) + KVPool.bytes_per_slot(4, 2, 128, torch.bfloat16)]
+
+
+def _graph_shaped(engine: Engine, max_bs: int = 8) -> None:
+    """Give a STANDALONE proposer the padded catch-up and tree-pass paths its CUDA graphs
+    capture, run eagerly (the same static buffers, padding and table-index slots)."""
+    from specserve.spec.extend_graphs import DraftExtendGraphs
+    from specserve.spec.tree_graphs import TreeDraftGraphs
+
+    p = engine.scheduler.spec.proposer
+    p.extend_graphs = DraftExtendGraphs(p.model, p.backend, p.pool, p.table, max_bs, p.catch_up_len, 0, p.topk,
+                                        None, p.roots, capture=False, table_slots=True)
+    if p.tree is not None:
+        p.tree.graphs = TreeDraftGraphs(p.tree, p.roots, max_bs, p.max_nodes, p.runner.device, capture=False)
+
+
+@pytest.mark.parametrize("tree", [(3, 1, 4), (3, 2, 6)])
+def test_standalone_graph_shaped_drafting_reads_nothing_back(smollm2_dir, reference, tree, monkeypatch):
+    """The catch-up padded to num_steps + 1 tokens (slots gathered from the table on the
+    device) and the tree pass over static buffers: still token-identical, a self-draft
+    still accepted at the depth bound, and no step reads the table back to the host."""
+    from specserve.cache.req_table import ReqToTokenTable
+
+    steps, topk, n = tree
+    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
+                    speculative_draft_model_path=str(smollm2_dir), speculative_num_steps=steps,
+                    speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+    _graph_shaped(engine, max_bs=4)  # batches of 5-8 catch up eagerly, 3 pads to 4
+    p, calls = engine.scheduler.spec.proposer, {"graphed": 0, "eager": 0}
+    for name, key in (("_catch_up_graphed", "graphed"), ("_catch_up_eager", "eager")):
+        real = getattr(p, name)
+        monkeypatch.setattr(p, name, lambda *a, real=real, key=key: (calls.__setitem__(key, calls[key] + 1), real(*a))[1])
+    proposing, propose, read = [False], p.propose, ReqToTokenTable.read
+
+    def propose_checked(*args):
+        proposing[0] = True
+        try:
+            return propose(*args)
+        finally:
+            proposing[0] = False
+
+    def read_checked(*args):
+        assert not proposing[0], "a draft step read the table back"
+        return read(*args)
+    monkeypatch.setattr(p, "propose", propose_checked)
+    monkeypatch.setattr(ReqToTokenTable, "read", read_checked)
+    results = _check(engine, reference)
+    assert min(r["meta_info"]["spec_accept_length"] for r in results) >= 3.0
+    assert calls["graphed"] > 10 and calls["eager"] > 0  # prompts catch up eagerly, verifies through the graph
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the sync check need a GPU")
+@pytest.mark.parametrize("tree", [(3, 1, 4), (3, 2, 6), (5, 1, 6)])
+def test_standalone_on_cuda_replays_graphs_and_never_syncs_while_drafting(smollm2_dir, reference, tree, monkeypatch):
+    """The captured catch-up, chain DECODE and tree-pass graphs: token-identical, a
+    self-draft accepted at the depth bound, and no proposal synchronises with the GPU
+    (torch's sync debug mode turns any synchronising call into an error)."""
+    steps, topk, n = tree
+    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
+                    speculative_draft_model_path=str(smollm2_dir), speculative_num_steps=steps,
+                    speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+    p = engine.scheduler.spec.proposer
+    assert p.extend_graphs is not None and (p.tree.graphs if p.tree is not None else p.decode_graphs) is not None
+    propose = p.propose
+
+    def propose_checked(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return propose(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setattr(p, "propose", propose_checked)
+    results = _check(engine, reference)
+    assert min(r["meta_info"]["spec_accept_length"] for r in results) >= 3.0  # a short answer's last verify is cut
+    assert engine.scheduler.spec.stats.avg_accept_length > 0.75 * min(steps + 1, n)  # the depth bound
 
 
 @pytest.mark.parametrize("algo,steps,topk,n", [("EAGLE", 3, 1, 4), ("EAGLE3", 3, 2, 6)])
