@@ -11,6 +11,13 @@ import torch
 from specserve.runner.h2d import h2d_many
 
 
+def slots_at(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The slots at flat indices (row * stride + position) into `table` [rows, context], on
+    its device; -1 gives the scratch slot 0. Nothing is read back (spec/standalone.py's
+    drafting steps, whose slots the host does not know)."""
+    return torch.where(index >= 0, table.view(-1)[index.clamp_min(0)], 0)
+
+
 class ReqToTokenTable:
     def __init__(self, max_reqs: int, max_context: int, device: torch.device | str) -> None:
         self.max_reqs = max_reqs

@@ -89,7 +89,7 @@ class ModelRunner:
         self.feature_mode: str | None = None  # what forward_with_features returns (EAGLE drafts)
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # one request's prefill chunks
-        self._all_rows: dict[int, torch.Tensor] = {}  # arange(T) per VERIFY size (device_verify_batch)
+        self._aranges: dict[int, torch.Tensor] = {}  # arange(n) on the device, by n (`arange`)
         self.runner_cfg = runner_cfg
 
     # Extend lengths whose query blocks cover every extend-kernel variant (BLOCK_M 16, 32, 64).
@@ -223,12 +223,17 @@ class ModelRunner:
         lengths [B], masks [B, N, N]. No host list is read or copied; the host-side
         prefix_lens are placeholders (`device_prefix` holds the truth)."""
         b, n = masks.shape[0], masks.shape[1]
-        rows_all = self._all_rows.get(b * n)
-        if rows_all is None:  # logits of every node (a graph's shape); cached: no launch per step
-            rows_all = self._all_rows[b * n] = torch.arange(b * n, device=self.device)
         return ForwardBatch(ForwardMode.VERIFY, ids, positions, slots, rows, [0] * b, [n] * b, req_to_token,
-                            self.kv_pool, self.attn_backend, custom_masks=masks, logit_rows=rows_all,
+                            self.kv_pool, self.attn_backend, custom_masks=masks, logit_rows=self.arange(b * n),
                             device_prefix=prefix)
+
+    def arange(self, n: int) -> torch.Tensor:
+        """arange(n) on the device, cached: the logit rows of a forward that wants every
+        row (a graph's shape), with no launch per step."""
+        rows = self._aranges.get(n)
+        if rows is None:
+            rows = self._aranges[n] = torch.arange(n, device=self.device)
+        return rows
 
     @property
     def verify_graph_tokens(self) -> int:

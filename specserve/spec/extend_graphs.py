@@ -34,6 +34,7 @@ import bisect
 
 import torch
 
+from specserve.cache.req_table import slots_at
 from specserve.runner.cuda_graph import capture_each, capture_sizes, pad_device_prefix
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.spec.root_states import RootStates
@@ -171,8 +172,7 @@ class DraftExtendGraphs:
     def _run(self, fb: ForwardBatch, bs: int) -> None:
         t = bs * self.L
         if self.table_slots:  # flat table indices -> slots, before the forward writes K/V there
-            index = self.slots[:t]
-            self.resolved[:t].copy_(torch.where(index >= 0, self.table.view(-1)[index.clamp_min(0)], 0))
+            self.resolved[:t].copy_(slots_at(self.table, self.slots[:t]))
         if self.features is None:  # a draft LLM
             h_logits, h_next = self.model(fb)[0], None
         else:

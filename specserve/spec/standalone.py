@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from specserve.cache.kv_pool import KVPool
+from specserve.cache.req_table import slots_at
 from specserve.config import SpecConfig
 from specserve.engine.batch import ScheduleBatch
 from specserve.engine.kv_manager import KVManager
@@ -86,7 +87,6 @@ class StandaloneProposer:
         self.decode_graphs: CudaGraphRunner | None = None  # a chain's DECODE forwards
         self.draft_kv_len: dict[str, int] = {}
         self._fed: dict[str, tuple[int, int]] = {}  # rid -> (kv_len at propose, nodes whose draft KV was written)
-        self._arange: dict[int, torch.Tensor] = {}  # arange(B) on the device: a DECODE's logit rows
         if runner.device.type == "cuda" and not runner.runner_cfg.disable_cuda_graph \
                 and self.backend.supports_cuda_graph:
             self._capture(runner.graph_max_bs(max_running))
@@ -198,11 +198,11 @@ class StandaloneProposer:
         rows, pos_d, index_d = h2d_many([[r.row for r in reqs], sum(pos, []), sum(index, [])], dev)
         drafted = [first[1][:, 0] if first is not None else self.roots.ids[rows, 0]]
         if feeds:
-            slots = torch.where(index_d >= 0, self.table.view(-1)[index_d.clamp_min(0)], 0).view(len(feeds), b)
+            slots = slots_at(self.table, index_d).view(len(feeds), b)
             pos_d = pos_d.view(len(feeds), b)
             for i in range(len(feeds)):
                 fb = ForwardBatch(ForwardMode.DECODE, drafted[-1], pos_d[i], slots[i], rows, pos[i], [1] * b,
-                                  self.table, self.pool, self.backend, logit_rows=self._rows(b))
+                                  self.table, self.pool, self.backend, logit_rows=self.runner.arange(b))
                 drafted.append(self._logits(fb).argmax(-1))
         return Drafts.device_chains([r.last_id for r in reqs], torch.stack(drafted, 1), counts)
 
@@ -230,9 +230,3 @@ class StandaloneProposer:
         self.backend.init_forward_metadata(fb)
         hidden, _ = self.model(fb)
         return self.model.compute_logits(hidden[fb.logit_rows])
-
-    def _rows(self, b: int) -> torch.Tensor:
-        rows = self._arange.get(b)
-        if rows is None:
-            rows = self._arange[b] = torch.arange(b, device=self.runner.device)
-        return rows
