@@ -41,7 +41,6 @@ __all__ = ["ConfigError", "CheckContext", "build_parser", "parse_config", "check
 IMPLEMENTED_SPEC_ALGORITHMS: frozenset[str] = frozenset({"NGRAM", "STANDALONE", "EAGLE", "EAGLE3"})
 IMPLEMENTED_FLAGS: frozenset[str] = frozenset()
 _GATED_FLAGS: dict[str, Callable[[Config], bool]] = {
-    "--enable-torch-compile": lambda c: c.runner.enable_torch_compile,
     "--enable-multi-layer-eagle": lambda c: c.spec.enable_multi_layer_eagle,
     "--schedule-policy lpm": lambda c: c.scheduler.schedule_policy == "lpm",
 }

@@ -6,7 +6,7 @@ import sys
 BENCHES = {"compare": "specserve.bench.compare", "spec": "specserve.bench.spec_compare",
            "ngram-cost": "specserve.bench.ngram_cost", "limit": "specserve.bench.limit",
            "speculative": "specserve.bench.speculative", "serving": "specserve.bench.serving",
-           "mtbench": "specserve.bench.mtbench"}
+           "mtbench": "specserve.bench.mtbench", "compile": "specserve.bench.compile"}
 
 
 def main(argv: list[str]) -> int:

@@ -89,14 +89,17 @@ def random_head(args, out_dir: str) -> str:
     return str(save_eagle3(Path(out_dir) / "eagle3", target, draft_vocab=min(32000, vocab), scale=0.02))
 
 
+def engine_kwargs(text: str) -> dict[str, str]:
+    """'a=1,b=x' -> {'a': '1', 'b': 'x'} (the Engine parses values as its flags do)."""
+    pairs = (item.split("=", 1) for item in filter(None, text.split(",")))
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
 def _spec_kwargs(args, draft: str | None) -> dict:
     kw = {"speculative_algorithm": args.algorithm}
     if draft:
         kw["speculative_draft_model_path"] = draft
-    for item in filter(None, args.spec_args.split(",")):
-        key, value = item.split("=")
-        kw[key.strip()] = value.strip()
-    return kw
+    return kw | engine_kwargs(args.spec_args)
 
 
 def main(argv: list[str] | None = None) -> int:

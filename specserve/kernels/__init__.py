@@ -43,7 +43,10 @@ def triton_available() -> bool:
 
 
 def use_fused(t: torch.Tensor) -> bool:
-    """Whether ops on `t` should go through the fused kernels."""
+    """Whether ops on `t` should go through the fused kernels: never while torch.compile
+    traces (inductor fuses the torch-native ops itself: runner/compile.py)."""
+    if torch.compiler.is_compiling():
+        return False
     if _override is not None:
         return _override
     return t.is_cuda and triton_available()

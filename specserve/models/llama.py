@@ -32,6 +32,8 @@ from torch import nn
 from specserve import kernels
 from specserve.models.layers import Embedding, Linear, RMSNorm
 from specserve.models.rope import RopeAt, RotaryEmbedding, apply_rope
+from specserve.runner.compile import CompiledForward
+from specserve.runner.compile import attention as compiled_attention
 from specserve.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger("specserve")
@@ -132,8 +134,9 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
         qk = apply_rope(qk, *rope.tables())  # queries and keys rotated together
         q, k = qk[:, :h], qk[:, h:]
-        out = fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale)
-        return self.o_proj(out)
+        if torch.compiler.is_compiling():  # opaque to inductor: the backend behind a custom op
+            return self.o_proj(compiled_attention(q, k, v, self.layer_id, self.scale))
+        return self.o_proj(fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale))
 
     @property
     def few_tokens_ready(self) -> bool:
@@ -241,10 +244,17 @@ class LlamaForCausalLM(nn.Module):
         # Residual stream captured *before* these layers; num_layers means after the last
         # layer (pre-norm).
         self.aux_layers: tuple[int, ...] = ()
+        self.compiled: CompiledForward | None = None  # --enable-torch-compile (runner/compile.py)
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden [T, hidden] and the aux hidden states [T, hidden] asked for,
-        in the order of `self.aux_layers`."""
+        in the order of `self.aux_layers`; compiled where `self.compiled` serves the batch."""
+        if self.compiled is not None and self.compiled.serves(fb):
+            return self.compiled(fb)
+        return self.forward_eager(fb)
+
+    def forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` as written (what torch.compile traces)."""
         h = self.model.embed_tokens(fb.input_ids)
         rope = self.model.rotary.at(fb.positions)
         if self._few_tokens(h, fb):

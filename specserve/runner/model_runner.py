@@ -18,6 +18,7 @@ from specserve.config import CacheConfig, ModelConfig, RunnerConfig
 from specserve.engine.batch import ScheduleBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, pick_dtype, random_model, read_hf_config
+from specserve.runner.compile import CompiledForward
 from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.runner.h2d import h2d_many
@@ -74,6 +75,8 @@ class ModelRunner:
         self.dtype = pick_dtype(model_cfg.dtype, self.device, hf)
         load = random_model if model_cfg.load_format == "dummy" else load_model
         self.model = model or load(model_dir, self.dtype, self.device)
+        if runner_cfg.enable_torch_compile:
+            self.model.compiled = CompiledForward(self.model.forward_eager, runner_cfg.torch_compile_max_bs)
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.context_length = model_cfg.context_length or cfg.max_position_embeddings

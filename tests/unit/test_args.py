@@ -434,8 +434,8 @@ def test_gate_lists_what_is_implemented(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_gated_flags(implemented: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert error_of("--enable-torch-compile") == "--enable-torch-compile is not implemented yet"
+    assert cfg("--enable-torch-compile", "--torch-compile-max-bs", "8").runner.enable_torch_compile
     assert error_of(*EAGLE, "--enable-multi-layer-eagle") == (
         "--enable-multi-layer-eagle is not implemented yet")
-    monkeypatch.setattr(args, "IMPLEMENTED_FLAGS", frozenset({"--enable-torch-compile"}))
-    assert cfg("--enable-torch-compile").runner.enable_torch_compile
+    monkeypatch.setattr(args, "IMPLEMENTED_FLAGS", frozenset({"--enable-multi-layer-eagle"}))
+    assert cfg(*EAGLE, "--enable-multi-layer-eagle").spec.enable_multi_layer_eagle
