@@ -124,7 +124,7 @@ class ModelRunner:
                                   self.kv_pool, self.attn_backend, custom_masks=masks,
                                   logit_rows=torch.tensor([n - 1], device=self.device))
                 fb.attn_backend.init_forward_metadata(fb)
-                self.model(fb)
+                self.model.forward_eager(fb)  # the attention variants warm up; compiling these shapes would serve no graph
         torch.cuda.synchronize(self.device)
 
     def capture_cuda_graphs(self, req_to_token: torch.Tensor, max_running: int, verify_tokens: int = 0) -> None:
