@@ -13,7 +13,7 @@ import time
 
 from specserve.bench.prompts import mt_bench_first_turns
 from specserve.bench.report import report
-from specserve.bench.spec_compare import engine_kwargs, spec_counts, timed_run
+from specserve.bench.spec_compare import add_run_args, engine_kwargs, spec_counts, timed_run
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,14 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-args", default="",
                    help="flags of both engines, e.g. 'speculative_algorithm=EAGLE3,speculative_num_steps=3'")
     p.add_argument("--torch-compile-max-bs", type=int, default=32)
-    p.add_argument("--num-prompts", type=int, default=20)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-total-tokens", type=int, default=65536,
-                   help="KV slots per engine: two engines share the device in one run")
-    p.add_argument("--output", default="bench_compile.jsonl")
+    add_run_args(p, num_prompts=20, max_new_tokens=256, output="bench_compile.jsonl")
     return p
 
 

@@ -27,15 +27,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="draft with a random head of this layout, written for the target")
     p.add_argument("--spec-args", default="", help="extra engine flags, e.g. 'speculative_num_draft_tokens=8'")
     p.add_argument("--sets", default="mtbench,repetitive")
-    p.add_argument("--num-prompts", type=int, default=10)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_run_args(p, num_prompts=10, max_new_tokens=128, output="bench_spec.jsonl")
+    return p
+
+
+def add_run_args(p: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int, output: str) -> None:
+    """The flags of a benchmark that times two engines on the same prompts in one run."""
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-total-tokens", type=int, default=65536,
                    help="KV slots per engine: two engines share the device in one run")
-    p.add_argument("--output", default="bench_spec.jsonl")
-    return p
+    p.add_argument("--output", default=output)
 
 
 def warm_up(engine, prompts: list[list[int]], bs: int) -> None:
