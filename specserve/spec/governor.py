@@ -7,20 +7,22 @@ traffic (how often drafts are accepted). So the governor measures instead of mod
 per batch-size bucket it keeps each mode's rate (mean tokens per request of its last 64 steps over
 the median seconds of its last 8: at batch 1 a verify commits 1 to 6 tokens, so fewer
 steps give a noisy mean), runs the better mode, and probes the other one so the estimate
-follows the traffic. Probes back off: a probe that confirms a clear choice (the chosen
-mode more than CLOSE_CALL times faster) doubles the wait before the next one (from
-`probe_every` up to `max_backoff` times it), or goes straight to the longest wait when
-the chosen mode is more than twice as fast (a probe then costs most and is least likely
-to flip); a close call, or a probe step faster than the chosen mode, keeps the wait at
-`probe_every`, so the probed mode's estimate keeps up. A settled bucket spends well
-under 1% of its steps in a clearly slower mode, and about 3% in one that is close.
+follows the traffic. Probing is an exploration budget: a probe (two steps of the other mode)
+is due once its expected loss (the time its steps take beyond what the chosen mode would
+take for the same tokens) is at most EXPLORE_SHARE of the time the bucket ran since its
+last probe, and never sooner than `probe_every` steps after it. A close call costs little
+to probe, so it is probed every `probe_every` steps and its estimate keeps up; a clearly
+slower mode is probed rarely: speculation 1.6x slower with 8 ms steps (batch 64, H100,
+SmolLM2 + EAGLE-3) every ~600 ms, where waits doubling from 32 steps had probed it 4 times
+in one 128-step batch. A probe step faster than the chosen mode (a change of traffic, or
+luck at batch 1) makes the next probe due `probe_every` steps on, so the window catches up.
 A bucket not measured yet starts with the mode its nearest measured bucket prefers (batch
 sizes pass through many buckets as requests finish, and measuring the slower mode first in
-each is what exploration would otherwise cost); with no measured bucket it measures
-speculation first. The worker times a step from its start to the next step's start, so
-the engine's own per-step work (outputs, detokenization) is counted, not only the forward
-and read-back; it records a step once the next one has been decided, so `record`
-recognises the probe by its mode.
+each is what exploration would otherwise cost), and prices its probes with that bucket's
+ratios; with no measured bucket it measures speculation first (TRUSTED steps). The worker times a step
+from its start to the next step's start, so the engine's own per-step work (outputs,
+detokenization) is counted, not only the forward and read-back; it records a step once
+the next one has been decided, so `record` recognises the probe by its mode.
 
 Both modes are exact (a plain step is the plain engine's decode step), so switching never
 changes the output, only the speed.
@@ -28,6 +30,7 @@ changes the output, only the speed.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 import time
 from collections import deque
@@ -35,30 +38,36 @@ from typing import Callable
 
 from specserve.runner.cuda_graph import capture_sizes
 
-# Within this factor the two modes are a close call: probes do not back off, so the
-# probed mode's estimate keeps up (a probe then costs at most this much on 1 step in 32).
-CLOSE_CALL = 1.2
+# A probe's expected loss may be at most this share of the time its bucket ran since the
+# last probe: exploring costs the engine at most ~1% of its speed where one mode is settled.
+EXPLORE_SHARE = 0.01
+# Samples of each mode before a bucket's estimates price its probes.
+TRUSTED = 3
+# How many ladder ranks away a bucket's estimates may price a bucket that lacks a mode.
+NEAR = 2
 
 
 class SpecGovernor:
     def __init__(self, enabled: bool, probe_every: int = 32, window: int = 8, token_window: int = 64,
-                 max_backoff: int = 8, probe_steps: int = 2, clock: Callable[[], float] = time.perf_counter) -> None:
+                 probe_steps: int = 2, explore_share: float = EXPLORE_SHARE,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.enabled, self.probe_every, self.clock = enabled, probe_every, clock
         # A probe runs probe_steps steps in the other mode; the first is a switch step (see
         # `record`), which says nothing of the mode's steady cost, so at least two.
         assert probe_steps >= 2, "a probe's first step is a switch step: it needs a second"
-        self.probe_steps = probe_steps
+        self.probe_steps, self.explore_share = probe_steps, explore_share
         # A mode's rate: mean tokens of its last `token_window` steps over the median time of
         # its last `window`. Step times are steady; tokens per step are not (at batch 1 a
         # verify commits 1 to 6 tokens), and a mean of 8 was noisy enough (+-18%) to
         # settle on plain decoding when speculation was 1.2x faster.
         self.window, self.token_window = window, max(window, token_window)
-        self.max_wait = probe_every * max_backoff
         self._samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # (bucket, speculated) -> (tokens, s)
-        self._rate: dict[tuple[int, bool], float] = {}  # their medians
+        self._rate: dict[tuple[int, bool], float] = {}  # tokens per request per second
+        self._time: dict[tuple[int, bool], float] = {}  # median seconds a step
         self._steps: dict[int, int] = {}
-        self._wait: dict[int, int] = {}  # bucket -> steps between probes
-        self._next_probe: dict[int, int] = {}  # bucket -> step number of the next probe
+        self._last_probe: dict[int, int] = {}  # bucket -> step number of its last probe (or first step)
+        self._since: dict[int, float] = {}  # bucket -> seconds run in the chosen mode since its last probe
+        self._eager: set[int] = set()  # buckets whose last probe beat the choice: the next is due soon
         self._probing: dict[int, bool] = {}  # bucket -> the choice a probe in flight tests
         self._probe_left: dict[int, int] = {}  # bucket -> steps of that probe still to run
         self._ladder = capture_sizes(4096)
@@ -73,23 +82,20 @@ class SpecGovernor:
         b = self._bucket(bs)
         n = self._steps.get(b, 0)
         self._steps[b] = n + 1
-        spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
-        if spec is None or plain is None:
-            ratio = self._nearest_ratio(b)
-            if ratio is None:  # nothing measured nearby: speculation for two steps, then plain
-                return spec is None or n < 2
-            best = ratio >= 1.0  # the other mode is measured at this bucket's first probe
-        else:
-            best = spec >= plain
+        best = self._best(b)
+        if best is None:  # nothing measured nearby: speculation for TRUSTED steps, then plain
+            return (b, True) not in self._rate or n < TRUSTED
         if b in self._probing:
             if self._probe_left.get(b, 0) > 0:  # the probe goes on
                 self._probe_left[b] -= 1
                 return not self._probing[b]
             return best  # its steps are run: it is recorded a step late
-        if n < self._next_probe.setdefault(b, n + self.probe_every):
-            return best  # not due
+        if not self._due(b, n, best):
+            return best
         self._probing[b] = best
         self._probe_left[b] = self.probe_steps - 1
+        self._last_probe[b], self._since[b] = n, 0.0
+        self._eager.discard(b)
         return not best
 
     def leaning(self, bs: int) -> bool:
@@ -97,12 +103,50 @@ class SpecGovernor:
         prefers there (probes aside), without counting a step or scheduling a probe."""
         if not self.enabled:
             return True
-        b = self._bucket(bs)
+        best = self._best(self._bucket(bs))
+        return best is None or best
+
+    def _best(self, b: int) -> bool | None:
+        """The faster mode at bucket b: its own rates, else its nearest measured bucket's
+        (None: no bucket has both)."""
         spec, plain = self._rate.get((b, True)), self._rate.get((b, False))
-        if spec is None or plain is None:
-            ratio = self._nearest_ratio(b)
-            return ratio is None or ratio >= 1.0
-        return spec >= plain
+        if spec is not None and plain is not None:
+            return spec >= plain
+        near = self._nearest(b)
+        return None if near is None else self._rate[(near, True)] >= self._rate[(near, False)]
+
+    def _due(self, b: int, n: int, best: bool) -> bool:
+        """Whether bucket b (at its step n, running `best`) probes the other mode now."""
+        if n - self._last_probe.setdefault(b, n) < self.probe_every:
+            return False
+        loss = self._probe_loss(b, best)
+        return b in self._eager or loss is None or loss <= self.explore_share * self._since.get(b, 0.0)
+
+    def _probe_loss(self, b: int, best: bool) -> float | None:
+        """Seconds a probe of the other mode at bucket b is expected to cost beyond what
+        `best` would take for the same tokens. None when no estimate is trusted to price it
+        (then the probe is due every `probe_every` steps, as a first measurement): the
+        bucket's own, once each mode has TRUSTED samples (one slow first step, a compile,
+        must not price probes out for a long time), or for a bucket missing a mode, its
+        nearest measured bucket's within NEAR ranks of the ladder (a far one's ratio, batch
+        1's for batch 64, is a guess: it only picks the first mode)."""
+        other = not best
+        ref = b if (b, other) in self._rate and (b, best) in self._rate else self._nearest(b)
+        if ref is None or not self._trusted(ref) or abs(self._rank(ref) - self._rank(b)) > NEAR:
+            return None
+        if (b, best) not in self._time:
+            return math.inf  # not one sample of the chosen mode here yet: not due
+        # the other mode's step: measured here, or this bucket's chosen step scaled as at ref
+        step = self._time[(b, other)] if ref == b else \
+            self._time[(b, best)] * self._time[(ref, other)] / self._time[(ref, best)]
+        slower = max(0.0, 1.0 - self._rate[(ref, other)] / self._rate[(ref, best)])
+        return self.probe_steps * step * slower
+
+    def _trusted(self, b: int) -> bool:
+        return all(len(self._samples.get((b, mode), ())) >= TRUSTED for mode in (True, False))
+
+    def _rank(self, b: int) -> int:
+        return bisect.bisect_left(self._ladder, b)  # position on the ladder
 
     def record(self, bs: int, speculated: bool, tokens: int, seconds: float, switched: bool = False) -> None:
         """One step over `bs` requests committed `tokens` in `seconds`; `switched`: the step
@@ -114,10 +158,15 @@ class SpecGovernor:
         is launched and left in flight, and its tokens land with the next step. Taken as a
         sample, its zero stayed in the mean of tokens for 64 steps: a fresh engine at batch
         1 ran ~90 plain steps before speculation, 3.5x faster, won (H100, SmolLM2 +
-        EAGLE-3)."""
-        if not self.enabled or seconds <= 0 or switched or tokens <= 0:
+        EAGLE-3). Either still counts as time run since the last probe."""
+        if not self.enabled or seconds <= 0:
             return
         b = self._bucket(bs)
+        probe_step = b in self._probing and self._probing[b] != speculated
+        if not probe_step:
+            self._since[b] = self._since.get(b, 0.0) + seconds
+        if switched or tokens <= 0:
+            return
         samples = self._samples.setdefault((b, speculated), deque(maxlen=self.token_window))
         # Tokens per request: a bucket spans batch sizes (9..16 is one) and a batch shrinks
         # as requests finish, so the two modes' samples may come from different sizes; per
@@ -126,23 +175,13 @@ class SpecGovernor:
         recent = list(samples)[-self.window:]
         # Mean tokens (acceptance varies step to step; the mean is what a step yields) over
         # the median time (one slow step, a compile or a GC pause, is not the cost).
-        self._rate[(b, speculated)] = rate = statistics.fmean(t for t, _ in samples) / statistics.median(
-            x for _, x in recent)
-        if self._probing.get(b, speculated) != speculated and not self._probe_left.get(b):
-            # the probe's last step: back off if it confirmed the choice
+        self._time[(b, speculated)] = statistics.median(x for _, x in recent)
+        self._rate[(b, speculated)] = statistics.fmean(t for t, _ in samples) / self._time[(b, speculated)]
+        if probe_step and not self._probe_left.get(b):  # the probe's last step
             self._probing.pop(b)
             chosen = self._rate.get((b, not speculated))
-            # The choice follows the windows; the wait also heeds the step alone, so a
-            # probe that beat the chosen mode (a change of traffic, or luck at batch 1,
-            # where one step says little) is repeated soon and the window catches up.
-            confirmed = chosen is not None and rate <= chosen and tokens / bs / seconds <= chosen
-            wait = self.probe_every
-            if confirmed and chosen > CLOSE_CALL * rate:  # a close call keeps its samples coming
-                wait = min(2 * self._wait.get(b, self.probe_every), self.max_wait)
-            if confirmed and chosen > 2 * rate:
-                wait = self.max_wait
-            self._wait[b] = wait
-            self._next_probe[b] = self._steps[b] - 1 + wait  # counted from the probe step
+            if chosen is not None and tokens / bs / seconds > chosen:
+                self._eager.add(b)  # the step beat the choice: probe again soon, so the window catches up
 
     def unmeasured(self, bs: int, speculated: bool) -> None:
         """A step that `speculate` decided will not be recorded (other work ran before the
@@ -154,15 +193,15 @@ class SpecGovernor:
         if self._probing.get(b, speculated) != speculated:
             self._probing.pop(b)
             self._probe_left.pop(b, None)
+            self._last_probe[b] = self._steps[b] - self.probe_every  # due at the next step
+            self._eager.add(b)
 
-    def _nearest_ratio(self, bucket: int) -> float | None:
-        """spec / plain tokens/s of the nearest bucket where both are measured (None: none is)."""
+    def _nearest(self, bucket: int) -> int | None:
+        """The nearest bucket where both modes are measured (None: none is)."""
         both = [b for b in self._steps if (b, True) in self._rate and (b, False) in self._rate]
         if not both:
             return None
-        rank = lambda b: bisect.bisect_left(self._ladder, b)  # noqa: E731  (position on the ladder)
-        near = min(both, key=lambda b: (abs(rank(b) - rank(bucket)), b))
-        return self._rate[(near, True)] / self._rate[(near, False)]
+        return min(both, key=lambda b: (abs(self._rank(b) - self._rank(bucket)), b))
 
     def rates(self, bs: int) -> tuple[float | None, float | None]:
         """(speculative, plain) tokens/s per request for a batch of `bs` (None: not measured)."""

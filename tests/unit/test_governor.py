@@ -29,14 +29,19 @@ def _measure(gov: SpecGovernor, bs: int, spec_rate: float, plain_rate: float, st
     return modes
 
 
-def test_slow_speculation_is_turned_down_and_probed_with_backoff():
-    gov = SpecGovernor(True, probe_every=8, max_backoff=4)
-    modes = _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=200)
-    assert modes[:4] == [True, True, False, False]  # measure speculation, then plain (its first step is a switch)
-    probes = [i for i, m in enumerate(modes) if m][2:]
-    # probes of two steps (the first a switch step); waits 8, 16, 32, then capped at 4 * 8,
-    # counted from a probe's last step
-    assert probes == [12, 13, 29, 30, 62, 63, 95, 96, 128, 129, 161, 162, 194, 195]
+def _probe_starts(modes: list[bool], mode: bool = True) -> list[int]:
+    """Steps where a run of `mode` starts (after the first step)."""
+    return [i for i in range(1, len(modes)) if modes[i] == mode and modes[i - 1] != mode]
+
+
+def test_slow_speculation_is_turned_down_and_probed_within_the_budget():
+    """Speculation 2x slower: a probe (2 steps of 0.2 s) loses 0.2 s against plain steps
+    of 0.1 s; at 1% of the time since the last probe it is due every ~200 plain steps (the
+    first 3 steps measure speculation: enough samples to trust)."""
+    gov = SpecGovernor(True, probe_every=8)
+    modes = _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=600)
+    assert modes[:5] == [True, True, True, False, False]  # measure speculation, then plain (a switch step first)
+    assert _probe_starts(modes) == [197, 399] and modes.count(True) == 7  # probes of two steps
     spec, plain = gov.rates(64)
     assert spec == pytest.approx(500.0) and plain == pytest.approx(1000.0)
 
@@ -45,10 +50,10 @@ def test_leaning_is_the_better_mode_and_asks_nothing():
     """`leaning` (whether to draft the next step's trees ahead) follows the estimates (a
     bucket not measured: its nearest measured one; none: speculation) and leaves the
     probe schedule alone."""
-    gov = SpecGovernor(True, probe_every=8, max_backoff=4)
+    gov = SpecGovernor(True, probe_every=8)
     assert gov.leaning(64)  # nothing measured
     _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=40)
-    asked = SpecGovernor(True, probe_every=8, max_backoff=4)
+    asked = SpecGovernor(True, probe_every=8)
     modes = []
     for _ in range(40):
         if len(modes) == 4:
@@ -58,17 +63,18 @@ def test_leaning_is_the_better_mode_and_asks_nothing():
         asked.record(64, modes[-1], 6400, 100 / (500.0 if modes[-1] else 1000.0),
                      switched=len(modes) > 1 and modes[-2] != modes[-1])
     assert not gov.leaning(64) and not asked.leaning(64)
-    assert modes == _measure(SpecGovernor(True, probe_every=8, max_backoff=4), 64, 500.0, 1000.0, 40)
+    assert modes == _measure(SpecGovernor(True, probe_every=8), 64, 500.0, 1000.0, 40)
     assert not gov.leaning(512)  # not measured: as batch 64
     assert SpecGovernor(False).leaning(1)
 
 
-def test_fast_speculation_stays_on_and_a_wide_gap_backs_off_at_once():
-    gov = SpecGovernor(True, probe_every=8, max_backoff=4)
-    modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=500.0, steps=64)
-    # plain measured at steps 2-3 (2 a switch step), probed at 12-13; 4x slower, so the next
-    # wait is the longest (32)
-    assert [i for i, m in enumerate(modes) if not m] == [2, 3, 12, 13, 45, 46]
+def test_fast_speculation_stays_on_and_plain_is_probed_within_the_budget():
+    gov = SpecGovernor(True, probe_every=8)
+    modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=500.0, steps=700)
+    # plain measured at steps 3-4 (3 a switch step), then probed every 8 steps until it has
+    # 3 samples; a plain probe loses 2 x 0.2 s x 3/4 = 0.3 s, 1% of 30 s of speculative
+    # steps (0.05 s each)
+    assert [i for i, m in enumerate(modes) if not m] == [3, 4, 13, 14, 21, 22, 623, 624]
     assert gov.rates(3) == gov.rates(4)  # 3 and 4 share the capture bucket 4
     assert gov.rates(64) == (None, None)  # another batch size is measured on its own
 
@@ -77,10 +83,12 @@ def test_a_new_bucket_starts_with_its_nearest_measured_buckets_choice():
     gov = SpecGovernor(True, probe_every=8)
     assert gov.speculate(48)  # nothing measured anywhere: speculation first
     gov = SpecGovernor(True, probe_every=8)
-    _measure(gov, 1, spec_rate=2000.0, plain_rate=1000.0, steps=4)
+    _measure(gov, 1, spec_rate=2000.0, plain_rate=1000.0, steps=5)
     assert _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=12)[0]  # nearest: 1, speculation
-    modes = _measure(gov, 48, spec_rate=500.0, plain_rate=1000.0, steps=12)  # nearest: 64
-    assert modes.index(True) == 8  # plain from the start; speculation measured at the first probe
+    modes = _measure(gov, 48, spec_rate=500.0, plain_rate=1000.0, steps=250)  # nearest: 64
+    # plain from the start, and its probes priced as at 64: speculation first measured once
+    # 1% of the bucket's time pays for a probe (~200 steps), not at the first chance (8)
+    assert 190 <= modes.index(True) <= 210
     spec, plain = gov.rates(48)
     assert spec == pytest.approx(500.0) and plain == pytest.approx(1000.0)
     assert gov.speculate(2)  # nearest to 1, where speculation wins
@@ -89,11 +97,13 @@ def test_a_new_bucket_starts_with_its_nearest_measured_buckets_choice():
 def test_traffic_change_flips_the_choice_after_a_few_probes():
     gov = SpecGovernor(True, probe_every=4)
     _measure(gov, 8, spec_rate=600.0, plain_rate=1000.0, steps=16)
-    modes = _measure(gov, 8, spec_rate=4000.0, plain_rate=1000.0, steps=60)  # drafts start to hit
-    first = modes.index(True)  # a probe that beats the choice is repeated probe_every steps on
-    assert [i - first for i, m in enumerate(modes[:first + 12]) if m][:4] == [0, 1, 5, 6]  # probes of 2 steps
-    assert all(modes[first + 10:first + 15])  # the window now says speculation
-    assert False in modes[first + 15:]  # and plain is probed in turn
+    modes = _measure(gov, 8, spec_rate=4000.0, plain_rate=1000.0, steps=900)  # drafts start to hit
+    first = modes.index(True)  # when 1% of the time pays for a probe at the old estimate (0.133 s)
+    assert 110 <= first <= 140
+    # a probe that beats the choice is repeated probe_every steps on, and the window flips
+    assert [i - first for i, m in enumerate(modes[:first + 12]) if m][:4] == [0, 1, 4, 5]
+    assert all(modes[first + 14:first + 600])  # speculation now, plain probed as the budget allows
+    assert False in modes[first + 600:]
 
 
 def test_modes_sampled_at_different_sizes_of_one_bucket_compare_per_request():
@@ -122,7 +132,7 @@ def test_a_probe_left_unmeasured_is_retried():
     gov.unmeasured(1, True)  # a prefill ran after the probe step
     assert gov.speculate(1)  # probed again at once
     gov.record(1, True, 1, 1 / 1000.0)
-    assert _measure(gov, 1, spec_rate=1000.0, plain_rate=2000.0, steps=200).count(True) >= 2  # probing goes on
+    assert _measure(gov, 1, spec_rate=1000.0, plain_rate=2000.0, steps=400).count(True) >= 2  # probing goes on
 
 
 def test_a_switch_step_is_not_a_sample():
@@ -162,7 +172,7 @@ def test_one_slow_step_does_not_decide():
     spec = gov.speculate(1)
     gov.record(1, spec, 100, 1.0)  # the first step compiled something: 1 s
     modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=1000.0, steps=16)
-    assert all(modes[7:12]) and sum(modes[7:]) >= 7  # the first good probe's sample outvotes it
+    assert all(modes[4:8]) and sum(modes[4:]) >= 8  # the next two samples outvote it (a median of 3)
 
 
 def test_disabled_governor_always_speculates():
@@ -244,15 +254,16 @@ def test_noisy_batch_one_acceptance_settles_on_the_faster_mode(spec_ms, want_spe
     assert share > 0.9 if want_spec else share < 0.1
 
 
-def test_a_clearly_slower_mode_backs_off_but_a_close_call_keeps_probing():
-    """Speculation 1.4x slower (batch 64 on H100) is probed ever more rarely; 1.1x slower
-    is probed every probe_every steps (its estimate must keep up)."""
-    for plain_rate, growing in ((1400.0, True), (1100.0, False)):
-        gov = SpecGovernor(True, probe_every=8, max_backoff=4)
-        modes = _measure(gov, 64, spec_rate=1000.0, plain_rate=plain_rate, steps=120)
-        starts = [i for i in range(3, len(modes)) if modes[i] and not modes[i - 1]]  # probes of 2 steps
-        gaps = [b - (a + 1) for a, b in zip(starts, starts[1:])]  # from a probe's last step to the next
-        assert (max(gaps) == 32) if growing else (set(gaps) == {8}), (plain_rate, gaps)
+def test_a_clearly_slower_mode_is_probed_rarely_but_a_close_call_often():
+    """Speculation 1.4x slower (batch 64 on H100) is probed as 1% of the time pays for a
+    probe; 1.1x slower costs so little to probe that it is probed every probe_every steps
+    (its estimate must keep up)."""
+    for plain_rate, gap in ((1400.0, 81), (1100.0, 30)):
+        gov = SpecGovernor(True, probe_every=32)
+        modes = _measure(gov, 64, spec_rate=1000.0, plain_rate=plain_rate, steps=600)
+        starts = _probe_starts(modes)  # probes of 2 steps
+        gaps = {b - (a + 2) for a, b in zip(starts[1:], starts[2:])}  # from a probe's end to the next
+        assert gaps == {gap}, (plain_rate, gaps)
 
 
 class _Clocked(_Alternating):
