@@ -74,6 +74,7 @@ class SpecWorker:
         self._start = 0.0  # when the step `choose` was asked about started
         self._last_mode: bool | None = None  # the mode of the last decode step
         self._switched = False  # the step `choose` was asked about switches mode
+        self._drained = 0  # tokens a drain landed since the last step was opened (see `drain`)
         # Leave greedy EAGLE steps in flight (pipeline.py); the scheduler sets it on CUDA
         # once the verify graphs exist (tests force it on the CPU)
         self.pipeline = False
@@ -98,6 +99,7 @@ class SpecWorker:
         if self._open is not None:  # the prefill sits between the last decode step and the next:
             self.governor.unmeasured(self._open[0], self._open[1])  # that step goes unmeasured
             self._open = None
+        self._drained = 0  # so do tokens drained before it
         self.proposer.on_extend(batch, features)
 
     def choose(self, bs: int) -> bool:
@@ -129,6 +131,7 @@ class SpecWorker:
         else:
             assert self._inflight is None, "drain the step in flight first"
             landed, tokens = reqs, self._speculative_step(reqs)
+        tokens, self._drained = tokens + self._drained, 0
         self._open = (len(reqs), True, tokens, self._start, self._switched)
         return landed
 
@@ -145,9 +148,19 @@ class SpecWorker:
         return self._inflight is not None and any(r is req for r in self._inflight.reqs)
 
     def drain(self) -> list[Req]:
-        """Read back and commit the step in flight, if any; returns its requests."""
+        """Read back and commit the step in flight, if any; returns its requests.
+
+        Its tokens go to the governor with the next speculative step, as a pipelined step's
+        tokens go with the step after it. A batch that changes (a request ends) drains the
+        pipeline and launches a first step that lands nothing: left out, the drain's tokens
+        and that step's time (the read-back wait, a launch with nothing to overlap) made the
+        samples those of unbroken pipelines only, the cheapest steps at a large batch."""
         done, self._inflight = self._inflight, None
-        return self._land(done)[0] if done is not None else []
+        if done is None:
+            return []
+        landed, tokens = self._land(done)
+        self._drained += tokens
+        return landed
 
     def _pipelines(self, reqs: list[Req]) -> bool:
         """Whether a step over `reqs` is launched and left in flight (pipeline.py): after
@@ -223,6 +236,7 @@ class SpecWorker:
         device: the proposer hears of them (EAGLE queues its one-token draft extend before
         the read-back, so its host work overlaps the forward)."""
         self.proposer.on_decoded(reqs, decoded)
+        self._drained = 0  # speculative tokens are no sample of a plain step
         for req in reqs:
             self._record(req, 1, drafted=False)
         self._open = (len(reqs), False, len(reqs), self._start, self._switched)

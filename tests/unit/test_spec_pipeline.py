@@ -19,6 +19,7 @@ from specserve.engine.messages import GenerateReq
 from specserve.engine.engine import make_sampling_params
 from specserve.models.draft_layouts import save_eagle2, save_eagle3
 from specserve.spec import pipeline
+from specserve.spec.governor import SpecGovernor
 from specserve.spec.pipeline import InFlightSpec
 from tests.unit.eagle_utils import (SomePlain, clean, count_calls, engine, perfect_engine, prompts, run,
                                     spec_flags, tiny_target, use_static_paths, use_step_graphs)
@@ -178,6 +179,41 @@ def test_plain_steps_between_pipelined_ones(tmp_path, smollm2_dir, monkeypatch):
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in run(plain, prompts(3, seed=4), params)]
     assert False in gov.modes and counts["_launch"] >= 4, counts
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
+
+
+class _Recording(SpecGovernor):
+    """Always speculates; keeps every step the worker records."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+        self.samples: list[tuple[int, int]] = []  # (bs, tokens)
+
+    def speculate(self, bs: int) -> bool:
+        return True
+
+    def record(self, bs, speculated, tokens, seconds, switched=False) -> None:
+        self.samples.append((bs, tokens))
+
+
+@pytest.mark.parametrize("graphed", [True, False])
+def test_the_governor_hears_of_every_drained_step(tiny, smollm2_dir, graphed, monkeypatch):
+    """Requests ending at different steps change the batch, which drains the step in flight
+    and launches a first step that lands nothing. The drain's tokens go with that first
+    step: no step but the very first is recorded empty, and every token of a speculative
+    step but the last step's reaches the governor (left out, its samples were those of
+    unbroken pipelines only, the cheapest steps at a large batch)."""
+    target, heads, ps, ref = tiny
+    counts: dict = {}
+    eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, counts, graphed)
+    gov = eng.scheduler.spec.governor = _Recording()
+    params = [_greedy(30 - 4 * (i % 3)) for i in range(8)]  # the batch changes twice
+    outs = run(eng, ps, params)
+    assert [o["output_ids"] for o in outs] == [r[:p["max_new_tokens"]] for r, p in zip(ref, params)]
+    drafted = sum(len(o["output_ids"]) - 1 for o in outs)  # the first token of each came from its prefill
+    recorded = [tokens for _, tokens in gov.samples]
+    assert recorded[0] == 0 and 0 not in recorded[1:], recorded
+    assert counts["_land"] >= len(recorded) and sum(recorded) < drafted
+    assert sum(recorded) >= drafted - 2 * 8 * 5  # at most the last two steps' tokens (8 requests x 5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs")
