@@ -3,13 +3,17 @@
 Greedy, batch size 1 (one prompt after another) or --batch-size B (all prompts in
 batches of B). Prints one summary line per prompt set (tokens/s of each, the ratio, the
 mean accept length, the time of a plain decode step and of a speculative step, and
-whether outputs were token-identical) and appends JSON lines. `--random-head eagle|eagle3`
+whether outputs were token-identical) and appends JSON lines. `--rounds R` times the two
+engines R times, alternating, and reports medians: a run at batch 64 lasts a fraction of
+a second, where one round moved by +-10%, and the first round is the one where the
+governor starts fresh (its ratio is reported apart). `--random-head eagle|eagle3`
 drafts with a random head of the real layout for the target (accept length ~1): what the
 drafting machinery costs per step, before any head is trained.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 
@@ -26,7 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--random-head", choices=("eagle", "eagle3"), default=None,
                    help="draft with a random head of this layout, written for the target")
     p.add_argument("--spec-args", default="", help="extra engine flags, e.g. 'speculative_num_draft_tokens=8'")
+    p.add_argument("--engine-args", default="", help="flags of both engines, e.g. 'max_running_requests=64'")
     p.add_argument("--sets", default="mtbench,repetitive")
+    p.add_argument("--rounds", type=int, default=1, help="time both engines this many times, alternating")
     add_run_args(p, num_prompts=10, max_new_tokens=128, output="bench_spec.jsonl")
     return p
 
@@ -107,12 +113,17 @@ def _spec_kwargs(args, draft: str | None) -> dict:
     return kw | engine_kwargs(args.spec_args)
 
 
+def _tok_s(run: tuple[float, list[dict]]) -> float:
+    seconds, outs = run
+    return sum(len(o["output_ids"]) for o in outs) / seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from specserve import Engine
 
     common = dict(device=args.device, dtype=args.dtype, log_level="warning",
-                  max_total_tokens=args.max_total_tokens)
+                  max_total_tokens=args.max_total_tokens) | engine_kwargs(args.engine_args)
     plain = Engine(args.model, **common)
     with tempfile.TemporaryDirectory() as tmp:
         draft = random_head(args, tmp) if args.random_head else args.draft
@@ -121,23 +132,31 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.sets.split(","):
         texts = sets[name](args.num_prompts)
         prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-        plain_s, plain_out = timed_run(plain, prompts, args.max_new_tokens, args.batch_size)
-        spec_s, spec_out = timed_run(spec, prompts, args.max_new_tokens, args.batch_size)
-        n_plain = sum(len(o["output_ids"]) for o in plain_out)
-        n_spec = sum(len(o["output_ids"]) for o in spec_out)
-        verifies, plain_steps, accept = spec_counts(spec_out)
+        rounds = [(timed_run(plain, prompts, args.max_new_tokens, args.batch_size),
+                   timed_run(spec, prompts, args.max_new_tokens, args.batch_size)) for _ in range(args.rounds)]
+        # paired rounds run back to back, so their ratio is steadier than a ratio of medians
+        ratios = [_tok_s(s) / _tok_s(p) for p, s in rounds]
+        spec_outs = [o for _, (_, outs) in rounds for o in outs]
+        verifies, plain_steps, accept = spec_counts(spec_outs)
+        (_, plain_out), (_, spec_out) = rounds[0]
         same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(plain_out, spec_out))
+        plain_s, spec_s = sum(p[0] for p, _ in rounds), sum(s[0] for _, s in rounds)
+        n_plain = sum(len(o["output_ids"]) for (_, outs), _ in rounds for o in outs)
         row = {"bench": "spec", "set": name, "algorithm": args.algorithm, "model": args.model,
                "device": str(plain.scheduler.runner.device), "batch_size": args.batch_size,
-               "num_prompts": len(prompts), "plain_tok_s": n_plain / plain_s, "spec_tok_s": n_spec / spec_s,
-               "speedup": (n_spec / spec_s) / (n_plain / plain_s),
+               "num_prompts": len(prompts), "rounds": args.rounds,
+               "plain_tok_s": statistics.median(_tok_s(p) for p, _ in rounds),
+               "spec_tok_s": statistics.median(_tok_s(s) for _, s in rounds),
+               "speedup": statistics.median(ratios), "round_speedups": ratios, "first_round_speedup": ratios[0],
                "accept_length": accept, "plain_steps_fraction": plain_steps / max(verifies + plain_steps, 1),
                # per batch step, prefill included: decode-step cost vs draft + verify cost
                "plain_step_ms": 1e3 * plain_s / max(n_plain / args.batch_size, 1),
                "spec_step_ms": 1e3 * spec_s / max((verifies + plain_steps) / args.batch_size, 1),
-               "identical_outputs": same, "spec_args": args.spec_args, "random_head": args.random_head}
+               "identical_outputs": same, "spec_args": args.spec_args, "engine_args": args.engine_args,
+               "random_head": args.random_head}
+        spread = f", {args.rounds} rounds, first {ratios[0]:.2f}x" if args.rounds > 1 else ""
         report(f"spec[{name}] {args.algorithm}: plain {row['plain_tok_s']:.1f} tok/s, spec "
-               f"{row['spec_tok_s']:.1f} tok/s, speedup {row['speedup']:.2f}x, accept len "
+               f"{row['spec_tok_s']:.1f} tok/s, speedup {row['speedup']:.2f}x{spread}, accept len "
                f"{row['accept_length']:.2f}, step {row['plain_step_ms']:.2f} -> {row['spec_step_ms']:.2f} ms, "
                f"{same}/{len(prompts)} identical ({row['device']}, bs={args.batch_size})", row, args.output)
     return 0
