@@ -64,6 +64,7 @@ class DraftExtendGraphs:
         # table_slots: the slots resolved from the indices (kept apart, so a replay never rewrites its own input)
         self.resolved = torch.zeros(n * self.L, dtype=torch.int64, device=dev) if table_slots else None
         self.graphs = {}
+        self._plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # B -> `_scatter_plan`
         if capture:
             batches = {bs: self._batch(bs, [0] * bs) for bs in self.sizes}
             self.graphs, _ = capture_each(
@@ -104,22 +105,37 @@ class DraftExtendGraphs:
     @torch.inference_mode()
     def replay(self, index: list[torch.Tensor], features: torch.Tensor, prefix_lens: list[int] | torch.Tensor) -> None:
         """The same from device tensors: `index` = [ids, positions, slots, feature rows]
-        (each [B*L]), [rows, last] (each [B]); root states go to `rows`."""
+        (each [B*L]), [rows, last] (each [B]); root states go to `rows`. The inputs and
+        the padding go into the flat static buffer in one scatter (one launch where a copy
+        per buffer took a dozen: after every plain step at batch 64 that host work is
+        not hidden)."""
         assert not self.table_slots, "replay() takes slots, not table indices"
         ids, pos, slots, feat_rows, rows, last = index
-        b, L = rows.shape[0], self.L
+        b = rows.shape[0]
         bs = self.size_for(b)
-        for static, value in ((self.ids, ids), (self.pos, pos), (self.slots, slots), (self.feat_rows, feat_rows)):
-            static[:b * L].copy_(value)
-            static[b * L:bs * L].zero_()
-        self.rows[:b].copy_(rows)
-        self.dst[:b].copy_(rows)
-        self.last[:b].copy_(last)
-        if bs > b:  # padding requests: the first real row, their own first token as "last"
-            self.rows[b:bs].copy_(rows[:1].expand(bs - b))
-            self.last[b:bs].copy_(torch.arange(b, bs, device=last.device) * L)
-            self.dst[b:bs].fill_(self.roots.scratch_row)
+        dest, pad = self._scatter_plan(b, bs)
+        # in dest's order: the real values of ids, pos, slots, feature rows, rows, last and
+        # dst (= rows), the constant padding, then the padding requests' rows (the first real one)
+        values = torch.cat([ids, pos, slots, feat_rows, rows, last, rows, pad, rows[:1].expand(bs - b)])
+        self.index.index_copy_(0, dest, values)
         self._go(bs, b, features, prefix_lens)
+
+    def _scatter_plan(self, b: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat positions, constant padding values) of a replay over B requests padded to
+        bs; see `replay`. Padding tokens: id 0, position 0, slot 0, feature row 0; padding
+        requests: their own first token as "last", root states into the scratch row."""
+        plan = self._plans.get(b)
+        if plan is None:
+            L, dev = self.L, self.index.device
+            starts = [sum(self._parts[:k]) for k in range(len(self._parts))]
+            span = lambda k, lo, hi: torch.arange(starts[k] + lo, starts[k] + hi)  # noqa: E731
+            real = [span(k, 0, b * L) for k in range(4)] + [span(k, 0, b) for k in range(4, 7)]
+            padding = [span(k, b * L, bs * L) for k in range(4)] + [span(5, b, bs), span(6, b, bs)]
+            values = [torch.zeros(4 * (bs - b) * L, dtype=torch.int64), torch.arange(b, bs) * L,
+                      torch.full((bs - b,), self.roots.scratch_row, dtype=torch.int64)]
+            dest = torch.cat(real + padding + [span(4, b, bs)]).to(dev)
+            plan = self._plans[b] = (dest, torch.cat(values).to(dev))
+        return plan
 
     def static_index(self) -> list[torch.Tensor]:
         """The static per-replay inputs a caller may fill itself on the device (then
