@@ -4,10 +4,10 @@ Speculation pays when accepted tokens per second beat plain decoding's tokens pe
 second, and both depend on the batch size (a verify of N tokens per request is almost
 free at batch 1 and costs ~N decode steps once the GPU is compute-bound) and on the
 traffic (how often drafts are accepted). So the governor measures instead of modelling:
-per batch-size bucket it keeps each mode's rate (mean tokens per request of its last 64 steps over
-the mean seconds of its last 8 but the slowest: at batch 1 a verify commits 1 to 6 tokens,
-so fewer steps give a noisy mean), runs the better mode, and probes the other one so the estimate
-follows the traffic. Probing is an exploration budget: a probe (two steps of the other mode)
+per batch-size bucket it keeps each mode's rate (mean tokens per request of its last 64
+steps over the mean seconds of its last 8 but the slowest: at batch 1 a verify commits 1
+to 6 tokens, so fewer steps give a noisy mean), runs the better mode, and probes the other
+one so the estimate follows the traffic. Probing is an exploration budget: a probe (two steps of the other mode)
 is due once its expected loss (the time its steps take beyond what the chosen mode would
 take for the same tokens) is at most EXPLORE_SHARE of the time the bucket ran since its
 last probe, and never sooner than `probe_every` steps after it. A close call costs little
@@ -19,10 +19,10 @@ luck at batch 1) makes the next probe due `probe_every` steps on, so the window 
 A bucket not measured yet starts with the mode its nearest measured bucket prefers (batch
 sizes pass through many buckets as requests finish, and measuring the slower mode first in
 each is what exploration would otherwise cost), and prices its probes with that bucket's
-ratios; with no measured bucket it measures speculation first (TRUSTED steps). The worker times a step
-from its start to the next step's start, so the engine's own per-step work (outputs,
-detokenization) is counted, not only the forward and read-back; it records a step once
-the next one has been decided, so `record` recognises the probe by its mode.
+ratios; with no measured bucket it measures speculation first (TRUSTED steps). The worker
+times a step from its start to the next step's start, so the engine's own per-step work
+(outputs, detokenization) is counted, not only the forward and read-back; it records a
+step once the next one has been decided, so `record` recognises the probe by its mode.
 
 Both modes are exact (a plain step is the plain engine's decode step), so switching never
 changes the output, only the speed.
@@ -57,9 +57,9 @@ class SpecGovernor:
         assert probe_steps >= 2, "a probe's first step is a switch step: it needs a second"
         self.probe_steps, self.explore_share = probe_steps, explore_share
         # A mode's rate: mean tokens of its last `token_window` steps over the step time of
-        # its last `window` (`_step_time`). Step times are steady; tokens per step are not (at batch 1 a
-        # verify commits 1 to 6 tokens), and a mean of 8 was noisy enough (+-18%) to
-        # settle on plain decoding when speculation was 1.2x faster.
+        # its last `window` (`_step_time`). Tokens per step are the noisier (at batch 1 a
+        # verify commits 1 to 6 tokens): a mean of 8 was noisy enough (+-18%) to settle on
+        # plain decoding when speculation was 1.2x faster.
         self.window, self.token_window = window, max(window, token_window)
         self._samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # (bucket, speculated) -> (tokens, s)
         self._rate: dict[tuple[int, bool], float] = {}  # tokens per request per second
