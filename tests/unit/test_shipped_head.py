@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from specserve import Engine
-from specserve.bench.mtbench import mt_bench_questions
 from specserve.models.shipped_heads import has_shipped_head, shipped_head
+from tests.unit.model_utils import held_out_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -19,11 +19,7 @@ def test_the_default_model_drafts_with_its_shipped_head(smollm2_dir, smollm2_eng
     engine = Engine("smollm2-135m", log_level="warning", speculative_algorithm="EAGLE3", speculative_num_steps=3,
                     speculative_eagle_topk=1, speculative_num_draft_tokens=4)
     assert engine.scheduler.spec.proposer.model.config.hidden_size == 576
-    tok = engine.tokenizer
-    prompts = [tok.encode_chat([{"role": "user", "content": q[0]}]) for q in mt_bench_questions(16)[-2:]]
-    params = {"temperature": 0, "max_new_tokens": 48}
-    want = [o["output_ids"] for o in smollm2_engine.generate(input_ids=prompts, sampling_params=params)]
-    outs = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+    want, outs = held_out_greedy(engine, smollm2_engine, 48)
     assert [o["output_ids"] for o in outs] == want
     meta = [o["meta_info"] for o in outs]
     accept = sum(m["spec_accept_token_num"] + m["spec_verify_ct"] for m in meta) / sum(m["spec_verify_ct"] for m in meta)

@@ -16,11 +16,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from specserve import Engine
-from specserve.bench.mtbench import mt_bench_questions
 from specserve.runner.compile import CompiledForward
 from specserve.runner.forward_batch import ForwardMode
 from tests.unit.eagle_utils import tiny_target
-from tests.unit.model_utils import EXACT_ON_GPU, tiny_engine
+from tests.unit.model_utils import EXACT_ON_GPU, held_out_greedy, tiny_engine
 
 pytestmark = pytest.mark.slow
 
@@ -77,11 +76,7 @@ def test_compiled_eagle3_verify_is_token_identical(smollm2_engine, compiled_call
     engine = Engine("smollm2-135m", log_level="warning", speculative_algorithm="EAGLE3", speculative_num_steps=3,
                     speculative_eagle_topk=1, speculative_num_draft_tokens=4, speculative_adaptive="off",
                     enable_torch_compile=True, torch_compile_max_bs=1, **EXACT_ON_GPU)
-    tok = engine.tokenizer
-    prompts = [tok.encode_chat([{"role": "user", "content": q[0]}]) for q in mt_bench_questions(16)[-2:]]
-    params = {"temperature": 0, "max_new_tokens": 32}
-    want = [o["output_ids"] for o in smollm2_engine.generate(input_ids=prompts, sampling_params=params)]
-    outs = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+    want, outs = held_out_greedy(engine, smollm2_engine, 32)
     assert [o["output_ids"] for o in outs] == want
     verifies = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
     assert verifies > 0 and compiled_calls["n"] >= (1 if torch.cuda.is_available() else verifies)
