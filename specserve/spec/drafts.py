@@ -97,6 +97,13 @@ class Drafts:
             counts[r] = c
         return Drafts(*fields, counts)
 
+    def select(self, rows: list[int], index: torch.Tensor) -> "Drafts":
+        """The trees of requests `rows` (`index`: the same rows on the trees' device)."""
+        mask = self.known_mask.index_select(0, index) if self.known_mask is not None else None
+        counts = [self.counts[i] for i in rows] if self.counts is not None else None
+        return Drafts(self.tokens.index_select(0, index), self.parents.index_select(0, index),
+                      self.valid.index_select(0, index), counts, mask)
+
     def padded(self, n: int) -> "Drafts":
         """The same trees padded to n nodes per request (invalid nodes hanging off the root)."""
         extra = n - self.num_nodes

@@ -104,7 +104,8 @@ class EagleProposer:
 
     def remove_request(self, req: Req) -> None:
         self.roots.ready.discard(req.rid)
-        self._ahead = None
+        if not req.finished:  # retracted: it comes back under its id, and its tree drafted ahead is stale
+            self._ahead = None  # (a finished request's id never returns; the others' trees stay: keep_ahead)
 
     # -- keeping the draft KV in sync -----------------------------------------------------
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
@@ -236,6 +237,13 @@ class EagleProposer:
             b if inline else ext.size_for(b), L, self.roots.scratch_row)
         (ext.run_inline if inline else ext.replay_filled)(b, feats, starts)
         return roots, kv_lens
+
+    def keep_ahead(self, reqs: list[Req], rows: list[int], index: torch.Tensor) -> None:
+        """The next step continues over `reqs`, rows `rows` (`index` on the device) of the
+        requests drafted ahead; the others ended. Their trees are kept for its propose."""
+        rids, drafts = self._ahead
+        assert [rids[i] for i in rows] == [r.rid for r in reqs], "continues the requests drafted ahead"
+        self._ahead = ([r.rid for r in reqs], drafts.select(rows, index))
 
     def has_drafted_ahead(self, reqs: list[Req]) -> bool:
         """Whether the next propose over `reqs` takes trees drafted ahead (no pass of its own)."""

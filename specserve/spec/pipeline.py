@@ -14,10 +14,14 @@ A step may be left in flight when every request's walk runs on the device (greed
 sampling by temperature alone, through the step graphs: step_graphs.py), has a full
 tree, no penalties and no logprobs, cannot reach the context length within two steps,
 and the proposer drafts ahead (`eligible`, `SpecWorker._pipelines`).
-The next speculative step over the *same* requests, with trees drafted ahead for them,
-launches first and then reads the step in flight back; anything else (a plain step, a
-changed batch, an abort of a request it carries, a retraction) first drains it
-(`SpecWorker.drain`). A prefill may run while it is in flight: it touches only its own
+The next speculative step over the same requests, or over those of them still running
+(a request that step k ended is dropped from step k+1, below), with trees drafted ahead
+for them, launches first and then reads the step in flight back; its kv_lens and trees
+are the rows of the step in flight that it continues (`live_rows`). Anything else (a
+plain step, a request added, an abort of a request it carries, a retraction) first
+drains it (`SpecWorker.drain`). At batch 64 a request ends every few steps; a drain
+there costs a whole step with nothing to overlap (H100, SmolLM2 + EAGLE-3: ~10 ms
+against ~5). A prefill may run while it is in flight: it touches only its own
 requests' rows and slots, and the batch it adds drains the step before speculating.
 
 Invariant while a step is in flight: req.kv_len, output_ids and the allocator are those
@@ -46,11 +50,16 @@ class InFlightSpec:
     slots: list[torch.Tensor]  # each request's N verify slots (host)
     pending: PendingAccept  # the greedy walk, on its way to the host
     kv_after: torch.Tensor  # [B] int64 kv_len after this step's commit, on the device
+    graphed: bool = False  # a step-graph replay: its state is in the graph's buffers (step_graphs.py)
     dropped: set[int] = field(default_factory=set)  # requests whose outcome is never read
 
-    def same_batch(self, reqs: list[Req]) -> bool:
-        """Whether a step over `reqs` continues from this one (the same live requests, in order)."""
-        return not self.dropped and len(reqs) == len(self.reqs) and all(a is b for a, b in zip(reqs, self.reqs))
+    def live_rows(self, reqs: list[Req]) -> list[int] | None:
+        """This step's rows that a step over `reqs` continues, when `reqs` are exactly its
+        requests not dropped, in order; None when they are not."""
+        live = [i for i in range(len(self.reqs)) if i not in self.dropped]
+        if len(live) != len(reqs) or any(self.reqs[i] is not r for i, r in zip(live, reqs)):
+            return None
+        return live
 
     def drop(self, i: int, kv: KVManager) -> None:
         """Request i ended on the step before this one: free its verify slots now."""

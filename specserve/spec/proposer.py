@@ -90,6 +90,11 @@ class Proposer(Protocol):
         commit, on the device."""
         ...
 
+    def keep_ahead(self, reqs: list[Req], rows: list[int], index: torch.Tensor) -> None:
+        """Where has_drafted_ahead: the next propose is over `reqs`, rows `rows` (`index`
+        on the device) of the requests drafted ahead, the others having ended."""
+        ...
+
     def has_drafted_ahead(self, reqs: list[Req]) -> bool:
         """Where can_draft_ahead: whether the next propose over `reqs` takes trees that
         draft_ahead drafted (then it reads no host state: spec/pipeline.py)."""

@@ -18,7 +18,8 @@ and slots), one replay, the walk's copy back.
 State carried from one replay to the next in static buffers: the trees (`tokens`,
 `parents`, `mask`) and each request's kv_len. The first step of a run (nothing in
 flight) writes them from the host's kv_len and the proposer's trees; a continuing step
-(the same requests, pipeline.py) finds them where the last replay left them, and the
+(the same requests, pipeline.py) finds them where the last replay left them (or, when
+some requests ended, `keep_rows` first moves the others' rows to the front), and the
 proposer is handed views of the new trees (`adopt_ahead`), so a step that drains first
 still finds them. Captured sizes are the exact batch sizes 1..max_bs: a padding request
 would walk and commit into a real request's table row. The tree pass drafts into
@@ -119,6 +120,15 @@ class StepGraphs:
                               (self.mask, drafts.tree_mask())):
             if static.data_ptr() != value.data_ptr():  # the trees a replay left are in place
                 static[:b].copy_(value)
+
+    def keep_rows(self, b: int, rows: torch.Tensor) -> None:
+        """The next replay continues over rows `rows` [B'] (device) of the last replay of
+        size b, whose other requests ended: their state moves to the buffers' front."""
+        k = rows.numel()
+        for buf in (self.kv_len, self.tokens, self.parents, self.mask):
+            buf[:k].copy_(buf[:b].index_select(0, rows))
+        for buf in (self.floats, self.ints):  # sampling params, [2, max_bs]
+            buf[:, :k].copy_(buf[:, :b].index_select(1, rows))
 
     def trees(self, b: int) -> Drafts:
         """The trees the last replay of size b drafted (views of the static buffers)."""

@@ -172,7 +172,12 @@ class SpecWorker:
                 or not pipeline.eligible(reqs, self.spec.num_steps, self.context_length, sampled):
             return False
         prev = self._inflight
-        return prev is None or (prev.same_batch(reqs) and self.proposer.has_drafted_ahead(reqs))
+        return prev is None or (prev.live_rows(reqs) is not None and prev.graphed == self._graphed(len(reqs))
+                                and self.proposer.has_drafted_ahead(prev.reqs))
+
+    def _graphed(self, bsz: int) -> bool:
+        """Whether a pipelined step over `bsz` requests is one step-graph replay."""
+        return self.step_graphs is not None and self.step_graphs.can_run(bsz)
 
     def capture_step_graphs(self, max_bs: int) -> None:
         """Capture a graph of the whole pipelined step per batch size up to
@@ -182,13 +187,22 @@ class SpecWorker:
 
     def _launch(self, reqs: list[Req], prev: InFlightSpec | None) -> InFlightSpec:
         """Queue a greedy step over full trees from the device state `prev` left (or the
-        host's, when nothing is in flight) and its draft-ahead; read nothing back."""
+        host's, when nothing is in flight) and its draft-ahead; read nothing back. `prev`
+        may carry requests that ended (dropped): the step takes the rows of the others."""
         b, n, dev = len(reqs), self.proposer.max_nodes, self.runner.device
         slots = self.kv.alloc_each([n] * b)
-        if self.step_graphs is not None and self.step_graphs.can_run(b):
-            return self._launch_graphed(reqs, prev, slots)
+        live = prev.live_rows(reqs) if prev is not None and prev.dropped else None
+        keep = h2d(live, dev) if live is not None else None  # [B] rows of `prev` (device)
+        if self._graphed(b):
+            return self._launch_graphed(reqs, prev, slots, keep)
         rows, flat = h2d_many([[r.row for r in reqs], torch.cat(slots)], dev)
-        starts = prev.kv_after if prev is not None else h2d([r.kv_len for r in reqs], dev)
+        if prev is None:
+            starts = h2d([r.kv_len for r in reqs], dev)
+        elif keep is None:
+            starts = prev.kv_after
+        else:
+            starts = prev.kv_after.index_select(0, keep)
+            self.proposer.keep_ahead(reqs, live, keep)
         self.kv.table.write_block(rows, starts, flat.view(b, n))
         drafts = self.proposer.propose(reqs, [n] * b)  # after `prev`: its trees, drafted ahead
         positions = (starts[:, None] + drafts.depths()).reshape(-1)
@@ -200,14 +214,18 @@ class SpecWorker:
         pending = accept_greedy_later(drafts, logits.view(b, n, -1), ahead)
         return InFlightSpec(reqs, slots, pending, ahead.kv_after)
 
-    def _launch_graphed(self, reqs: list[Req], prev: InFlightSpec | None, slots: list[torch.Tensor]) -> InFlightSpec:
-        """_launch as one replay of the step graph: `prev` (the same requests) left its
-        kv_len and trees in the graph's buffers; a first step brings the host's."""
+    def _launch_graphed(self, reqs: list[Req], prev: InFlightSpec | None, slots: list[torch.Tensor],
+                        keep: torch.Tensor | None) -> InFlightSpec:
+        """_launch as one replay of the step graph: `prev` left its kv_len and trees in the
+        graph's buffers (rows `keep` of them when some of its requests ended); a first
+        step brings the host's."""
         b, n, g = len(reqs), self.proposer.max_nodes, self.step_graphs
         first = self.proposer.propose(reqs, [n] * b) if prev is None else None
+        if keep is not None:
+            g.keep_rows(len(prev.reqs), keep)
         packed = g.launch(reqs, torch.cat(slots), first)
         self.proposer.adopt_ahead(reqs, g.trees(b))
-        return InFlightSpec(reqs, slots, read_later(packed), g.kv_after(b))
+        return InFlightSpec(reqs, slots, read_later(packed), g.kv_after(b), graphed=True)
 
     def _land(self, done: InFlightSpec) -> tuple[list[Req], int]:
         """Commit a step launched by `_launch` (the table holds its slots already); requests

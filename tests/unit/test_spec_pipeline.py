@@ -4,7 +4,8 @@ On the CPU the pipeline is forced on over the graph-shaped drafting paths, run e
 the device state it launches from (kv_len after the commit, the table, the trees drafted
 ahead) is the same. Checked here:
   * greedy output is plain decoding's, token for token, at batch 8 and 3, with requests
-    ending at different steps (their places in the step in flight are dropped);
+    ending at different steps (their places in the step in flight are dropped, and the
+    next step goes on from the others' rows of it, undrained);
   * a perfect draft stays at full depth (a stale kv_len, position or prefix collapses it);
   * a stop token inside a step, an abort, a request arriving, and plain steps chosen by
     the governor, each while a step is in flight: outputs exact, no slot leaked;
@@ -71,11 +72,14 @@ def test_pipelined_steps_are_token_identical(tiny, smollm2_dir, head, graphed, m
     eng = _pipelined(target, smollm2_dir, head, heads[head], monkeypatch, counts, graphed)
     if graphed:
         count_calls(eng.scheduler.spec, "_launch_graphed", counts, monkeypatch)
+    count_calls(eng.scheduler.spec, "drain", counts, monkeypatch)
     params = [_greedy(30 - 4 * (i % 3)) for i in range(8)]
     outs = run(eng, ps, params) + run(eng, ps[:3], params[:3])
     assert [o["output_ids"] for o in outs] == [r[:p["max_new_tokens"]] for r, p in zip(ref + ref[:3], params + params[:3])]
-    # most steps were left in flight and read back one step later
+    # most steps were left in flight and read back one step later; the batch shrank 4
+    # times, and each next step went on from the rows of the step in flight, undrained
     assert counts["_launch"] >= 6 and counts["_land"] >= counts["_launch"] - 2, counts
+    assert counts["drop"] >= 4 and counts.get("drain", 0) == 0, counts
     if graphed:  # batch 8 and 3 both fit the step graphs
         assert counts["_launch_graphed"] == counts["_launch"], counts
 
@@ -98,17 +102,19 @@ def test_sampled_steps_in_step_graphs_reproduce_seeded_plain_sampling(tiny, smol
 @pytest.mark.parametrize("graphed", [True, False])
 def test_a_perfect_draft_stays_perfect_when_pipelined(tmp_path, smollm2_dir, graphed, monkeypatch):
     """Each pipelined verify runs at the kv_len, positions and attention prefix the step
-    before it left on the device: any slip there and a perfect draft stops being accepted."""
+    before it left on the device, for the rows of the requests still running after two
+    end: any slip there and a perfect draft stops being accepted."""
     counts: dict = {}
     eng = perfect_engine("EAGLE3", tmp_path, smollm2_dir, "tree")
     _pipeline(eng, graphed, max_bs=4)
     count_calls(eng.scheduler.spec, "_launch", counts, monkeypatch)
-    params = _greedy(41)  # 1 from prefill + 10 verifies of 4, all pipelined
+    count_calls(eng.scheduler.spec, "drain", counts, monkeypatch)
+    params = [_greedy(1 + 4 * n) for n in (10, 6, 8)]  # 1 from prefill + n verifies of 4, all pipelined
     plain = engine(tmp_path / "target", smollm2_dir)
     outs = run(eng, prompts(3, seed=2), params)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in run(plain, prompts(3, seed=2), params)]
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
-    assert counts["_launch"] >= 5, counts
+    assert counts["_launch"] >= 5 and counts.get("drain", 0) == 0, counts
 
 
 def test_a_stop_token_inside_a_step_drops_its_place_in_the_next(tiny, smollm2_dir, monkeypatch):
@@ -197,23 +203,33 @@ class _Recording(SpecGovernor):
 
 @pytest.mark.parametrize("graphed", [True, False])
 def test_the_governor_hears_of_every_drained_step(tiny, smollm2_dir, graphed, monkeypatch):
-    """Requests ending at different steps change the batch, which drains the step in flight
+    """Requests arriving while a step is in flight grow the batch, which drains that step
     and launches a first step that lands nothing. The drain's tokens go with that first
-    step: no step but the very first is recorded empty, and every token of a speculative
-    step but the last step's reaches the governor (left out, its samples were those of
-    unbroken pipelines only, the cheapest steps at a large batch)."""
+    step: no step is recorded empty (the very first, which lands nothing, goes unmeasured
+    with the prefill after it), and every token of a speculative step but the last step's
+    reaches the governor (left out, its samples were those of unbroken pipelines only, the
+    cheapest steps at a large batch)."""
     target, heads, ps, ref = tiny
     counts: dict = {}
     eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, counts, graphed)
+    count_calls(eng.scheduler.spec, "drain", counts, monkeypatch)
     gov = eng.scheduler.spec.governor = _Recording()
-    params = [_greedy(30 - 4 * (i % 3)) for i in range(8)]  # the batch changes twice
-    outs = run(eng, ps, params)
-    assert [o["output_ids"] for o in outs] == [r[:p["max_new_tokens"]] for r, p in zip(ref, params)]
-    drafted = sum(len(o["output_ids"]) - 1 for o in outs)  # the first token of each came from its prefill
+    sched, outs = eng.scheduler, []
+    params = [_greedy(30 - 4 * (i % 3)) for i in range(8)]
+    for half in (range(4), range(4, 8)):  # the second half arrives while a step is in flight
+        for i in half:
+            outs += sched.add_request(GenerateReq(f"r{i}", ps[i], make_sampling_params(params[i])))
+        outs += _step_until(sched, lambda: sched.spec.in_flight)
+    outs += _step_until(sched, lambda: not sched.has_work)
+    got = _collect(outs)
+    assert [got[f"r{i}"] for i in range(8)] == [r[:p["max_new_tokens"]] for r, p in zip(ref, params)]
+    assert counts["drain"] >= 1, counts
+    drafted = sum(len(ids) - 1 for ids in got.values())  # the first token of each came from its prefill
     recorded = [tokens for _, tokens in gov.samples]
-    assert recorded[0] == 0 and 0 not in recorded[1:], recorded
+    assert 0 not in recorded, recorded
     assert counts["_land"] >= len(recorded) and sum(recorded) < drafted
     assert sum(recorded) >= drafted - 2 * 8 * 5  # at most the last two steps' tokens (8 requests x 5)
+    clean(eng)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs")
