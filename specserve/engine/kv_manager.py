@@ -93,15 +93,18 @@ class KVManager:
             req.kv_len += 1
         return slots
 
-    def release(self, req: Req) -> None:
-        """Hand the request's KV to the prefix cache (or free it) and free its row."""
+    def release(self, req: Req, cacheable: int | None = None) -> None:
+        """Hand the request's KV to the prefix cache (or free it) and free its row;
+        `cacheable`: only positions below it go to the cache (the rest are freed)."""
         if req.row is None:
             return
         slots = self.table.read(req.row, 0, req.kv_len)
-        already = self.prefix_cache.insert(req.all_ids[:req.kv_len], slots)
+        n = req.kv_len if cacheable is None else max(req.cached_len, min(cacheable, req.kv_len))
+        already = self.prefix_cache.insert(req.all_ids[:n], slots[:n])
         # slots[:cached_len] came from the cache itself; [cached_len:already] duplicate
         # tokens another request cached meanwhile: those copies are ours to free.
         self.allocator.free(slots[req.cached_len:already])
+        self.allocator.free(slots[n:])
         self.prefix_cache.unlock(req.cache_node)
         self.table.free(req.row)
         req.row, req.cache_node, req.kv_len, req.cached_len = None, None, 0, 0

@@ -243,9 +243,11 @@ class Scheduler:
         return outs
 
     def _release(self, req: Req) -> None:
+        cacheable = None
         if self.spec is not None:
+            cacheable = self.spec.proposer.cacheable(req)
             self.spec.proposer.remove_request(req)
-        self.kv.release(req)
+        self.kv.release(req, cacheable)
 
     def _spec_step(self) -> list[TokenOut]:
         """Speculative decode of every running request (propose, verify, accept, commit);

@@ -6,14 +6,16 @@ with token p+1, and predicts token p+2. The draft's KV for position p therefore 
 the token *after* p, which is why the root (last committed token, position kv_len) pairs
 with the feature at kv_len - 1.
 
-Draft KV invariant: between steps, every position < kv_len of a running request holds
-draft KV computed from the target's true features, in the same slot as its target KV
-(one slot index addresses both pools). It is kept eagerly:
+Draft KV invariant: between speculative steps, every position < kv_len of a running
+request holds draft KV computed from the target's true features, in the same slot as its
+target KV (one slot index addresses both pools). It is kept eagerly:
   * `on_extend`: after each target prefill chunk [s, e), a DRAFT_EXTEND over the same
     slots pairs feature p with token p+1 (the next prompt token, or for the final chunk
     the token just sampled; SGLang PR 26329 is the chunked-prefill bug this avoids);
   * `on_verified`: after verify, a DRAFT_EXTEND over the committed positions pairs each
-    accepted node's feature with the token committed after it.
+    accepted node's feature with the token committed after it;
+and lazily for plain steps (the governor's): `on_decoded` keeps the step's features and
+tokens on the device (backlog.py), and `propose` first extends the draft over them.
 Because a finished request's slots go to the prefix cache with their draft KV, a later
 request that borrows them finds valid draft KV; only the last borrowed position could
 have been paired with a different next token, so the KV manager recomputes it
@@ -55,6 +57,7 @@ from specserve.runner.h2d import h2d
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.runner.prefill_graphs import prefill_sizes
 from specserve.spec.accept import DevicePaths, GreedyWalk
+from specserve.spec.backlog import DraftBacklog
 from specserve.spec.draft_prefill_graphs import DraftPrefillGraphs
 from specserve.spec.drafts import Drafts
 from specserve.spec.extend_graphs import DraftExtendGraphs
@@ -88,14 +91,14 @@ class EagleProposer:
                                 token_map=self.token_map)
         self.roots = RootStates(kv.table.table.shape[0], spec.eagle_topk, c.hidden_size, runner.dtype, runner.device)
         self.extend_len = spec.num_steps + 1  # the most tokens one verify commits
-        self.extend_graphs = self.decoded_graphs = None  # after a verify; after a plain step (1 token)
+        self.extend_graphs = None  # after a verify
+        self.backlog = DraftBacklog(kv.table.table.shape[0], self._feature_width(runner), runner.dtype, runner.device)
         self.prefill_graphs: DraftPrefillGraphs | None = None  # after one request's prefill chunk
         # (request ids, their trees) drafted ahead for the next propose over exactly those requests
         self._ahead: tuple[list[str], Drafts] | None = None
         if self._can_capture(runner):
             self.tree.graphs = self._capture_tree(runner, max_running) if spec.num_steps > 1 else None
             self.extend_graphs = self._capture_extend(runner, max_running, self.extend_len)
-            self.decoded_graphs = self._capture_extend(runner, max_running, 1)
             self.prefill_graphs = self._capture_prefill(runner)
 
     # -- request life cycle -------------------------------------------------------------
@@ -104,6 +107,7 @@ class EagleProposer:
 
     def remove_request(self, req: Req) -> None:
         self.roots.ready.discard(req.rid)
+        self.backlog.forget(req)
         if not req.finished:  # retracted: it comes back under its id, and its tree drafted ahead is stale
             self._ahead = None  # (a finished request's id never returns; the others' trees stay: keep_ahead)
 
@@ -147,20 +151,26 @@ class EagleProposer:
         self._set_roots(reqs, *self._step(draft, feats))
 
     def on_decoded(self, reqs: list[Req], step: Decoded) -> None:
-        """Draft-extend the position a plain decode step fed (its root, paired with the token
-        just sampled), so the draft KV invariant holds when speculation resumes. Every input
-        is already on the device, so this queues behind the target's forward and sampling,
-        and the host's work here overlaps the GPU's before the step's read-back."""
+        """A plain decode step fed each request's root: its feature and the token just
+        sampled go to the backlog (device writes queued behind the forward), and the draft
+        extends over them when speculation resumes (`propose`), or now when a backlog
+        fills its ring."""
         self._ahead = None  # trees drafted ahead are from before this token
-        if self.decoded_graphs is not None and self.decoded_graphs.can_run(len(reqs)):
-            b = torch.arange(len(reqs), device=self.runner.device)
-            self.decoded_graphs.replay([step.tokens, step.positions, step.slots, b, step.rows, b], step.features,
-                                       step.prefix_lens)
-            self.roots.mark(reqs)
+        if self.backlog.push(reqs, step):
+            self._catch_up(reqs)
+
+    def cacheable(self, req: Req) -> int | None:
+        return self.backlog.cacheable(req)
+
+    def _catch_up(self, reqs: list[Req]) -> None:
+        """Extend the draft over the backlogs of `reqs` (one eager DRAFT_EXTEND; their root
+        states come from its last positions)."""
+        work = self.backlog.take(reqs, self.kv.table.table)
+        if work is None:
             return
-        draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, reqs, step.tokens, step.slots, step.prefix_lens,
-                              [1] * len(reqs), [True] * len(reqs), positions=step.positions)
-        self._set_roots(reqs, *self._step(draft, step.features))
+        draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, work.reqs, work.ids, work.slots, work.prefix_lens,
+                              work.extend_lens, [True] * len(work.reqs))
+        self._set_roots(work.reqs, *self._step(draft, work.features))
 
     def _extend_graphed(self, reqs: list[Req], verified: Verified) -> None:
         """on_verified through the draft-extend graph: every request padded to L tokens."""
@@ -277,6 +287,7 @@ class EagleProposer:
 
     # -- drafting -------------------------------------------------------------------------
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
+        self._catch_up(reqs)  # after plain steps
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == [r.rid for r in reqs] and min(budgets) > 1:
             return ahead[1]

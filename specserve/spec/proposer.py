@@ -51,6 +51,11 @@ class Proposer(Protocol):
 
     def remove_request(self, req: Req) -> None: ...
 
+    def cacheable(self, req: Req) -> int | None:
+        """Before `remove_request`: how much of `req`'s KV the prefix cache may take (the
+        positions whose draft state a later request could borrow), or None for all."""
+        ...
+
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
         """After a target EXTEND forward and its sampling: `features` [T, F] are the
         target's per-token features when the runner captures them (else None)."""
@@ -123,6 +128,9 @@ class NgramAdapter:
 
     def remove_request(self, req: Req) -> None:
         self._indexed.pop(req.rid, None)
+
+    def cacheable(self, req: Req) -> int | None:
+        return None  # nothing of its own in the KV
         self.ngram.remove_request(req.rid)
 
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:

@@ -113,6 +113,9 @@ class StandaloneProposer:
         self.draft_kv_len.pop(req.rid, None)
         self._fed.pop(req.rid, None)
 
+    def cacheable(self, req: Req) -> int | None:
+        return None  # a borrower recomputes its draft KV (add_request)
+
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         for req in reqs:
             self._fed[req.rid] = (req.kv_len, 0)

@@ -104,8 +104,8 @@ def row_topk(x: torch.Tensor, k: int, chunks: int = 64) -> tuple[torch.Tensor, t
 
     With few rows torch.topk runs one thread block per row (about 60 us for 4 rows of a
     16k draft vocabulary on an H100, four times per tree: batch 1); inside a CUDA graph
-    it is slow at 64 rows too (EAGLE's one-token draft extend after each plain step at
-    batch 64, H100, random SmolLM2 weights: plain steps in the EAGLE-3 engine at 9292
+    it is slow at 64 rows too (the one-token draft extend EAGLE then ran after each plain
+    step at batch 64, H100, random SmolLM2 weights: plain steps in the EAGLE-3 engine at 9292
     tok/s with one stage, 14761 with two; the plain engine 13305). Cutting each row into `chunks`
     pieces gives R * chunks short rows for the first top-k and R rows of chunks * k
     candidates for the second: the same k best (ties in either order), a few us."""

@@ -251,8 +251,8 @@ class SpecWorker:
 
     def on_plain_step(self, reqs: list[Req], decoded: Decoded) -> None:
         """The scheduler ran a plain decode step (`choose` said so), its tokens still on the
-        device: the proposer hears of them (EAGLE queues its one-token draft extend before
-        the read-back, so its host work overlaps the forward)."""
+        device: the proposer hears of them (EAGLE keeps the step's features and tokens on
+        the device, and extends its draft over a whole plain run when speculation resumes)."""
         self.proposer.on_decoded(reqs, decoded)
         self._drained = 0  # speculative tokens are no sample of a plain step
         for req in reqs:

@@ -276,24 +276,59 @@ def test_trees_drafted_ahead_are_the_trees_drafted_after_the_read_back(tiny, smo
     assert torch.cuda.is_available() or proposals[0] == proposals[1]
 
 
-@pytest.mark.parametrize("static,overlap", [(False, False), (True, False), (False, True)])
-def test_plain_steps_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, static, overlap):
-    """A step the governor runs plainly extends the draft by its one token (on_decoded,
-    eager or through the 1-token extend graph, or overlapped: launched from the previous
-    step's device ids): the next verify still drafts from the right root, so a perfect
-    draft stays at full depth (a stale root collapses it)."""
+@pytest.mark.parametrize("static,overlap,plain_run", [(False, False, 1), (True, False, 1), (False, True, 3),
+                                                      (False, True, 40)])
+def test_plain_steps_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, static, overlap, plain_run, monkeypatch):
+    """Steps the governor runs plainly leave their features and tokens in the draft's
+    backlog (backlog.py; overlapped, they are launched from the previous step's device
+    ids), and the draft extends over a whole plain run in one catch-up when speculation
+    resumes, or when a run fills the ring (40 plain steps: 32, then 8). The next verify
+    drafts from the right root, so a perfect draft stays at full depth (a stale root or
+    draft KV collapses it)."""
     engine = _perfect_engine("EAGLE3", tmp_path, smollm2_dir, "tree")
     if static:
         _use_static_paths(engine, max_bs=4)
     engine.scheduler.overlap = overlap
-    gov = engine.scheduler.spec.governor = _SomePlain(plain_run=3 if overlap else 1)
-    params = {"temperature": 0, "max_new_tokens": 33}
+    gov = engine.scheduler.spec.governor = _SomePlain(plain_run=plain_run)
+    backlog, caught_up = engine.scheduler.spec.proposer.backlog, []
+    take = backlog.take
+    monkeypatch.setattr(backlog, "take", lambda reqs, table: _note(take(reqs, table), caught_up))
+    params = {"temperature": 0, "max_new_tokens": 33 if plain_run < 40 else 1 + 2 * 4 + 40 + 2 * 4}
     plain = _engine(tmp_path / "target", smollm2_dir)
     prompts = _prompts(3, seed=4)
     outs = _run(engine, prompts, params)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in _run(plain, prompts, params)]
     assert False in gov.modes and all(o["meta_info"]["spec_plain_ct"] > 0 for o in outs)
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
+    runs = [(plain_run,) * 3] if plain_run < 40 else [(32,) * 3, (8,) * 3]
+    assert caught_up[:len(runs)] == runs, caught_up
+
+
+def _note(work, caught_up: list):
+    if work is not None:
+        caught_up.append(tuple(work.extend_lens))
+    return work
+
+
+def test_a_request_ending_in_a_plain_run_caches_its_draft_backed_prefix(tmp_path, smollm2_dir):
+    """A request that ends with a backlog (plain steps the draft has not caught up with)
+    hands the prefix cache only the positions below it: a later request whose prompt
+    continues its text borrows that much, recomputes the rest, and drafts perfectly from
+    it. Nothing leaks."""
+    engine = _perfect_engine("EAGLE3", tmp_path, smollm2_dir, "tree")
+    sched = engine.scheduler
+    sched.spec.governor = _SomePlain(plain_run=100)  # 2 verifies of 4 tokens, then plain
+    prompt = _prompts(1, seed=6)[0]
+    first = engine.generate(input_ids=[prompt], sampling_params={"temperature": 0, "max_new_tokens": 20})[0]
+    assert first["meta_info"]["spec_verify_ct"] == 2 and first["meta_info"]["spec_plain_ct"] == 11
+    sched.spec.governor = SpecGovernor(False)  # speculates every step
+    text = prompt + first["output_ids"]
+    second = engine.generate(input_ids=[text + [7, 8]], sampling_params={"temperature": 0, "max_new_tokens": 17})[0]
+    # positions below the backlog: the prompt and the two verifies' 8 committed tokens,
+    # less the one the KV manager recomputes anyway (its draft KV paired another token)
+    assert second["meta_info"]["cached_tokens"] == len(prompt) + 8 - sched.kv.prefix_backoff
+    assert second["meta_info"]["spec_accept_length"] > 3.5
+    _run(engine, [])  # flushes the cache and checks no slot leaked
 
 
 def test_a_head_may_name_its_default_tree(tiny, smollm2_dir, tmp_path):
