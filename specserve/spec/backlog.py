@@ -7,7 +7,10 @@ work a step at batch 64 on the H100 (a graph replay and its inputs), and the spe
 engine's plain steps ran ~0.8x the plain engine's. Instead a plain step only writes its
 sampled tokens and the target's features at the fed positions into rings on the device
 (`push`: two index copies, no forward), and the draft catches up over the whole run in one
-extend (`take`) when speculation resumes, or when a request's backlog fills its ring.
+extend (`take`) when speculation resumes, or when a request's backlog fills its ring. With CUDA
+graphs that extend is a replay padded to W tokens a request (eagle.py's catch-up graphs):
+eagerly, each new ragged shape compiled attention kernels of its own while serving (H100,
+batch 64: 0.13x plain decoding over five rounds).
 
 Layout: a request's backlog is the span [start, end) of positions fed by plain steps since
 its draft KV was last computed. Position p of table row r lives in ring cell r * W + p % W
@@ -22,25 +25,32 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.cache.req_table import slots_at
 from specserve.engine.request import Req
 from specserve.runner.h2d import h2d_many
 from specserve.spec.proposer import Decoded
 
-RING = 32  # plain steps a request may run before its draft catches up
+RING = 16  # plain steps a request may run before its draft catches up
 
 
 @dataclass
 class CatchUp:
     """One draft extend over the backlogs of `reqs`: request b feeds positions
-    [prefix_lens[b], prefix_lens[b] + extend_lens[b]); ids, features and slots [T, ...]
-    are their tokens (each position's next), the target's features and their slots."""
+    [prefix_lens[b], prefix_lens[b] + extend_lens[b]), padded (when asked) to L tokens
+    each. Device tensors [T]: ids (each position's next token), positions, slots and ring
+    cells (rows of `DraftBacklog.features`); [B]: table rows and each request's last real
+    token. Padding tokens (last in their request, so no real token attends to them) sit at
+    position 0, in range whatever the context, and write the scratch slot 0."""
 
     reqs: list[Req]
     prefix_lens: list[int]
     extend_lens: list[int]
     ids: torch.Tensor
-    features: torch.Tensor
+    positions: torch.Tensor
     slots: torch.Tensor
+    cells: torch.Tensor
+    rows: torch.Tensor
+    last: torch.Tensor
 
 
 class DraftBacklog:
@@ -64,22 +74,26 @@ class DraftBacklog:
             full = full or span[1] - span[0] == self.ring
         return full
 
-    def take(self, reqs: list[Req], table: torch.Tensor) -> CatchUp | None:
+    def take(self, reqs: list[Req], table: torch.Tensor, pad_to: int | None = None) -> CatchUp | None:
         """The catch-up of those of `reqs` with a backlog (cleared), or None when none has;
-        `table` [rows, context] the slot table."""
+        `table` [rows, context] the slot table; `pad_to` L (>= RING) pads each request."""
         if not self.spans:
             return None
         behind = [(req, self.spans.pop(req.rid)) for req in reqs if req.rid in self.spans]
         if not behind:
             return None
-        cells, rows, positions = [], [], []
-        for req, (start, end) in behind:
-            cells += [req.row * self.ring + p % self.ring for p in range(start, end)]
-            rows += [req.row] * (end - start)
-            positions += range(start, end)
-        cells, rows, positions = h2d_many([cells, rows, positions], self.tokens.device)
+        cells, flat, positions, last, stride = [], [], [], [], table.stride(0)
+        for b, (req, (start, end)) in enumerate(behind):
+            n = end - start
+            pad = (pad_to or n) - n
+            cells += [req.row * self.ring + p % self.ring for p in range(start, end)] + [0] * pad
+            flat += [req.row * stride + p for p in range(start, end)] + [-1] * pad
+            positions += list(range(start, end)) + [0] * pad
+            last.append(len(positions) - pad - 1)
+        rows = [req.row for req, _ in behind]
+        cells, flat, positions, rows, last = h2d_many([cells, flat, positions, rows, last], self.tokens.device)
         return CatchUp([req for req, _ in behind], [s for _, (s, _) in behind], [e - s for _, (s, e) in behind],
-                       self.tokens[cells], self.features[cells], table[rows, positions])
+                       self.tokens[cells], positions, slots_at(table, flat), cells, rows, last)
 
     def cacheable(self, req: Req) -> int | None:
         """How much of `req`'s KV the prefix cache may take: below its backlog, or all (None)."""

@@ -57,7 +57,7 @@ from specserve.runner.h2d import h2d
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.runner.prefill_graphs import prefill_sizes
 from specserve.spec.accept import DevicePaths, GreedyWalk
-from specserve.spec.backlog import DraftBacklog
+from specserve.spec.backlog import RING, DraftBacklog
 from specserve.spec.draft_prefill_graphs import DraftPrefillGraphs
 from specserve.spec.drafts import Drafts
 from specserve.spec.extend_graphs import DraftExtendGraphs
@@ -91,7 +91,7 @@ class EagleProposer:
                                 token_map=self.token_map)
         self.roots = RootStates(kv.table.table.shape[0], spec.eagle_topk, c.hidden_size, runner.dtype, runner.device)
         self.extend_len = spec.num_steps + 1  # the most tokens one verify commits
-        self.extend_graphs = None  # after a verify
+        self.extend_graphs = self.catchup_graphs = None  # after a verify; after plain steps (backlog.py)
         self.backlog = DraftBacklog(kv.table.table.shape[0], self._feature_width(runner), runner.dtype, runner.device)
         self.prefill_graphs: DraftPrefillGraphs | None = None  # after one request's prefill chunk
         # (request ids, their trees) drafted ahead for the next propose over exactly those requests
@@ -99,6 +99,9 @@ class EagleProposer:
         if self._can_capture(runner):
             self.tree.graphs = self._capture_tree(runner, max_running) if spec.num_steps > 1 else None
             self.extend_graphs = self._capture_extend(runner, max_running, self.extend_len)
+            # a backend of its own: one backend holds the graph state of one extend length
+            self.catchup_graphs = self._capture_extend(runner, max_running, RING, make_backend(
+                spec.draft_attention_backend or runner.attn_backend_name, runner.device))
             self.prefill_graphs = self._capture_prefill(runner)
 
     # -- request life cycle -------------------------------------------------------------
@@ -163,14 +166,22 @@ class EagleProposer:
         return self.backlog.cacheable(req)
 
     def _catch_up(self, reqs: list[Req]) -> None:
-        """Extend the draft over the backlogs of `reqs` (one eager DRAFT_EXTEND; their root
-        states come from its last positions)."""
-        work = self.backlog.take(reqs, self.kv.table.table)
+        """Extend the draft over the backlogs of `reqs`, each padded to RING tokens through
+        the catch-up graphs, else as one eager DRAFT_EXTEND; their root states come from
+        their last positions."""
+        g = self.catchup_graphs
+        graphed = g is not None and g.can_run(len(reqs))
+        work = self.backlog.take(reqs, self.kv.table.table, g.L if graphed else None)
         if work is None:
             return
+        if graphed:
+            g.replay([work.ids, work.positions, work.slots, work.cells, work.rows, work.last], self.backlog.features,
+                     work.prefix_lens)
+            self.roots.mark(work.reqs)
+            return
         draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, work.reqs, work.ids, work.slots, work.prefix_lens,
-                              work.extend_lens, [True] * len(work.reqs))
-        self._set_roots(work.reqs, *self._step(draft, work.features))
+                              work.extend_lens, [True] * len(work.reqs), positions=work.positions)
+        self._set_roots(work.reqs, *self._step(draft, self.backlog.features[work.cells]))
 
     def _extend_graphed(self, reqs: list[Req], verified: Verified) -> None:
         """on_verified through the draft-extend graph: every request padded to L tokens."""
@@ -315,11 +326,12 @@ class EagleProposer:
             return TreeDraftGraphs(self.tree, self.roots, runner.graph_max_bs(max_running), self.max_nodes,
                                    runner.device)
 
-    def _capture_extend(self, runner: ModelRunner, max_running: int, tokens_per_req: int) -> DraftExtendGraphs:
+    def _capture_extend(self, runner: ModelRunner, max_running: int, tokens_per_req: int,
+                        backend=None) -> DraftExtendGraphs:
         """One graph per batch size for the draft extend of `tokens_per_req` tokens per request
-        (and the root states it leaves)."""
+        (and the root states it leaves), on `backend` (default: the draft's own)."""
         with torch.inference_mode():
-            return DraftExtendGraphs(self.model, self.backend, self.pool, self.kv.table.table,
+            return DraftExtendGraphs(self.model, backend or self.backend, self.pool, self.kv.table.table,
                                      runner.graph_max_bs(max_running), tokens_per_req, self._feature_width(runner),
                                      self.topk, self.token_map, self.roots)
 

@@ -66,6 +66,7 @@ def perfect_engine(kind: str, root, smollm2_dir, tree: str, **flags) -> Engine:
 def use_static_paths(engine: Engine, max_bs: int) -> None:
     """Give the proposer the padded, fixed-shape drafting and draft-extend paths that CUDA
     graphs capture, uncaptured (the same static buffers, padding and indexing)."""
+    from specserve.spec.backlog import RING
     from specserve.spec.extend_graphs import DraftExtendGraphs
     from specserve.spec.tree_graphs import TreeDraftGraphs
 
@@ -75,8 +76,9 @@ def use_static_paths(engine: Engine, max_bs: int) -> None:
     hidden = runner.model.config.hidden_size
     width = hidden * len(p.model.aux_layers) if p.model.feature_mode == "aux" else hidden
     p.tree.graphs = TreeDraftGraphs(p.tree, p.roots, max_bs, p.max_nodes, runner.device, capture=False)
-    p.extend_graphs = DraftExtendGraphs(p.model, p.backend, p.pool, engine.scheduler.kv.table.table, max_bs,
-                                        p.extend_len, width, p.topk, p.token_map, p.roots, capture=False)
+    p.extend_graphs, p.catchup_graphs = (
+        DraftExtendGraphs(p.model, p.backend, p.pool, engine.scheduler.kv.table.table, max_bs, n, width, p.topk,
+                          p.token_map, p.roots, capture=False) for n in (p.extend_len, RING))
 
 
 def use_step_graphs(engine: Engine, max_bs: int) -> None:

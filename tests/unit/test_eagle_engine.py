@@ -277,12 +277,13 @@ def test_trees_drafted_ahead_are_the_trees_drafted_after_the_read_back(tiny, smo
 
 
 @pytest.mark.parametrize("static,overlap,plain_run", [(False, False, 1), (True, False, 1), (False, True, 3),
-                                                      (False, True, 40)])
+                                                      (False, True, 40), (True, True, 40)])
 def test_plain_steps_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, static, overlap, plain_run, monkeypatch):
     """Steps the governor runs plainly leave their features and tokens in the draft's
     backlog (backlog.py; overlapped, they are launched from the previous step's device
-    ids), and the draft extends over a whole plain run in one catch-up when speculation
-    resumes, or when a run fills the ring (40 plain steps: 32, then 8). The next verify
+    ids), and the draft extends over a whole plain run in one catch-up (static: padded, as
+    the catch-up graphs run it) when speculation
+    resumes, or when a run fills the ring (40 plain steps: 16, 16, then 8). The next verify
     drafts from the right root, so a perfect draft stays at full depth (a stale root or
     draft KV collapses it)."""
     engine = _perfect_engine("EAGLE3", tmp_path, smollm2_dir, "tree")
@@ -292,7 +293,7 @@ def test_plain_steps_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, static,
     gov = engine.scheduler.spec.governor = _SomePlain(plain_run=plain_run)
     backlog, caught_up = engine.scheduler.spec.proposer.backlog, []
     take = backlog.take
-    monkeypatch.setattr(backlog, "take", lambda reqs, table: _note(take(reqs, table), caught_up))
+    monkeypatch.setattr(backlog, "take", lambda *args: _note(take(*args), caught_up))
     params = {"temperature": 0, "max_new_tokens": 33 if plain_run < 40 else 1 + 2 * 4 + 40 + 2 * 4}
     plain = _engine(tmp_path / "target", smollm2_dir)
     prompts = _prompts(3, seed=4)
@@ -300,7 +301,7 @@ def test_plain_steps_keep_a_perfect_draft_perfect(tmp_path, smollm2_dir, static,
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in _run(plain, prompts, params)]
     assert False in gov.modes and all(o["meta_info"]["spec_plain_ct"] > 0 for o in outs)
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
-    runs = [(plain_run,) * 3] if plain_run < 40 else [(32,) * 3, (8,) * 3]
+    runs = [(plain_run,) * 3] if plain_run < 40 else [(16,) * 3, (16,) * 3, (8,) * 3]
     assert caught_up[:len(runs)] == runs, caught_up
 
 
