@@ -179,6 +179,11 @@ class StopChecker:
         self._held = ""
         self._done = False
 
+    @property
+    def active(self) -> bool:
+        """Whether there is a stop string to look for (else `push` releases all it is given)."""
+        return bool(self._stops)
+
     def push(self, text_delta: str) -> tuple[str, str | None]:
         """(text safe to release now, the matched stop string or None)."""
         if self._done:

@@ -19,7 +19,7 @@ from specserve.config import SpecConfig
 from specserve.engine.batch import sampling_batch
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.messages import TokenLogprob
-from specserve.engine.output import commit_token
+from specserve.engine.output import commit_run, commit_token
 from specserve.engine.request import Req
 from specserve.runner.h2d import h2d, h2d_many
 from specserve.runner.model_runner import ModelRunner
@@ -355,10 +355,11 @@ class SpecWorker:
     def _commit_tokens(self, req: Req, tokens: list[int], path: list[int], logits: torch.Tensor | None) -> list[int]:
         """Commit an accepted run up to where it ends the request; `logits` [N, V] the
         verify's (None when no request asked for logprobs)."""
+        if not req.params.logprobs:
+            return tokens[:commit_run(req, tokens, self.eos_ids, self.context_length)]
         done = []
         for i, tok in enumerate(tokens):
-            entry = _logprob_entry(req, tok, logits[path[i]]) if req.params.logprobs else None
-            commit_token(req, tok, self.eos_ids, self.context_length, entry)
+            commit_token(req, tok, self.eos_ids, self.context_length, _logprob_entry(req, tok, logits[path[i]]))
             done.append(tok)
             if req.finished:  # EOS / stop string / max_tokens inside the accepted run
                 break
