@@ -54,3 +54,14 @@ def engine_no_leak(smollm2_engine):
     sched.kv.flush_cache()
     sched.kv.assert_no_leak()
     assert sched.kv.allocator.available == sched.kv.num_slots
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _check_table_twin():
+    """Every release in the tests checks the host twin of the request table against the
+    device row (engine/kv_manager.py `check_twin`)."""
+    from specserve.engine.kv_manager import KVManager
+
+    KVManager.check_twin = True
+    yield
+    KVManager.check_twin = False

@@ -16,6 +16,10 @@ from specserve.engine.request import Req
 
 
 class KVManager:
+    # Tests set this: a release then checks the host twin of the table against the device's
+    # row (a read that waits for the GPU, so never in serving).
+    check_twin = False
+
     def __init__(self, num_slots: int, max_reqs: int, max_context: int, device: torch.device,
                  enable_prefix_cache: bool, prefix_backoff: int = 0) -> None:
         self.allocator = SlotAllocator(num_slots)
@@ -99,6 +103,9 @@ class KVManager:
         if req.row is None:
             return
         slots = self.table.read(req.row, 0, req.kv_len)
+        if self.check_twin:
+            device = self.table.table[req.row, :req.kv_len].cpu()
+            assert torch.equal(slots, device), f"table twin differs from the device row of {req}"
         n = req.kv_len if cacheable is None else max(req.cached_len, min(cacheable, req.kv_len))
         already = self.prefix_cache.insert(req.all_ids[:n], slots[:n])
         # slots[:cached_len] came from the cache itself; [cached_len:already] duplicate

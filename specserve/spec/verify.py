@@ -79,7 +79,8 @@ def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: 
     nodes have their KV at the right positions; the last committed token's KV comes next
     step. All rows are written in one index write; the step's slots are read as one list.
     `write_table` False: the device wrote them already (EAGLE's draft_ahead), possibly a
-    few more for a request that finished inside its path (past its kv_len: never read)."""
+    few more for a request that finished inside its path (past its kv_len: never read);
+    the host twin is written here (req_table.py)."""
     # Python touches the kept nodes alone (a few a request); the dropped rest (at batch 64
     # with 32-node trees ~1900 slots a step) are picked by one mask op
     flat = torch.cat(slots)
@@ -92,8 +93,8 @@ def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: 
     for k in kept:
         keep_all.append(kept_slots[start:start + k])
         start += k
-    if write_table:
-        kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], keep_all)
+    rows, starts = [r.row for r in reqs], [r.kv_len for r in reqs]
+    (kv.table.write_many if write_table else kv.table.mirror)(rows, starts, keep_all)
     dropped = torch.ones(flat.numel(), dtype=torch.bool)
     dropped[keep_at] = False
     kv.allocator.free(flat[dropped])
