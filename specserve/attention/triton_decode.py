@@ -113,24 +113,43 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_
 
 
 @triton.jit
-def _reduce_kernel(MidO, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                   stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+def _reduce_kernel(MidO, MidLse, Out, heads, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                   stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[b, h] = sum_s 2^lse_s o_s / sum_s 2^lse_s (split 0 is never empty). An empty
-    split (lse -inf) weighs 0 and its o, never written, is not read."""
+    """out[b, h] = sum_s 2^lse_s o_s / sum_s 2^lse_s for BLOCK_H heads of row b (split 0
+    is never empty). An empty split (lse -inf) weighs 0 and its o, never written, is not
+    read."""
     wait_and_release(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = h < heads
     offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < NUM_SPLITS
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_S]; empty splits weigh 0
-    o = tl.load(MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-                mask=(mask_s & (lse > float("-inf")))[:, None] & mask_d[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+    hs = mask_h[:, None] & (offs_s < NUM_SPLITS)[None, :]  # [BLOCK_H, BLOCK_S]
+    lse = tl.load(MidLse + b * stride_lb + h[:, None] * stride_lh + offs_s[None, :], mask=hs, other=float("-inf"))
+    top = tl.where(mask_h, tl.max(lse, 1), 0.0)  # a head past `heads` has no split: keep its row finite
+    w = tl.exp2(lse - top[:, None])  # empty splits weigh 0
+    o = tl.load(MidO + b * stride_mb + h[:, None, None] * stride_mh + offs_s[None, :, None] * stride_ms
+                + offs_d[None, None, :], mask=(hs & (lse > float("-inf")))[:, :, None] & mask_d[None, None, :],
+                other=0.0)
+    out = tl.sum(w[:, :, None] * o, 1) / tl.where(mask_h, tl.sum(w, 1), 1.0)[:, None]
+    tl.store(Out + b * stride_ob + h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=mask_h[:, None] & mask_d[None, :])
+
+
+def reduce_splits(mid: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """out [rows, H, D] from the splits' partial outputs mid [rows, H, S, D] and their
+    log2-sum-exps lse [rows, H, S]. A program takes as many heads of a row as fit in ~4k
+    elements: one per (row, head) made a 32-node verify at batch 64 launch ~18k programs
+    of 128 elements a layer (0.65 ms of a ~3.8 ms step, H100)."""
+    rows, heads, dim = out.shape
+    bd, bs = block_d(dim), triton.next_power_of_2(num_splits)
+    bh = min(triton.next_power_of_2(heads), max(1, 4096 // (bs * bd)))
+    _reduce_kernel[(rows, triton.cdiv(heads, bh))](
+        mid, lse, out, heads, *mid.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_S=bs, BLOCK_H=bh, HEAD_DIM=dim, BLOCK_D=bd, num_warps=4,
+        **pdl_flags(out.device))
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
@@ -169,7 +188,4 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         BLOCK_D=bd, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, PREC=dot_precision(k_pool.dtype),
         HAS_TAIL=has_tail, num_warps=4, num_stages=2, **pdl_flags(q.device))
     if num_splits > 1:
-        _reduce_kernel[(bsz, heads)](
-            dst, lse, out, *dst_strides, *lse_strides, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim, BLOCK_D=bd,
-            num_warps=4, **pdl_flags(q.device))
+        reduce_splits(dst, lse, out, num_splits)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
-from specserve.attention.triton_decode import MAX_SPLITS, _reduce_kernel
+from specserve.attention.triton_decode import MAX_SPLITS, reduce_splits
 from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
                                                 online_softmax_step, prefix_block, with_new_keys)
 
@@ -170,7 +170,4 @@ def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         STORE_LSE=num_splits > 1, CUSTOM_MASK=custom, PREC=dot_precision(k_pool.dtype),
         num_warps=4, num_stages=2, **pdl_flags(q.device))
     if num_splits > 1:
-        _reduce_kernel[(total, heads)](
-            dst, lse, out, *dst_strides, *lse_strides, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim, BLOCK_D=bd,
-            num_warps=4, **pdl_flags(q.device))
+        reduce_splits(dst, lse, out, num_splits)

@@ -105,9 +105,10 @@ def _check(prefix_lens, extend_lens, heads, kv_heads, dim, dtype=torch.float32, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim,splits", [(4, 2, 16, None), (4, 2, 32, 3), (4, 4, 64, 1),
-                                                      (8, 2, 16, 16)])
+                                                      (8, 2, 16, 16), (6, 2, 64, 16)])
 def test_decode_ragged_lengths(heads, kv_heads, dim, splits, dtype):
-    # seq lens 1, 71, 141 (three key blocks), 10; 16 splits leave most splits empty
+    # seq lens 1, 71, 141 (three key blocks), 10; 16 splits leave most splits empty; the
+    # last case merges the splits of 4 heads a program (reduce_splits), the last block half full
     _check([0, 70, 140, 9], [1, 1, 1, 1], heads, kv_heads, dim, dtype, mode=ForwardMode.DECODE, splits=splits)
 
 
