@@ -7,7 +7,8 @@ traffic (how often drafts are accepted). So the governor measures instead of mod
 per batch-size bucket it keeps each mode's rate (mean tokens per request of its last 64
 steps over the mean seconds of its last 8 but the slowest: at batch 1 a verify commits 1
 to 6 tokens, so fewer steps give a noisy mean), runs the better mode, and probes the other
-one so the estimate follows the traffic. Probing is an exploration budget: a probe (two steps of the other mode)
+one so the estimate follows the traffic. Probing is an exploration budget: a probe (three steps of the other
+mode, the last the sample: `record`)
 is due once its expected loss (the time its steps take beyond what the chosen mode would
 take for the same tokens) is at most EXPLORE_SHARE of the time the bucket ran since its
 last probe, and never sooner than `probe_every` steps after it. A close call costs little
@@ -19,7 +20,7 @@ luck at batch 1) makes the next probe due `probe_every` steps on, so the window 
 A bucket not measured yet starts with the mode its nearest measured bucket prefers (batch
 sizes pass through many buckets as requests finish, and measuring the slower mode first in
 each is what exploration would otherwise cost), and prices its probes with that bucket's
-ratios; with no measured bucket it measures speculation first (TRUSTED steps). The worker
+ratios; with no measured bucket it measures speculation first (TRUSTED samples). The worker
 times a step from its start to the next step's start, so the engine's own per-step work
 (outputs, detokenization) is counted, not only the forward and read-back; it records a
 step once the next one has been decided, so `record` recognises the probe by its mode.
@@ -43,18 +44,20 @@ from specserve.runner.cuda_graph import capture_sizes
 EXPLORE_SHARE = 0.01
 # Samples of each mode before a bucket's estimates price its probes.
 TRUSTED = 3
+# The first steps of a run of one mode are no sample of its pace (see `record`).
+WARM_STEPS = 2
 # How many ladder ranks away a bucket's estimates may price a bucket that lacks a mode.
 NEAR = 2
 
 
 class SpecGovernor:
     def __init__(self, enabled: bool, probe_every: int = 32, window: int = 8, token_window: int = 64,
-                 probe_steps: int = 2, explore_share: float = EXPLORE_SHARE,
+                 probe_steps: int = WARM_STEPS + 1, explore_share: float = EXPLORE_SHARE,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.enabled, self.probe_every, self.clock = enabled, probe_every, clock
-        # A probe runs probe_steps steps in the other mode; the first is a switch step (see
-        # `record`), which says nothing of the mode's steady cost, so at least two.
-        assert probe_steps >= 2, "a probe's first step is a switch step: it needs a second"
+        # A probe runs probe_steps steps in the other mode; the first WARM_STEPS say nothing
+        # of the mode's steady cost (see `record`), so at least one more.
+        assert probe_steps > WARM_STEPS, "a probe's first steps are warm-up steps: it needs one more"
         self.probe_steps, self.explore_share = probe_steps, explore_share
         # A mode's rate: mean tokens of its last `token_window` steps over the step time of
         # its last `window` (`_step_time`). Tokens per step are the noisier (at batch 1 a
@@ -83,8 +86,8 @@ class SpecGovernor:
         n = self._steps.get(b, 0)
         self._steps[b] = n + 1
         best = self._best(b)
-        if best is None:  # nothing measured nearby: speculation for TRUSTED steps, then plain
-            return (b, True) not in self._rate or n < TRUSTED
+        if best is None:  # nothing measured nearby: speculation until TRUSTED samples, then plain
+            return len(self._samples.get((b, True), ())) < TRUSTED
         if b in self._probing:
             if self._probe_left.get(b, 0) > 0:  # the probe goes on
                 self._probe_left[b] -= 1
@@ -149,11 +152,16 @@ class SpecGovernor:
         return bisect.bisect_left(self._ladder, b)  # position on the ladder
 
     def record(self, bs: int, speculated: bool, tokens: int, seconds: float, switched: bool = False) -> None:
-        """One step over `bs` requests committed `tokens` in `seconds`; `switched`: the step
-        before it ran in the other mode. Such a step is not a sample: it pays for the switch
-        (the other mode's queued work drained, no tree drafted ahead of a verify, no decode
-        step overlapping a plain one), so as a probe's only step it made a speculation 1.3x
-        faster at batch 1 look no faster than plain decoding (H100, SmolLM2 + EAGLE-3).
+        """One step over `bs` requests committed `tokens` in `seconds`; `switched`: it is
+        one of the first WARM_STEPS of a run of its mode. Such a step is not a sample. The
+        first pays for the switch (the other mode's queued work drained, no tree drafted
+        ahead of a verify, no decode step overlapping a plain one): as a probe's only step
+        it made a speculation 1.3x faster at batch 1 look no faster than plain decoding.
+        The second is cheap: it lands the first, which the GPU began while the host was
+        still busy with the switch, so it waits for less than a step's GPU time; taken as
+        the probe's sample, it made speculation at batch 64 look faster than plain decoding
+        when it ran at 0.83x its speed, and the governor speculated on 95% of the steps
+        (both H100, SmolLM2 + EAGLE-3).
         Nor is a step that committed nothing: the first step of a pipeline (spec/pipeline.py)
         is launched and left in flight, and its tokens land with the next step. Taken as a
         sample, its zero stayed in the mean of tokens for 64 steps: a fresh engine at batch

@@ -28,7 +28,7 @@ from specserve.spec import pipeline, step_graphs
 from specserve.spec.accept import AcceptResult, accept, accept_greedy_later, gumbel_targets, read_later
 from specserve.spec.pipeline import InFlightSpec
 from specserve.spec.proposer import Decoded, Proposer, Verified
-from specserve.spec.governor import SpecGovernor
+from specserve.spec.governor import WARM_STEPS, SpecGovernor
 from specserve.spec.step_graphs import StepGraphs
 from specserve.spec.verify import commit_kv, decode_batch, pad_rows, verify_batch
 
@@ -69,11 +69,12 @@ class SpecWorker:
         self.stats = SpecStats()
         adaptive = spec.adaptive == "on" or (spec.adaptive == "auto" and runner.device.type == "cuda")
         self.governor = SpecGovernor(adaptive)
-        # the last step: (bs, speculated, tokens, start, switched: the step before it ran in the other mode)
+        # the last step: (bs, speculated, tokens, start, switched: one of the first WARM_STEPS of its mode)
         self._open: tuple[int, bool, int, float, bool] | None = None
         self._start = 0.0  # when the step `choose` was asked about started
         self._last_mode: bool | None = None  # the mode of the last decode step
-        self._switched = False  # the step `choose` was asked about switches mode
+        self._run = 0  # decode steps in that mode since it was last chosen
+        self._switched = False  # the step `choose` was asked about is one of its mode's first
         self._drained = 0  # tokens a drain landed since the last step was opened (see `drain`)
         # Leave greedy EAGLE steps in flight (pipeline.py); the scheduler sets it on CUDA
         # once the verify graphs exist (tests force it on the CPU)
@@ -115,7 +116,8 @@ class SpecWorker:
         if drain:
             self._drain()
         self._start = self.governor.clock()
-        self._switched = self._last_mode is not None and self._last_mode != speculate
+        self._run = self._run + 1 if self._last_mode == speculate else 1
+        self._switched = self._run <= WARM_STEPS  # not yet a run's steady pace (governor.py)
         self._last_mode = speculate
         return speculate
 

@@ -13,18 +13,25 @@ import pytest
 
 from specserve import Engine
 from specserve.models.draft_layouts import save_eagle3
-from specserve.spec.governor import SpecGovernor
+from specserve.spec.governor import WARM_STEPS, SpecGovernor
 from tests.unit.model_utils import save_tiny_hf, tiny_engine
 
 
+def _warm(modes: list[bool]) -> bool:
+    """Whether the last step of `modes` is one of the first WARM_STEPS of its run, as the
+    worker flags it (`switched`: no sample)."""
+    run = next((i for i, m in enumerate(reversed(modes)) if m != modes[-1]), len(modes))
+    return run <= WARM_STEPS
+
+
 def _measure(gov: SpecGovernor, bs: int, spec_rate: float, plain_rate: float, steps: int) -> list[bool]:
-    """Run `steps` decisions, recording each mode at its given tokens/s per request, a step
-    after a mode switch flagged as the worker does; return the modes."""
+    """Run `steps` decisions, recording each mode at its given tokens/s per request, a
+    run's first steps flagged as the worker does; return the modes."""
     modes = []
     for _ in range(steps):
         spec = gov.speculate(bs)
-        switched = bool(modes) and modes[-1] != spec
         modes.append(spec)
+        switched = _warm(modes)
         gov.record(bs, spec, 100 * bs, 100 / (spec_rate if spec else plain_rate), switched=switched)
     return modes
 
@@ -35,13 +42,13 @@ def _probe_starts(modes: list[bool], mode: bool = True) -> list[int]:
 
 
 def test_slow_speculation_is_turned_down_and_probed_within_the_budget():
-    """Speculation 2x slower: a probe (2 steps of 0.2 s) loses 0.2 s against plain steps
-    of 0.1 s; at 1% of the time since the last probe it is due every ~200 plain steps (the
-    first 3 steps measure speculation: enough samples to trust)."""
+    """Speculation 2x slower: a probe (3 steps of 0.2 s) loses 0.3 s against plain steps
+    of 0.1 s; at 1% of the time since the last probe it is due every ~300 plain steps (the
+    first 5 steps measure speculation: 2 warm-up steps, then enough samples to trust)."""
     gov = SpecGovernor(True, probe_every=8)
     modes = _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=600)
-    assert modes[:5] == [True, True, True, False, False]  # measure speculation, then plain (a switch step first)
-    assert _probe_starts(modes) == [197, 399] and modes.count(True) == 7  # probes of two steps
+    assert modes[:7] == [True] * 5 + [False] * 2  # measure speculation, then plain (warm-up steps first)
+    assert _probe_starts(modes) == [295, 598] and modes.count(True) == 10  # probes of three steps
     spec, plain = gov.rates(64)
     assert spec == pytest.approx(500.0) and plain == pytest.approx(1000.0)
 
@@ -60,8 +67,7 @@ def test_leaning_is_the_better_mode_and_asks_nothing():
             for _ in range(10):
                 asked.leaning(64)
         modes.append(asked.speculate(64))
-        asked.record(64, modes[-1], 6400, 100 / (500.0 if modes[-1] else 1000.0),
-                     switched=len(modes) > 1 and modes[-2] != modes[-1])
+        asked.record(64, modes[-1], 6400, 100 / (500.0 if modes[-1] else 1000.0), switched=_warm(modes))
     assert not gov.leaning(64) and not asked.leaning(64)
     assert modes == _measure(SpecGovernor(True, probe_every=8), 64, 500.0, 1000.0, 40)
     assert not gov.leaning(512)  # not measured: as batch 64
@@ -71,10 +77,10 @@ def test_leaning_is_the_better_mode_and_asks_nothing():
 def test_fast_speculation_stays_on_and_plain_is_probed_within_the_budget():
     gov = SpecGovernor(True, probe_every=8)
     modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=500.0, steps=700)
-    # plain measured at steps 3-4 (3 a switch step), then probed every 8 steps until it has
-    # 3 samples; a plain probe loses 2 x 0.2 s x 3/4 = 0.3 s, 1% of 30 s of speculative
-    # steps (0.05 s each)
-    assert [i for i, m in enumerate(modes) if not m] == [3, 4, 13, 14, 21, 22, 623, 624]
+    # plain measured at steps 5-7 (5 and 6 warm-up steps), then probed every 8 steps until
+    # it has 3 samples; a plain probe then loses 3 x 0.2 s x 3/4 = 0.45 s, 1% of 45 s of
+    # speculative steps (0.05 s each): none in the 700 steps
+    assert [i for i, m in enumerate(modes) if not m] == [5, 6, 7, 16, 17, 18, 24, 25, 26]
     assert gov.rates(3) == gov.rates(4)  # 3 and 4 share the capture bucket 4
     assert gov.rates(64) == (None, None)  # another batch size is measured on its own
 
@@ -83,12 +89,12 @@ def test_a_new_bucket_starts_with_its_nearest_measured_buckets_choice():
     gov = SpecGovernor(True, probe_every=8)
     assert gov.speculate(48)  # nothing measured anywhere: speculation first
     gov = SpecGovernor(True, probe_every=8)
-    _measure(gov, 1, spec_rate=2000.0, plain_rate=1000.0, steps=5)
-    assert _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=12)[0]  # nearest: 1, speculation
-    modes = _measure(gov, 48, spec_rate=500.0, plain_rate=1000.0, steps=250)  # nearest: 64
+    _measure(gov, 1, spec_rate=2000.0, plain_rate=1000.0, steps=10)
+    assert _measure(gov, 64, spec_rate=500.0, plain_rate=1000.0, steps=16)[0]  # nearest: 1, speculation
+    modes = _measure(gov, 48, spec_rate=500.0, plain_rate=1000.0, steps=400)  # nearest: 64
     # plain from the start, and its probes priced as at 64: speculation first measured once
-    # 1% of the bucket's time pays for a probe (~200 steps), not at the first chance (8)
-    assert 190 <= modes.index(True) <= 210
+    # 1% of the bucket's time pays for a probe (~300 steps), not at the first chance (8)
+    assert 290 <= modes.index(True) <= 310
     spec, plain = gov.rates(48)
     assert spec == pytest.approx(500.0) and plain == pytest.approx(1000.0)
     assert gov.speculate(2)  # nearest to 1, where speculation wins
@@ -97,13 +103,13 @@ def test_a_new_bucket_starts_with_its_nearest_measured_buckets_choice():
 def test_traffic_change_flips_the_choice_after_a_few_probes():
     gov = SpecGovernor(True, probe_every=4)
     _measure(gov, 8, spec_rate=600.0, plain_rate=1000.0, steps=16)
-    modes = _measure(gov, 8, spec_rate=4000.0, plain_rate=1000.0, steps=900)  # drafts start to hit
-    first = modes.index(True)  # when 1% of the time pays for a probe at the old estimate (0.133 s)
-    assert 110 <= first <= 140
+    modes = _measure(gov, 8, spec_rate=4000.0, plain_rate=1000.0, steps=1200)  # drafts start to hit
+    first = modes.index(True)  # when 1% of the time pays for a probe at the old estimate (0.2 s)
+    assert 170 <= first <= 200
     # a probe that beats the choice is repeated probe_every steps on, and the window flips
-    assert [i - first for i, m in enumerate(modes[:first + 12]) if m][:4] == [0, 1, 4, 5]
-    assert all(modes[first + 14:first + 600])  # speculation now, plain probed as the budget allows
-    assert False in modes[first + 600:]
+    assert [i - first for i, m in enumerate(modes[:first + 12]) if m][:6] == [0, 1, 2, 4, 5, 6]
+    assert all(modes[first + 14:first + 900])  # speculation now, plain probed as the budget allows
+    assert False in modes[first + 900:]
 
 
 def test_modes_sampled_at_different_sizes_of_one_bucket_compare_per_request():
@@ -137,16 +143,16 @@ def test_a_probe_left_unmeasured_is_retried():
 
 def test_a_switch_step_is_not_a_sample():
     """The first step in a mode after the other one pays for the switch (no tree drafted
-    ahead, the other mode's work drained): a probe runs two steps and only the second is
-    measured. Speculation slower at first, then 1.4x faster in steady state (3 tokens in
+    ahead, the other mode's work drained), the second lands the first early: a probe runs
+    three steps and only the third is measured. Speculation slower at first, then 1.4x faster in steady state (3 tokens in
     2.1 ms against 1 in 1.0) though each of its switch steps takes 4.5 ms: the probes
     still find it, and it wins."""
     gov = SpecGovernor(True, probe_every=8)
     modes = []
     for i in range(400):
         spec = gov.speculate(1)
-        switched = bool(modes) and modes[-1] != spec
         modes.append(spec)
+        switched = _warm(modes)
         steady = 3.6 if i < 60 else 2.1  # ms per speculative step: the traffic changes at step 60
         cost = (4.5 if switched else steady) if spec else 1.0
         gov.record(1, spec, 3 if spec else 1, cost / 1e3, switched=switched)
@@ -172,7 +178,8 @@ def test_one_slow_step_does_not_decide():
     spec = gov.speculate(1)
     gov.record(1, spec, 100, 1.0)  # the first step compiled something: 1 s
     modes = _measure(gov, 1, spec_rate=2000.0, plain_rate=1000.0, steps=16)
-    assert all(modes[4:8]) and sum(modes[4:]) >= 8  # two more samples: the slow one is left out
+    # two warm-up steps, two more samples, plain explored: the slow sample is left out
+    assert modes[4:7] == [False] * 3 and all(modes[7:11]) and gov.leaning(1)
 
 
 def test_a_periodic_slow_step_is_part_of_the_cost():
@@ -184,8 +191,8 @@ def test_a_periodic_slow_step_is_part_of_the_cost():
     modes, spec_steps = [], 0
     for _ in range(300):
         spec = gov.speculate(64)
-        switched = bool(modes) and modes[-1] != spec
         modes.append(spec)
+        switched = _warm(modes)
         spec_steps += spec
         seconds = (10.5 if spec_steps % 3 == 0 else 5.0) if spec else 1.8
         gov.record(64, spec, int(64 * 2.9) if spec else 64, seconds / 1e3, switched=switched)
@@ -275,11 +282,11 @@ def test_a_clearly_slower_mode_is_probed_rarely_but_a_close_call_often():
     """Speculation 1.4x slower (batch 64 on H100) is probed as 1% of the time pays for a
     probe; 1.1x slower costs so little to probe that it is probed every probe_every steps
     (its estimate must keep up)."""
-    for plain_rate, gap in ((1400.0, 81), (1100.0, 30)):
+    for plain_rate, gap in ((1400.0, 121), (1100.0, 30)):
         gov = SpecGovernor(True, probe_every=32)
         modes = _measure(gov, 64, spec_rate=1000.0, plain_rate=plain_rate, steps=600)
-        starts = _probe_starts(modes)  # probes of 2 steps
-        gaps = {b - (a + 2) for a, b in zip(starts[1:], starts[2:])}  # from a probe's end to the next
+        starts = _probe_starts(modes)  # probes of 3 steps
+        gaps = {b - (a + 3) for a, b in zip(starts[1:], starts[2:])}  # from a probe's end to the next
         assert gaps == {gap}, (plain_rate, gaps)
 
 
