@@ -51,17 +51,13 @@ def commit_run(req: Req, tokens: list[int], eos_ids: frozenset[int], context_len
     # index of the first stopping token, else len(tokens); then the length cut
     stop_at = next((i for i, t in enumerate(tokens)
                     if t in p.stop_token_ids or (not p.ignore_eos and t in eos_ids)), len(tokens))
-    room = max(1, _output_limit(req, context_length) - len(req.output_ids))  # tokens before `length`
-    if room <= stop_at:  # the length limit comes first (or with the run's last token)
-        run = tokens[:room]
-        _append(req, run)
-        req.pending_text += req.detok.push(run)
-        if len(req.output_ids) >= _output_limit(req, context_length):
-            _finish(req, {"type": "length"})
-        return len(run)
-    run = tokens[:stop_at]
+    room = max(1, _output_limit(req, context_length) - len(req.output_ids))  # tokens up to `length`
+    run = tokens[:min(room, stop_at)]
     _append(req, run)
     req.pending_text += req.detok.push(run)
+    if room <= stop_at:  # the length limit comes first (stop_at <= len(tokens): the run is `room` long)
+        _finish(req, {"type": "length"})
+        return room
     if stop_at == len(tokens):
         return stop_at
     stop = tokens[stop_at]  # appended, never detokenized (as commit_token does)
