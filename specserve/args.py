@@ -138,8 +138,9 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
                    help="largest batch captured in a CUDA graph; no effect on CPU "
                         "(default: None, auto)")
     g.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=_R.cuda_graph_max_prefill_tokens,
-                   help="one request's prefill chunks of up to this many tokens replay CUDA graphs "
-                        "captured at bucketed lengths; 0 prefills eagerly (default: %(default)s)")
+                   help="prefill chunks of up to this many tokens (one request's or up to 64 "
+                        "requests') replay CUDA graphs captured at bucketed lengths; 0 prefills "
+                        "eagerly (default: %(default)s)")
     g.add_argument("--disable-cuda-graph", action="store_true", help="disable CUDA graphs")
     g.add_argument("--enable-torch-compile", action="store_true",
                    help="enable torch.compile for kernel-level optimizations")

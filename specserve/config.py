@@ -50,7 +50,7 @@ class SchedulerConfig:
 class RunnerConfig:
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU
     cuda_graph_max_bs: int | None = None
-    cuda_graph_max_prefill_tokens: int = 512  # one request's prefill chunks up to this are graphed; 0: none
+    cuda_graph_max_prefill_tokens: int = 4096  # prefill chunks up to this are graphed; 0: none
     disable_cuda_graph: bool = False
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32

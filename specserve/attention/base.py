@@ -41,9 +41,9 @@ class AttentionBackend(ABC):
     def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int, causal: bool = False) -> None:
         raise RuntimeError(f"{type(self).__name__} cannot run inside CUDA graphs")
 
-    def init_prefill_graph_state(self) -> None:
-        """Static metadata for graphs of one request's EXTEND (a prefill), padded past its
-        true length; a backend without it prefills eagerly."""
+    def init_prefill_graph_state(self, max_reqs: int = 1) -> None:
+        """Static metadata for graphs of up to `max_reqs` requests' EXTEND (a prefill chunk),
+        padded past its true length; a backend without it prefills eagerly."""
         raise RuntimeError(f"{type(self).__name__} cannot run inside CUDA graphs")
 
     def init_metadata_for_capture(self, fb: ForwardBatch) -> None:

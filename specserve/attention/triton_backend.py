@@ -151,12 +151,13 @@ class TritonBackend(AttentionBackend):
             mask=None if causal else torch.ones(max_bs * n * n, dtype=torch.uint8, device=dev),
             mask_indptr=None if causal else idx * n * n)
 
-    def init_prefill_graph_state(self) -> None:
-        """Static metadata for graphs of one request's EXTEND (runner/prefill_graphs.py): the
-        request's prefix and true extend length are rewritten per replay, while the grid
-        follows the captured token count, so query rows past the true length (padding)
-        are never computed and never seen as keys."""
-        self._prefill_lens = torch.zeros(3, dtype=torch.int32, device=self.device)
+    def init_prefill_graph_state(self, max_reqs: int = 1) -> None:
+        """Static metadata for graphs of up to `max_reqs` requests' EXTEND
+        (runner/prefill_graphs.py): each request's prefix, true extend length and first
+        query row are rewritten per replay, while the grid follows the captured token and
+        request counts, so query rows past a request's true length (padding) are never
+        computed and never seen as keys, and a padding request (extend 0) computes nothing."""
+        self._prefill_lens = torch.zeros(3, max_reqs, dtype=torch.int32, device=self.device)
 
     def init_metadata_for_capture(self, fb: ForwardBatch) -> None:
         self._check_graph_batch(fb)
@@ -190,17 +191,21 @@ class TritonBackend(AttentionBackend):
         fb.attn_meta = TritonMeta(fb.req_rows, seq, self._num_splits(fb))
 
     def _prefill_metadata(self, fb: ForwardBatch) -> None:
-        """One request's EXTEND over fb.input_ids.numel() static rows, of which the first
-        fb.extend_lens[0] are real."""
-        lens = self._prefill_lens
-        lens[:2].copy_(torch.tensor([fb.prefix_lens[0], fb.extend_lens[0]], dtype=torch.int32), non_blocking=True)
-        fb.attn_meta = TritonMeta(fb.req_rows, None, self._num_splits(fb), lens[0:1], lens[1:2], lens[2:3],
+        """The EXTEND of fb.batch_size requests (padding ones: extend 0) over
+        fb.input_ids.numel() static rows, of which the first sum(fb.extend_lens) are real."""
+        lens, r = self._prefill_lens, fb.batch_size
+        starts = [0]
+        for n in fb.extend_lens[:-1]:
+            starts.append(starts[-1] + n)
+        lens[:, :r].copy_(torch.tensor([fb.prefix_lens, fb.extend_lens, starts], dtype=torch.int32), non_blocking=True)
+        fb.attn_meta = TritonMeta(fb.req_rows, None, self._num_splits(fb), lens[0, :r], lens[1, :r], lens[2, :r],
                                   fb.input_ids.numel())
 
     def _check_graph_batch(self, fb: ForwardBatch) -> None:
         if fb.mode == ForwardMode.EXTEND:
-            if self._prefill_lens is None or fb.batch_size != 1 or fb.custom_masks is not None:
-                raise RuntimeError("EXTEND graphs need init_prefill_graph_state and one causal request")
+            if self._prefill_lens is None or fb.batch_size > self._prefill_lens.shape[1] \
+                    or fb.custom_masks is not None:
+                raise RuntimeError("EXTEND graphs need init_prefill_graph_state(max_reqs) and causal requests")
             return
         if fb.mode in _FIXED_N_MODES:
             if self._verify is None or any(n != self._verify.n for n in fb.extend_lens):
@@ -212,7 +217,7 @@ class TritonBackend(AttentionBackend):
         if self._graph_seq_lens is None:
             raise RuntimeError("call init_cuda_graph_state before capturing")
         if fb.mode != ForwardMode.DECODE or fb.custom_masks is not None or any(n != 1 for n in fb.extend_lens):
-            raise ValueError(f"TritonBackend captures DECODE, VERIFY, DRAFT_EXTEND and one-request EXTEND "
+            raise ValueError(f"TritonBackend captures DECODE, VERIFY, DRAFT_EXTEND and causal EXTEND "
                              f"graphs, not {fb.mode.value}")
         if fb.batch_size > self._graph_seq_lens.numel():
             raise ValueError(f"batch {fb.batch_size} exceeds the graph state's max_bs {self._graph_seq_lens.numel()}")

@@ -95,7 +95,7 @@ class ModelRunner:
         self.attn_backend = make_backend(runner_cfg.attention_backend, self.device)
         self.feature_mode: str | None = None  # what forward_with_features returns (EAGLE drafts)
         self.graphs: CudaGraphRunner | None = None
-        self.prefill_graphs: PrefillGraphs | None = None  # one request's prefill chunks
+        self.prefill_graphs: PrefillGraphs | None = None  # prefill chunks (one request or several)
         self._aranges: dict[int, torch.Tensor] = {}  # arange(n) on the device, by n (`arange`)
         self.runner_cfg = runner_cfg
 
@@ -147,7 +147,7 @@ class ModelRunner:
             prefill_tokens = self.prefill_graph_max_tokens()
             if prefill_tokens:
                 self.prefill_graphs = PrefillGraphs(self.model, self.attn_backend, self.vocab_size, prefill_tokens,
-                                                    template, self.feature_mode)
+                                                    template, self.feature_mode, max_reqs=max_running)
 
     def prefill_graph_max_tokens(self) -> int:
         """The longest prefill chunk a graph serves: --cuda-graph-max-prefill-tokens, at

@@ -331,6 +331,53 @@ def test_prefill_graph_equals_eager_forward(tmp_path):
             torch.testing.assert_close(a[1:], b[1:], rtol=1e-4, atol=1e-4)
 
 
+def test_batched_prefill_graph_equals_eager_forward(tmp_path):
+    """Several requests' prefill chunks through graphs of up to 20 requests: first three
+    fresh prompts (the middle one a chunk that samples nothing) in 32 rows, then a pair
+    over their cached prefixes in 16 rows (18 padding requests, more than the rows),
+    against eager forwards. Logits of the sampled rows, every row's features and K/V
+    agree; padding wrote only the scratch slot 0. A 21st request or a prompt's every-row
+    logits (prompt logprobs) are not the graph's."""
+    from specserve.runner.prefill_graphs import PrefillGraphs
+
+    path = save_tiny_hf("llama", tmp_path / "m")
+    with torch.device(DEV):
+        model = load_model(path, torch.float32, DEV)
+        model.aux_layers = (1, 2)
+        eager, graphed = BareRunner(model), BareRunner(model)
+    for r in (eager, graphed):
+        r.backend = TritonBackend(DEV)
+    zeros = torch.zeros(1, dtype=torch.int64, device=DEV)
+    template = ForwardBatch(ForwardMode.EXTEND, zeros, zeros, zeros, zeros, [0], [1], graphed.table.table,
+                            graphed.pool, graphed.backend)
+    with torch.inference_mode():
+        graphs = PrefillGraphs(model, graphed.backend, 512, 32, template, "aux", capture=DEV.type == "cuda",
+                               max_reqs=20)
+    assert graphs.req_sizes == [1, 20] and (16, 20) in graphs.keys
+    tok = lambda n, k: [(7 * i + k) % 512 for i in range(n)]  # noqa: E731
+    first = [(1, 0, tok(9, 1), True), (2, 0, tok(12, 2), False), (3, 0, tok(6, 3), True)]
+    second = [(2, 12, tok(3, 4), True), (1, 9, tok(2, 5), True)]
+    for reqs in (first, second):
+        fbs = [_prefill_many(r, reqs) for r in (eager, graphed)]
+        assert graphs.can_run(fbs[1])
+        with torch.inference_mode():
+            eager.backend.init_forward_metadata(fbs[0])
+            hidden, aux = model(fbs[0])
+            want = model.compute_logits(hidden[fbs[0].logit_rows]), torch.cat(aux, dim=-1)
+            got = graphs.replay(fbs[1])
+        assert got[0].shape == want[0].shape
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    for layer in range(model.config.num_layers):  # slot 0 is scratch: padding K/V land there
+        for a, b in ((graphed.pool.k[layer], eager.pool.k[layer]), (graphed.pool.v[layer], eager.pool.v[layer])):
+            torch.testing.assert_close(a[1:], b[1:], rtol=1e-4, atol=1e-4)
+    too_many = _prefill_many(graphed, [(r % 8, 0, [1], True) for r in range(21)])
+    assert not graphs.can_run(too_many)
+    every_row = _prefill_many(graphed, [(1, 0, tok(6, 6), True)])
+    every_row.logit_rows = torch.arange(6, device=DEV)
+    assert not graphs.can_run(every_row)
+
+
 def test_draft_prefill_graph_equals_eager_extend(tmp_path):
     """EAGLE-3's draft extend over a prefill chunk through its bucket's graph
     (spec/draft_prefill_graphs.py; on a CPU the body runs eagerly, interpreted) against the
@@ -391,11 +438,23 @@ def _draft_extend_batch(runner: BareRunner, prefix: int, chunk: list[int]) -> Fo
 
 def _prefill_batch(runner: BareRunner, prefix: int, chunk: list[int]) -> ForwardBatch:
     """An EXTEND batch of one request (table row 0) whose logits are wanted at its last token."""
-    slots = runner.slots(len(chunk))
-    runner.table.write(0, prefix, slots)
-    n = len(chunk)
-    positions = torch.arange(prefix, prefix + n, device=DEV)
-    row = torch.zeros(1, dtype=torch.int64, device=DEV)
-    return ForwardBatch(ForwardMode.EXTEND, torch.tensor(chunk, device=DEV), positions, slots.to(DEV), row, [prefix],
-                        [n], runner.table.table, runner.pool, runner.backend,
-                        logit_rows=torch.tensor([n - 1], device=DEV))
+    return _prefill_many(runner, [(0, prefix, chunk, True)])
+
+
+def _prefill_many(runner: BareRunner, reqs: list[tuple[int, int, list[int], bool]]) -> ForwardBatch:
+    """An EXTEND batch of requests (table row, cached prefix, new tokens, sampled: logits
+    wanted at its last token)."""
+    ids, positions, slots, logit_rows, t = [], [], [], [], 0
+    for row, prefix, chunk, sampled in reqs:
+        s = runner.slots(len(chunk))
+        runner.table.write(row, prefix, s)
+        ids += chunk
+        positions += range(prefix, prefix + len(chunk))
+        slots.append(s)
+        t += len(chunk)
+        if sampled:
+            logit_rows.append(t - 1)
+    return ForwardBatch(ForwardMode.EXTEND, torch.tensor(ids, device=DEV), torch.tensor(positions, device=DEV),
+                        torch.cat(slots).to(DEV), torch.tensor([r[0] for r in reqs], device=DEV),
+                        [r[1] for r in reqs], [len(r[2]) for r in reqs], runner.table.table, runner.pool,
+                        runner.backend, logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=DEV))

@@ -252,19 +252,23 @@ def test_captured_step_graphs_are_token_identical(tiny, smollm2_dir, monkeypatch
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs")
 def test_captured_prefill_graphs_are_token_identical(tiny, smollm2_dir, monkeypatch):
-    """On CUDA one request's prefill replays a graph captured at its bucket's length; plain
-    and EAGLE-3 engines then decode as after the eager, batched prefills of the reference."""
-    target, heads, ps, ref = tiny
+    """On CUDA a prefill chunk replays a graph captured at its bucket's length, one
+    request's or the whole batch's; plain and EAGLE-3 engines then decode as after the
+    eager prefills of an engine without prefill graphs."""
+    target, heads, ps, _ = tiny
+    eager = engine(target, smollm2_dir, cuda_graph_max_prefill_tokens=0)
+    assert eager.scheduler.runner.prefill_graphs is None
+    want = [o["output_ids"] for o in run(eager, ps, _greedy(30))]
     for flags in ({}, spec_flags("EAGLE3", heads["EAGLE3"], "tree")):
         eng = engine(target, smollm2_dir, **flags)
         graphs = eng.scheduler.runner.prefill_graphs
         assert graphs is not None and graphs.graphs
         counts: dict = {}
         count_calls(graphs, "replay", counts, monkeypatch)
-        assert [run(eng, [p], _greedy(30))[0]["output_ids"] for p in ps] == ref
+        assert [run(eng, [p], _greedy(30))[0]["output_ids"] for p in ps] == want
         assert counts["replay"] == len(ps), counts
-    eager = engine(target, smollm2_dir, cuda_graph_max_prefill_tokens=0)
-    assert eager.scheduler.runner.prefill_graphs is None
+        assert [o["output_ids"] for o in run(eng, ps, _greedy(30))] == want  # one batched prefill
+        assert counts["replay"] == len(ps) + 1, counts
 
 
 class _Req:
