@@ -9,6 +9,10 @@ stalled the host for the whole step in flight (H100, batch 64, EAGLE-3: a third 
 round's host time). Every write goes to both, but those the device makes alone (verify
 slots past kv_len, the in-graph commit of a pipelined step), whose committed part the host
 writes with `mirror` when it commits them.
+
+One row past the requests' (`pad_row`) is never handed out: the padding requests of a
+CUDA graph captured for more requests than it serves (spec/step_graphs.py) read and
+write it, so they never touch a real request's positions.
 """
 from __future__ import annotations
 
@@ -28,10 +32,11 @@ class ReqToTokenTable:
     def __init__(self, max_reqs: int, max_context: int, device: torch.device | str) -> None:
         self.max_reqs = max_reqs
         self.max_context = max_context
-        self.table = torch.zeros(max_reqs, max_context, dtype=torch.int64, device=device)
+        self.pad_row = max_reqs  # the graphs' padding requests' row (never handed out)
+        self.table = torch.zeros(max_reqs + 1, max_context, dtype=torch.int64, device=device)
         # committed positions on the host; a copy even when the table lives there, so the
         # CPU tests check the twin (KVManager.check_twin)
-        self.host = torch.zeros(max_reqs, max_context, dtype=torch.int64)
+        self.host = torch.zeros(max_reqs + 1, max_context, dtype=torch.int64)
         self._free_rows = list(range(max_reqs))
         self._cols: dict[int, torch.Tensor] = {}  # arange(n) on the device, per block width
 

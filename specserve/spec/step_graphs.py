@@ -21,10 +21,18 @@ flight) writes them from the host's kv_len and the proposer's trees; a continuin
 (the same requests, pipeline.py) finds them where the last replay left them (or, when
 some requests ended, `keep_rows` first moves the others' rows to the front), and the
 proposer is handed views of the new trees (`adopt_ahead`), so a step that drains first
-still finds them. Captured sizes are the exact batch sizes 1..max_bs: a padding request
-would walk and commit into a real request's table row. The tree pass drafts into
-scratch slots reserved for the server's lifetime (`KVManager.reserve`), so a step
-allocates nothing for it.
+still finds them. The tree pass drafts into scratch slots reserved for the server's
+lifetime (`KVManager.reserve`), so a step allocates nothing for it.
+
+Captured sizes (`step_sizes`): every batch size up to EXACT, then the graph ladder up to
+MAX_BS, where a batch of b replays the smallest size g >= b. Its rows [b, g) are padding
+requests: table row `pad_row` (never handed out: cache/req_table.py), verify slots the
+scratch slot 0, and kv_len 0 and output-index offset 0 at each replay's start (rows left
+by ended requests or by a larger replay hold stale state; the graph clears it), so a
+padding request reads and writes only the pad row, slot 0 and the root states' and
+trees' padding rows, and the host reads only rows [0, b) of the walk. Above 8 requests a
+step was ~40 launches around three replays: 3.5-6 ms a step at batch 10-40 (H100,
+SmolLM2 + EAGLE-3) where the GPU's work takes less than half of that.
 
 Sampled steps (temperature alone: no top-k, top-p, min-p, penalties or logprobs) have
 graphs of their own: the walk runs over `gumbel_targets`, the target logits plus the
@@ -37,13 +45,14 @@ On a CPU (tests) the same body runs eagerly with host-built metadata (`capture` 
 """
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
-from specserve.runner.cuda_graph import capture_each
+from specserve.runner.cuda_graph import capture_each, capture_sizes
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import HostFlags, SamplingBatch
 from specserve.spec.accept import gumbel_targets, walk_greedy
@@ -54,7 +63,13 @@ if TYPE_CHECKING:
     from specserve.spec.eagle import EagleProposer
 
 _TEMPERATURE_ONLY = HostFlags(all_greedy=False, has_penalties=False, needs_sort=False, needs_min_p=False)
-MAX_BS = 8  # batch sizes with a step graph: where the host, not the GPU, sets a step's pace
+EXACT = 8  # every batch size up to this has a graph of its own (padding costs most there)
+MAX_BS = 64  # the largest step graph: above it the GPU's verify work sets a step's pace
+
+
+def step_sizes(max_bs: int, exact: int = EXACT) -> list[int]:
+    """The captured batch sizes: 1..exact, then the graph ladder's sizes up to max_bs."""
+    return sorted({*range(1, min(exact, max_bs) + 1), *(s for s in capture_sizes(max_bs) if s > exact)})
 
 
 def supported(proposer: Proposer) -> bool:
@@ -67,28 +82,41 @@ def supported(proposer: Proposer) -> bool:
 
 class StepGraphs:
     def __init__(self, runner: ModelRunner, proposer: "EagleProposer", kv: KVManager, max_bs: int,
-                 capture: bool = True) -> None:
+                 capture: bool = True, exact: int = EXACT) -> None:
+        """Graphs for batches up to `max_bs`, one per `step_sizes(max_bs, exact)`; `capture`
+        False runs the same body eagerly (CPU tests)."""
         self.runner, self.proposer, self.kv, self.capture = runner, proposer, kv, capture
         n, k, steps = proposer.max_nodes, proposer.topk, proposer.tree.num_steps
         self.n, self.k, self.max_bs = n, k, max_bs
+        self.sizes, self.pad_row = step_sizes(max_bs, exact), kv.table.pad_row
         dev = runner.device
         # per replay of size b: table rows io[:b], then verify slots io[b:b + b*N] (one copy)
         self.io = torch.zeros(max_bs * (n + 1), dtype=torch.int64, device=dev)
         self.kv_len = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # before the step; after, once replayed
+        # Trees start as stars (every node the root's child, token 0), as a padding request
+        # that no real one ever left finds them: depth 1, so its walk commits at most 2
+        # tokens, within the draft extend's steps + 1 a request (eagle.py `extend_len`).
         self.tokens = torch.zeros(max_bs, n, dtype=torch.int64, device=dev)
         self.parents = torch.zeros(max_bs, n, dtype=torch.int64, device=dev)
-        self.mask = torch.ones(max_bs, n, n, dtype=torch.bool, device=dev)
+        self.parents[:, 0] = -1
+        star = torch.eye(n, dtype=torch.bool, device=dev)
+        star[:, 0] = True
+        self.mask = star.expand(max_bs, n, n).clone()
         self.valid = torch.ones(max_bs, n, dtype=torch.bool, device=dev)
         self.scratch = kv.reserve(max_bs * k * (steps - 1)).to(dev).view(steps - 1, max_bs * k)
         # sampled steps: per request temperature and greedy (0/1); seed and output-index offset
         self.floats = torch.ones(2, max_bs, dtype=torch.float32, device=dev)
         self.ints = torch.zeros(2, max_bs, dtype=torch.int64, device=dev)
-        keys = [(b, sampled) for b in range(1, max_bs + 1) for sampled in (False, True)]
+        keys = [(b, sampled) for b in self.sizes for sampled in (False, True)]
         with torch.inference_mode():
             self.graphs, self.walks = capture_each(keys, lambda key: self._step(*key), dev) if capture else ({}, {})
 
     def can_run(self, bsz: int) -> bool:
         return bsz <= self.max_bs
+
+    def size_for(self, bsz: int) -> int:
+        """The captured size a batch of `bsz` replays (padded up to)."""
+        return self.sizes[bisect.bisect_left(self.sizes, bsz)]
 
     @torch.inference_mode()
     def launch(self, reqs: list[Req], slots: torch.Tensor, first: Drafts | None) -> torch.Tensor:
@@ -97,15 +125,18 @@ class StepGraphs:
         are then written too); None continues from the last replay's state. Returns the
         walk's packed rows [B, 2N + 1] on the device, valid until the next launch."""
         b, n = len(reqs), self.n
-        host = torch.cat([torch.tensor([r.row for r in reqs], dtype=torch.int64), slots])
-        self.io[:b * (n + 1)].copy_(host, non_blocking=True)  # pageable: staged before the call returns
+        g = self.size_for(b)
+        pad = g - b  # padding requests: the pad row, slot 0
+        host = torch.cat([torch.tensor([r.row for r in reqs] + [self.pad_row] * pad, dtype=torch.int64),
+                          slots, torch.zeros(pad * n, dtype=torch.int64)])
+        self.io[:g * (n + 1)].copy_(host, non_blocking=True)  # pageable: staged before the call returns
         if first is not None:
             self._start_run(reqs, first)
         sampled = not all(r.params.greedy for r in reqs)
         if not self.capture:
-            return self._step(b, sampled)
-        self.graphs[(b, sampled)].replay()
-        return self.walks[(b, sampled)]
+            return self._step(g, sampled)[:b]
+        self.graphs[(g, sampled)].replay()
+        return self.walks[(g, sampled)][:b]
 
     def _start_run(self, reqs: list[Req], drafts: Drafts) -> None:
         """The state a run's first replay starts from: kv_lens, sampling params, trees."""
@@ -148,10 +179,13 @@ class StepGraphs:
                              output_ids=[], flags=_TEMPERATURE_ONLY)
 
     def _step(self, b: int, sampled: bool) -> torch.Tensor:
-        """The step's device work for exactly b requests (captured, or eager on a CPU);
-        `sampled`: walk the Gumbel targets of seeded sampling rather than the argmax."""
+        """The step's device work for b requests, padding included (captured, or eager on a
+        CPU); `sampled`: walk the Gumbel targets of seeded sampling rather than the argmax."""
         n, table = self.n, self.kv.table
         rows, slots, kv_len = self.io[:b], self.io[b:b * (n + 1)], self.kv_len[:b]
+        pad = rows == self.pad_row  # a padding request starts each step at position 0
+        kv_len.masked_fill_(pad, 0)
+        self.ints[1, :b].masked_fill_(pad, 0)  # and output index 0
         table.write_block(rows, kv_len, slots.view(b, n))
         drafts = self.trees(b)
         positions = (kv_len[:, None] + drafts.depths()).reshape(-1)

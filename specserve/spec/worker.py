@@ -8,7 +8,7 @@ rather than being approximated. When the governor turns speculation down, the st
 the scheduler's own plain decode step (overlapped on CUDA), and the proposer only hears
 of the new tokens (`on_plain_step` -> `on_decoded`, before their read-back). On CUDA a
 greedy EAGLE step is left in flight and read back after the next one is launched
-(pipeline.py); `step` then commits the previous step's tokens. At batch 1-8 such a step is
+(pipeline.py); `step` then commits the previous step's tokens. At batch 1-64 such a step is
 one graph replay (step_graphs.py), which also pipelines sampling by temperature alone.
 """
 from __future__ import annotations
@@ -182,7 +182,7 @@ class SpecWorker:
         return self.step_graphs is not None and self.step_graphs.can_run(bsz)
 
     def capture_step_graphs(self, max_bs: int) -> None:
-        """Capture a graph of the whole pipelined step per batch size up to
+        """Capture graphs of the whole pipelined step for batches up to
         min(max_bs, step_graphs.MAX_BS), when pipelining is on and the proposer can."""
         if self.pipeline and step_graphs.supported(self.proposer):
             self.step_graphs = StepGraphs(self.runner, self.proposer, self.kv, min(max_bs, step_graphs.MAX_BS))

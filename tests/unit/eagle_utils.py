@@ -81,15 +81,17 @@ def use_static_paths(engine: Engine, max_bs: int) -> None:
                           p.token_map, p.roots, capture=False) for n in (p.extend_len, RING))
 
 
-def use_step_graphs(engine: Engine, max_bs: int) -> None:
+def use_step_graphs(engine: Engine, max_bs: int, exact: int = 8) -> None:
     """Pipeline greedy steps through the whole-step graph's body (spec/step_graphs.py), run
-    eagerly over the static drafting paths (`use_static_paths`)."""
+    eagerly over the static drafting paths (`use_static_paths`); batches above `exact`
+    requests run padded to the next of the graphs' sizes."""
     from specserve.spec.step_graphs import StepGraphs
 
     use_static_paths(engine, max_bs)
     sched = engine.scheduler
     sched.spec.pipeline = True
-    sched.spec.step_graphs = StepGraphs(sched.runner, sched.spec.proposer, sched.kv, max_bs, capture=False)
+    sched.spec.step_graphs = StepGraphs(sched.runner, sched.spec.proposer, sched.kv, max_bs, capture=False,
+                                        exact=exact)
 
 
 def count_calls(obj, name: str, counts: dict, monkeypatch) -> None:

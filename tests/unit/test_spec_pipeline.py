@@ -40,17 +40,19 @@ def tiny(tmp_path_factory, smollm2_dir):
     return target, heads, ps, ref
 
 
-def _pipeline(eng, graphed: bool, max_bs: int) -> None:
+def _pipeline(eng, graphed: bool | str, max_bs: int) -> None:
     """Leave greedy steps in flight, launched through the whole-step graph's body
-    (step_graphs.py: batches up to max_bs) or step by step (`SpecWorker._launch`)."""
+    (step_graphs.py: batches up to max_bs; "padded": graphs of 1, 2, 4, 8 requests, a
+    batch padded up to the next) or step by step (`SpecWorker._launch`)."""
     if graphed:
-        use_step_graphs(eng, max_bs)
+        use_step_graphs(eng, max_bs, exact=1 if graphed == "padded" else 8)
     else:
         use_static_paths(eng, max_bs)
         eng.scheduler.spec.pipeline = True
 
 
-def _pipelined(target, smollm2_dir, head: str, draft, monkeypatch, counts: dict, graphed: bool = True, **flags):
+def _pipelined(target, smollm2_dir, head: str, draft, monkeypatch, counts: dict, graphed: bool | str = True,
+               **flags):
     """An EAGLE engine whose greedy steps are left in flight, counting launches, lands and drops."""
     eng = engine(target, smollm2_dir, **spec_flags(head, draft, "tree"), **flags)
     _pipeline(eng, graphed, max_bs=8)
@@ -65,13 +67,15 @@ def _greedy(n: int) -> dict:
     return {"temperature": 0, "max_new_tokens": n}
 
 
-@pytest.mark.parametrize("head,graphed", [("EAGLE", True), ("EAGLE3", True), ("EAGLE3", False)])
+@pytest.mark.parametrize("head,graphed", [("EAGLE", True), ("EAGLE3", True), ("EAGLE3", "padded"),
+                                          ("EAGLE3", False)])
 def test_pipelined_steps_are_token_identical(tiny, smollm2_dir, head, graphed, monkeypatch):
     target, heads, ps, ref = tiny
     counts: dict = {}
     eng = _pipelined(target, smollm2_dir, head, heads[head], monkeypatch, counts, graphed)
     if graphed:
         count_calls(eng.scheduler.spec, "_launch_graphed", counts, monkeypatch)
+    sizes = _spy_padding(eng, monkeypatch) if graphed == "padded" else None
     count_calls(eng.scheduler.spec, "drain", counts, monkeypatch)
     params = [_greedy(30 - 4 * (i % 3)) for i in range(8)]
     outs = run(eng, ps, params) + run(eng, ps[:3], params[:3])
@@ -82,24 +86,37 @@ def test_pipelined_steps_are_token_identical(tiny, smollm2_dir, head, graphed, m
     assert counts["drop"] >= 4 and counts.get("drain", 0) == 0, counts
     if graphed:  # batch 8 and 3 both fit the step graphs
         assert counts["_launch_graphed"] == counts["_launch"], counts
+    if sizes is not None:  # 6 and 3 requests ran as padded batches of 8 and 4
+        assert {(6, 8), (3, 4)} <= sizes, sizes
 
 
-def test_sampled_steps_in_step_graphs_reproduce_seeded_plain_sampling(tiny, smollm2_dir, monkeypatch):
+def _spy_padding(eng, monkeypatch) -> set:
+    """The (batch, graph size) pairs the step graphs replay from now on."""
+    graphs, seen = eng.scheduler.spec.step_graphs, set()
+    real = graphs.size_for
+    assert graphs.sizes == [1, 2, 4, 8]
+    monkeypatch.setattr(graphs, "size_for", lambda b: seen.add((b, real(b))) or real(b))
+    return seen
+
+
+@pytest.mark.parametrize("graphed", [True, "padded"])
+def test_sampled_steps_in_step_graphs_reproduce_seeded_plain_sampling(tiny, smollm2_dir, graphed, monkeypatch):
     """Sampled steps walk Gumbel targets keyed by each node's output index, which the step
     graph derives from the kv_len it carries: seeded outputs are plain sampling's, token
-    for token, in a batch that mixes greedy and sampled requests."""
+    for token, in a batch that mixes greedy and sampled requests (padded: three requests
+    replay the graph of four)."""
     target, heads, ps, _ = tiny
     params = [{"temperature": t, "seed": 11 + i, "max_new_tokens": 30} for i, t in enumerate((1.0, 0.0, 0.7))]
     want = [o["output_ids"] for o in run(engine(target, smollm2_dir), ps[:3], params)]
     counts: dict = {}
-    eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, counts)
+    eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, counts, graphed)
     count_calls(eng.scheduler.spec, "_launch_graphed", counts, monkeypatch)
     outs = run(eng, ps[:3], params) + run(eng, ps[:1], params[:1])
     assert [o["output_ids"] for o in outs] == want + want[:1]
     assert counts["_launch_graphed"] >= 6, counts
 
 
-@pytest.mark.parametrize("graphed", [True, False])
+@pytest.mark.parametrize("graphed", [True, "padded", False])
 def test_a_perfect_draft_stays_perfect_when_pipelined(tmp_path, smollm2_dir, graphed, monkeypatch):
     """Each pipelined verify runs at the kv_len, positions and attention prefix the step
     before it left on the device, for the rows of the requests still running after two
@@ -256,11 +273,12 @@ def test_captured_prefill_graphs_are_token_identical(tiny, smollm2_dir, monkeypa
     request's or the whole batch's; plain and EAGLE-3 engines then decode as after the
     eager prefills of an engine without prefill graphs."""
     target, heads, ps, _ = tiny
-    eager = engine(target, smollm2_dir, cuda_graph_max_prefill_tokens=0)
+    small = dict(cuda_graph_max_bs=8, cuda_graph_max_prefill_tokens=512)  # the prompts' sizes: fewer captures
+    eager = engine(target, smollm2_dir, cuda_graph_max_bs=8, cuda_graph_max_prefill_tokens=0)
     assert eager.scheduler.runner.prefill_graphs is None
     want = [o["output_ids"] for o in run(eager, ps, _greedy(30))]
     for flags in ({}, spec_flags("EAGLE3", heads["EAGLE3"], "tree")):
-        eng = engine(target, smollm2_dir, **flags)
+        eng = engine(target, smollm2_dir, **small, **flags)
         graphs = eng.scheduler.runner.prefill_graphs
         assert graphs is not None and graphs.graphs
         counts: dict = {}
