@@ -291,10 +291,14 @@ class LlamaForCausalLM(nn.Module):
         captured[self.config.num_layers] = h
         return self.model.norm(h), [captured[i] for i in self.aux_layers]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits of `hidden` [T, H]: float32, or (float32 False, for an argmax alone) maybe
+        in the model's dtype, whose conversion would change no argmax (it is exact and
+        keeps order) and at a verify of 2048 tokens moves 600 MB (H100: ~0.2 ms a step)."""
         if kernels.use_gemv(hidden):  # the float32 logits of the half ones, in the GEMV's launch
             return kernels.gemv(hidden, self.lm_head.weight, out_dtype=torch.float32)
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
         """After weights are loaded: tie the head if asked and build RoPE tables."""

@@ -196,6 +196,6 @@ class CudaGraphRunner:
     def _run(self, fb: ForwardBatch, st: _Static, bs: int) -> None:
         t = bs * st.tokens
         hidden, aux = self.model(fb)
-        st.logits[:t].copy_(self.model.compute_logits(hidden))
+        st.logits[:t].copy_(self.model.compute_logits(hidden, float32=False))  # copy_ converts
         if st.features is not None:
             st.features[:t].copy_(hidden if self.feature_mode == "final" else torch.cat(aux, dim=-1))

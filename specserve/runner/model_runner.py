@@ -276,19 +276,21 @@ class ModelRunner:
                 return graphs
         return None
 
-    def forward_inline(self, fb: ForwardBatch, static_meta: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_inline(self, fb: ForwardBatch, static_meta: bool, argmax_only: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_with_features over every row of `fb`, replaying no graph, so a caller's
         CUDA graph can hold it (spec/step_graphs.py). `static_meta`: the attention metadata
         goes into the backend's graph buffers from device tensors (capturable), else it is
-        built from the host lists as an eager forward's."""
+        built from the host lists as an eager forward's. `argmax_only`: the logits are
+        only argmaxed (a greedy walk), so they may stay in the model's dtype."""
         (self.attn_backend.init_metadata_for_replay if static_meta else self.attn_backend.init_forward_metadata)(fb)
-        return self._logits_and_features(fb, None)
+        return self._logits_and_features(fb, None, float32=not argmax_only)
 
-    def _logits_and_features(self, fb: ForwardBatch, rows: torch.Tensor | None
+    def _logits_and_features(self, fb: ForwardBatch, rows: torch.Tensor | None, float32: bool = True
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over `fb` (metadata ready): logits of `rows` (None: every row) and features."""
         hidden, aux = self.model(fb)
-        logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+        logits = self.model.compute_logits(hidden if rows is None else hidden[rows], float32)
         if self.feature_mode is None:
             return logits, None
         return logits, hidden if self.feature_mode == "final" else torch.cat(aux, dim=-1)

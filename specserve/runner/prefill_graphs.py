@@ -147,6 +147,6 @@ class PrefillGraphs:
         """The forward over fb's static rows (its metadata written)."""
         st, b, r = self.static, fb.input_ids.numel(), fb.batch_size
         hidden, aux = self.model(fb)
-        st.logits[:r].copy_(self.model.compute_logits(hidden.index_select(0, st.logit_rows[:r])))
+        st.logits[:r].copy_(self.model.compute_logits(hidden.index_select(0, st.logit_rows[:r]), float32=False))
         if st.features is not None:
             st.features[:b].copy_(hidden if self.feature_mode == "final" else torch.cat(aux, dim=-1))

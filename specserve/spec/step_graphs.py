@@ -191,7 +191,8 @@ class StepGraphs:
         positions = (kv_len[:, None] + drafts.depths()).reshape(-1)
         fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, slots, rows, kv_len,
                                              drafts.tree_mask(), table.table)
-        logits, features = self.runner.forward_inline(fb, static_meta=self.capture)
+        # a greedy walk only argmaxes the logits: in the model's dtype (llama.py compute_logits)
+        logits, features = self.runner.forward_inline(fb, static_meta=self.capture, argmax_only=not sampled)
         logits = logits.view(b, n, -1)
         if sampled:
             logits = gumbel_targets(logits, self._sampling(b, kv_len), drafts.depths())
