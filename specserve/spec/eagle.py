@@ -102,7 +102,7 @@ class EagleProposer:
             # a backend of its own: one backend holds the graph state of one extend length
             self.catchup_graphs = self._capture_extend(runner, max_running, RING, make_backend(
                 spec.draft_attention_backend or runner.attn_backend_name, runner.device))
-            self.prefill_graphs = self._capture_prefill(runner)
+            self.prefill_graphs = self._capture_prefill(runner, max_running)
 
     # -- request life cycle -------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -118,12 +118,12 @@ class EagleProposer:
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
         """Draft-extend the chunk the target just prefilled, over the same slots."""
         graphs = self.prefill_graphs
-        if graphs is not None and len(batch.reqs) == 1 and graphs.can_run(batch.extend_lens[0]):
-            req, start, n = batch.reqs[0], batch.prefix_lens[0], batch.extend_lens[0]
-            graphs.run(extend_tokens(req.all_ids, start, start + n), start, batch.out_slots, features, req.row,
-                       req.row if batch.sample_mask[0] else None)
-            if batch.sample_mask[0]:
-                self.roots.mark([req])
+        if graphs is not None and graphs.can_run(sum(batch.extend_lens), len(batch.reqs)):
+            chunks = [(extend_tokens(req.all_ids, start, start + n), start, req.row, req.row if sampled else None)
+                      for req, start, n, sampled in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
+                                                        batch.sample_mask)]
+            graphs.run(chunks, batch.out_slots, features)
+            self.roots.mark(batch.sampled_reqs)
             return
         ids = []
         for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
@@ -335,15 +335,15 @@ class EagleProposer:
                                      runner.graph_max_bs(max_running), tokens_per_req, self._feature_width(runner),
                                      self.topk, self.token_map, self.roots)
 
-    def _capture_prefill(self, runner: ModelRunner) -> DraftPrefillGraphs | None:
-        """Graphs of one request's draft prefill chunk, at the target's prefill-graph sizes
-        (none when --cuda-graph-max-prefill-tokens turns those off)."""
+    def _capture_prefill(self, runner: ModelRunner, max_running: int) -> DraftPrefillGraphs | None:
+        """Graphs of the draft prefill of a chunk of up to `max_running` requests, at the
+        target's prefill-graph sizes (none when --cuda-graph-max-prefill-tokens turns those off)."""
         if not prefill_sizes(runner.prefill_graph_max_tokens()):
             return None
         with torch.inference_mode():
             return DraftPrefillGraphs(self.model, self.backend, self.pool, self.kv.table.table,
                                       runner.prefill_graph_max_tokens(), self._feature_width(runner), self.topk,
-                                      self.token_map, self.roots)
+                                      self.token_map, self.roots, max_reqs=max_running)
 
     def _feature_width(self, runner: ModelRunner) -> int:
         hidden = runner.model.config.hidden_size

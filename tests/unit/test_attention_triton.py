@@ -412,7 +412,7 @@ def test_draft_prefill_graph_equals_eager_extend(tmp_path):
             want = (*top_children(draft.compute_logits(h_logits[-1:]), 3, draft.token_map), h_next[-1:])
             slots = graphed.slots(n)
             graphed.table.write(0, prefix, slots)
-            graphs.run(chunk, prefix, slots, feats, table_row=0, root_row=0 if final else None)
+            graphs.run([(chunk, prefix, 0, 0 if final else None)], slots, feats)
         row = 0 if final else roots.scratch_row
         got = roots.logp[row:row + 1], roots.ids[row:row + 1], roots.hidden[row:row + 1]
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
@@ -424,13 +424,60 @@ def test_draft_prefill_graph_equals_eager_extend(tmp_path):
         torch.testing.assert_close(a[1:], b[1:], rtol=1e-4, atol=1e-4)
 
 
-def _draft_extend_batch(runner: BareRunner, prefix: int, chunk: list[int]) -> ForwardBatch:
-    """A DRAFT_EXTEND batch of one request (table row 0) over its next len(chunk) positions."""
+def test_batched_draft_prefill_graph_equals_eager_extend(tmp_path):
+    """One draft prefill graph over three requests' chunks (7 + 5 + 3 tokens padded to 16,
+    three requests to four): each final chunk's root state and every request's draft K/V
+    are those of its own eager draft extend; the middle chunk's request (row 1) keeps no
+    state, and the padding request writes only the scratch row and slot 0."""
+    from specserve.models.draft_layouts import save_eagle3
+    from specserve.models.draft_loader import load_draft
+    from specserve.spec.draft_prefill_graphs import DraftPrefillGraphs
+    from specserve.spec.root_states import RootStates
+    from specserve.spec.tree_draft import top_children
+
+    path = save_tiny_hf("llama", tmp_path / "m")
+    target = load_model(path, torch.float32, DEV)
+    draft = load_draft(save_eagle3(tmp_path / "e3", path, draft_vocab=96, aux_ids=[-1, 0, 1]), target, "EAGLE3", torch.float32, DEV)
+    eager, graphed = BareRunner(draft), BareRunner(draft)
+    graphed.backend = TritonBackend(DEV)
+    hidden = draft.config.hidden_size
+    roots = RootStates(MAX_REQS, 3, hidden, torch.float32, DEV)
+    with torch.inference_mode():
+        graphs = DraftPrefillGraphs(draft, graphed.backend, graphed.pool, graphed.table.table, 16, 3 * hidden, 3,
+                                    draft.token_map, roots, capture=DEV.type == "cuda", max_reqs=4)
+    assert graphs.keys == [(16, 1), (16, 4)] and graphs.can_run(16, 4) and not graphs.can_run(16, 5)
+    g = torch.Generator().manual_seed(1)
+    reqs = [(0, [(5 * i + 2) % 512 for i in range(7)], True), (1, [(3 * i + 1) % 512 for i in range(5)], False),
+            (2, [(11 * i + 4) % 512 for i in range(3)], True)]
+    features = torch.randn(15, 3 * hidden, generator=g).to(DEV)
+    feats = features.split([len(c) for _, c, _ in reqs])
+    want = {}
+    with torch.inference_mode():
+        for (row, chunk, final), f in zip(reqs, feats):
+            h_logits, h_next = draft(_draft_extend_batch(eager, 0, chunk, row), f)
+            if final:
+                want[row] = (*top_children(draft.compute_logits(h_logits[-1:]), 3, draft.token_map), h_next[-1:])
+        slots = []
+        for row, chunk, _ in reqs:
+            slots.append(graphed.slots(len(chunk)))
+            graphed.table.write(row, 0, slots[-1])
+        graphs.run([(chunk, 0, row, row if final else None) for row, chunk, final in reqs], torch.cat(slots), features)
+    for row, (logp, ids, h) in want.items():
+        torch.testing.assert_close(roots.logp[row:row + 1], logp, rtol=1e-4, atol=1e-4)
+        assert torch.equal(roots.ids[row:row + 1], ids)
+        torch.testing.assert_close(roots.hidden[row:row + 1], h, rtol=1e-4, atol=1e-4)
+    assert not roots.hidden[1].any() and not roots.hidden[3].any()  # a middle chunk; no request
+    for a, b in ((graphed.pool.k[0], eager.pool.k[0]), (graphed.pool.v[0], eager.pool.v[0])):
+        torch.testing.assert_close(a[1:], b[1:], rtol=1e-4, atol=1e-4)
+
+
+def _draft_extend_batch(runner: BareRunner, prefix: int, chunk: list[int], row: int = 0) -> ForwardBatch:
+    """A DRAFT_EXTEND batch of one request (table row `row`) over its next len(chunk) positions."""
     slots = runner.slots(len(chunk))
-    runner.table.write(0, prefix, slots)
+    runner.table.write(row, prefix, slots)
     n = len(chunk)
     fb = ForwardBatch(ForwardMode.DRAFT_EXTEND, torch.tensor(chunk, device=DEV), torch.arange(prefix, prefix + n,
-                      device=DEV), slots.to(DEV), torch.zeros(1, dtype=torch.int64, device=DEV), [prefix], [n],
+                      device=DEV), slots.to(DEV), torch.tensor([row], dtype=torch.int64, device=DEV), [prefix], [n],
                       runner.table.table, runner.pool, runner.backend, logit_rows=torch.tensor([n - 1], device=DEV))
     runner.backend.init_forward_metadata(fb)
     return fb
