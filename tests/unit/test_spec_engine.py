@@ -188,7 +188,8 @@ def test_standalone_on_cuda_replays_graphs_and_never_syncs_while_drafting(smollm
     steps, topk, n = tree
     engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
                     speculative_draft_model_path=str(smollm2_dir), speculative_num_steps=steps,
-                    speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+                    speculative_eagle_topk=topk, speculative_num_draft_tokens=n,
+                    cuda_graph_max_bs=8, cuda_graph_max_prefill_tokens=512)  # the batches here: fewer captures
     p = engine.scheduler.spec.proposer
     assert p.extend_graphs is not None and (p.tree.graphs if p.tree is not None else p.decode_graphs) is not None
     propose = p.propose
