@@ -69,7 +69,7 @@ class TritonBackend(AttentionBackend):
         self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                          if self.device.type == "cuda" else 1)
         self._graph_seq_lens: torch.Tensor | None = None
-        self._verify: _VerifyBuffers | None = None
+        self._verify: dict[int, _VerifyBuffers] = {}  # N -> graph state of N tokens per request
         self._prefill_lens: torch.Tensor | None = None  # [3] int32: prefix, extend, q_start 0
 
     # -- per forward ------------------------------------------------------------------
@@ -138,13 +138,14 @@ class TritonBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_tokens_per_req: int, causal: bool = False) -> None:
         """Static buffers for graphs of up to max_bs requests. max_tokens_per_req 1: DECODE;
         N > 1: every request padded to exactly N new tokens: VERIFY with an [N, N] tree mask
-        rewritten per replay, or with `causal` a DRAFT_EXTEND (a chain: no mask)."""
+        rewritten per replay, or with `causal` a DRAFT_EXTEND (a chain: no mask). Each N
+        keeps its own (EAGLE's step graphs verify the main tree and the batch tree)."""
         dev, n = self.device, max_tokens_per_req
         if n == 1:
             self._graph_seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
             return
         idx = torch.arange(max_bs, dtype=torch.int64, device=dev)
-        self._verify = _VerifyBuffers(
+        self._verify[n] = _VerifyBuffers(
             n=n, prefix_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             extend_lens=torch.full((max_bs,), n, dtype=torch.int32, device=dev),
             q_starts=(idx * n).to(torch.int32),
@@ -171,7 +172,7 @@ class TritonBackend(AttentionBackend):
             self._prefill_metadata(fb)
             return
         if fb.mode in _FIXED_N_MODES:
-            vb = self._verify
+            vb = self._verify[fb.extend_lens[0]]
             prefix = vb.prefix_lens[:bs]
             if fb.device_prefix is not None:  # a pipelined step: lengths exist on the device only
                 prefix.copy_(fb.device_prefix)
@@ -208,10 +209,11 @@ class TritonBackend(AttentionBackend):
                 raise RuntimeError("EXTEND graphs need init_prefill_graph_state(max_reqs) and causal requests")
             return
         if fb.mode in _FIXED_N_MODES:
-            if self._verify is None or any(n != self._verify.n for n in fb.extend_lens):
+            n = fb.extend_lens[0]
+            if n not in self._verify or any(m != n for m in fb.extend_lens):
                 raise RuntimeError(f"{fb.mode.value} graphs need init_cuda_graph_state(max_bs, N) and N tokens "
                                    "per request")
-            if (self._verify.mask is None) != (fb.mode == ForwardMode.DRAFT_EXTEND):
+            if (self._verify[n].mask is None) != (fb.mode == ForwardMode.DRAFT_EXTEND):
                 raise RuntimeError("VERIFY graphs need a tree mask, DRAFT_EXTEND graphs a causal state")
             return
         if self._graph_seq_lens is None:
