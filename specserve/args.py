@@ -199,6 +199,12 @@ def _add_draft_tree(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--speculative-adaptive", default=_P.adaptive, choices=("auto", "on", "off"),
                    help="measure speculative and plain steps per batch size and run the faster "
                         "(both are exact); auto: on for CUDA devices (specserve's own flag)")
+    g.add_argument("--speculative-batch-tree", default=_P.batch_tree,
+                   help="EAGLE: the smaller tree (steps,topk,draft tokens) that batches of "
+                        "--speculative-batch-tree-from requests and more draft; off, or auto: the head's "
+                        "own when the tree flags are omitted (specserve's own flag)")
+    g.add_argument("--speculative-batch-tree-from", type=int, default=_P.batch_tree_from,
+                   help="the batch size from which --speculative-batch-tree is drafted")
     g.add_argument("--speculative-attention-mode", default=_P.attention_mode,
                    choices=("prefill", "decode"),
                    help="attention mode for speculative operations (the torch backend runs verify "

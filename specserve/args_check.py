@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 from specserve.config import Config, SpecConfig
 from specserve.models.shipped_heads import has_shipped_head
+from specserve.spec.batch_tree import AUTO, OFF, parse_tree
 
 logger = logging.getLogger("specserve")
 
@@ -72,6 +73,7 @@ _AT_LEAST_1 = (
     ("scheduler", "decode_log_interval"), ("runner", "cuda_graph_max_bs"),
     ("runner", "torch_compile_max_bs"), ("runner", "tp_size"), ("spec", "num_steps"),
     ("spec", "eagle_topk"), ("spec", "num_draft_tokens"), ("spec", "ngram_capacity"),
+    ("spec", "batch_tree_from"),
 )
 _RANGES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("server", "port", lambda v: 1 <= v <= 65535, "in 1..65535"),
@@ -192,6 +194,22 @@ def check_step_triple(cfg: Config, ctx: CheckContext) -> Config:
         if any(given) and not all(given):
             raise ConfigError("set all three of --speculative-num-steps, --speculative-eagle-topk, "
                               "--speculative-num-draft-tokens, or none for auto-tuning")
+    return cfg
+
+
+def check_batch_tree(cfg: Config, ctx: CheckContext) -> Config:
+    """--speculative-batch-tree's syntax, and that it is EAGLE's (its step graphs draft it);
+    its fit with the main tree is checked once that is known (spec/batch_tree.py)."""
+    s = cfg.spec
+    if s.batch_tree == AUTO:
+        return cfg
+    try:
+        parse_tree(s.batch_tree)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if s.batch_tree != OFF and s.algorithm not in ("EAGLE", "EAGLE3"):
+        raise ConfigError(f"--speculative-batch-tree applies to --speculative-algorithm EAGLE and EAGLE3 "
+                          f"only, not {s.algorithm}")
     return cfg
 
 
@@ -338,7 +356,7 @@ def _ngram_defaults(spec: SpecConfig) -> SpecConfig:
 # SGLang's order where it has one: the Spec v2 topk check runs before auto-tuning.
 RULES: tuple[Rule, ...] = (
     normalize_algorithm, reject_stray_spec_flags, check_ranges, check_ngram_params,
-    check_unsupported, check_spec_v2, check_step_triple, require_draft_model,
+    check_unsupported, check_spec_v2, check_step_triple, check_batch_tree, require_draft_model,
     warn_ignored_spec_flags, warn_lossy_thresholds, note_ngram_on_cpu,
     default_max_running_requests, apply_spec_defaults,
 )

@@ -57,6 +57,7 @@ from specserve.runner.h2d import h2d
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.runner.prefill_graphs import prefill_sizes
 from specserve.spec.accept import DevicePaths, GreedyWalk
+from specserve.spec import batch_tree
 from specserve.spec.backlog import RING, DraftBacklog
 from specserve.spec.draft_prefill_graphs import DraftPrefillGraphs
 from specserve.spec.drafts import Drafts
@@ -89,6 +90,10 @@ class EagleProposer:
         self.token_map = token_map.to(runner.device) if token_map is not None else None
         self.tree = TreeDrafter(kv, self._tree_step, spec.eagle_topk, spec.num_steps, shift=1,
                                 token_map=self.token_map)
+        # the batch tree (batch_tree.py): drafted by the step graphs of batch_from requests and more
+        self.batch_tree, self.batch_nodes, self.batch_from = self._batch_tree(spec), 0, spec.batch_tree_from
+        if self.batch_tree is not None:
+            self.batch_nodes = batch_tree.parse_tree(spec.batch_tree).nodes
         self.roots = RootStates(kv.table.table.shape[0], spec.eagle_topk, c.hidden_size, runner.dtype, runner.device)
         self.extend_len = spec.num_steps + 1  # the most tokens one verify commits
         self.extend_graphs = self.catchup_graphs = None  # after a verify; after plain steps (backlog.py)
@@ -98,8 +103,10 @@ class EagleProposer:
         self._ahead: tuple[list[str], Drafts] | None = None
         if self._can_capture(runner):
             self.tree.graphs = self._capture_tree(runner, max_running) if spec.num_steps > 1 else None
+            if self.batch_tree is not None:
+                self.batch_tree.graphs = self._capture_tree(runner, max_running, self.batch_tree, self.batch_nodes)
             self.extend_graphs = self._capture_extend(runner, max_running, self.extend_len)
-            # a backend of its own: one backend holds the graph state of one extend length
+            # a backend of its own, apart from the draft extend's graph state
             self.catchup_graphs = self._capture_extend(runner, max_running, RING, make_backend(
                 spec.draft_attention_backend or runner.attn_backend_name, runner.device))
             self.prefill_graphs = self._capture_prefill(runner, max_running)
@@ -222,17 +229,16 @@ class EagleProposer:
         return kv_lens
 
     def draft_ahead_inline(self, walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor,
-                           row_start: torch.Tensor, scratch: torch.Tensor
+                           row_start: torch.Tensor, scratch: torch.Tensor, tree: TreeDrafter
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """draft_ahead's device work for exactly B requests, replaying no graph and touching
         no host state, so a caller's own CUDA graph can hold it (spec/step_graphs.py): the
-        commit's table write, the draft extend and the tree pass over `scratch` [num_steps
-        - 1, B*k], slots the caller keeps. Returns the next trees' (tokens, parents, mask)
-        and kv_len after the commit [B]; the caller then calls `adopt_ahead`."""
+        commit's table write, the draft extend and `tree`'s drafting pass over `scratch`
+        [num_steps - 1, B*k], slots the caller keeps. Returns the next trees' (tokens,
+        parents, mask) and kv_len after the commit [B]; the caller then calls `adopt_ahead`."""
         b = slots.shape[0]
         roots, kv_lens = self._commit_ahead(walk, features, slots, row_start, inline=True)
-        tokens, parents, mask = self.tree.graphs.run_inline(roots, row_start[:b], kv_lens + 1 - self.tree.shift,
-                                                            scratch)
+        tokens, parents, mask = tree.graphs.run_inline(roots, row_start[:b], kv_lens + 1 - tree.shift, scratch)
         return tokens, parents, mask, kv_lens
 
     def adopt_ahead(self, reqs: list[Req], drafts: Drafts) -> None:
@@ -300,17 +306,19 @@ class EagleProposer:
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         self._catch_up(reqs)  # after plain steps
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == [r.rid for r in reqs] and min(budgets) > 1:
+        nodes = max(budgets)  # the batch tree's N for a step graph's run of it (batch_tree.py), else max_nodes
+        if ahead is not None and ahead[0] == [r.rid for r in reqs] and min(budgets) > 1 \
+                and ahead[1].num_nodes == nodes:
             return ahead[1]
         active = [b for b, n in enumerate(budgets) if n > 1]  # budget 1: root only (penalties)
         if not active:
             return Drafts.roots([r.last_id for r in reqs], self.runner.device)
-        act = [reqs[b] for b in active]
-        if self.tree.graphed(len(act)):
-            tree = self.tree.draft(act, self.max_nodes)  # the graph reads the root states itself
+        act, drafter = [reqs[b] for b in active], self.drafter(nodes)
+        if drafter.graphed(len(act)):
+            tree = drafter.draft(act, nodes)  # the graph reads the root states itself
         else:
             logp, ids, hidden = self.roots.get(h2d([r.row for r in act], self.runner.device))
-            tree = self.tree.draft(act, self.max_nodes, (logp, ids), hidden)
+            tree = drafter.draft(act, nodes, (logp[:, :drafter.topk], ids[:, :drafter.topk]), hidden)
         if len(act) == len(reqs):
             return tree
         return Drafts.roots([r.last_id for r in reqs], self.runner.device).with_rows(active, tree)
@@ -320,11 +328,27 @@ class EagleProposer:
         return runner.device.type == "cuda" and not runner.runner_cfg.disable_cuda_graph \
             and self.backend.supports_cuda_graph
 
-    def _capture_tree(self, runner: ModelRunner, max_running: int) -> TreeDraftGraphs:
-        """One graph per batch size for the whole tree-drafting pass."""
+    def _capture_tree(self, runner: ModelRunner, max_running: int, tree: TreeDrafter | None = None,
+                      nodes: int | None = None) -> TreeDraftGraphs:
+        """One graph per batch size for the whole tree-drafting pass of `tree` (default:
+        the main tree, of max_nodes nodes)."""
         with torch.inference_mode():
-            return TreeDraftGraphs(self.tree, self.roots, runner.graph_max_bs(max_running), self.max_nodes,
-                                   runner.device)
+            return TreeDraftGraphs(tree or self.tree, self.roots, runner.graph_max_bs(max_running),
+                                   nodes or self.max_nodes, runner.device)
+
+    def _batch_tree(self, spec: SpecConfig) -> TreeDrafter | None:
+        """The batch tree's drafter (same head, root states and scratch), or None when off."""
+        shape = batch_tree.parse_tree(spec.batch_tree if spec.batch_tree != batch_tree.AUTO else batch_tree.OFF)
+        if shape is None:
+            return None
+        batch_tree.check_against(batch_tree.TreeShape(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens), shape)
+        logger.info("Batch tree %s (steps, topk, draft tokens) for step graphs of %d requests and more",
+                    shape, spec.batch_tree_from)
+        return TreeDrafter(self.kv, self._tree_step, shape.topk, shape.steps, shift=1, token_map=self.token_map)
+
+    def drafter(self, nodes: int) -> TreeDrafter:
+        """The drafter of trees of `nodes` nodes: the batch tree's, or the main tree's."""
+        return self.batch_tree if self.batch_tree is not None and nodes == self.batch_nodes else self.tree
 
     def _capture_extend(self, runner: ModelRunner, max_running: int, tokens_per_req: int,
                         backend=None) -> DraftExtendGraphs:
@@ -377,19 +401,19 @@ def _ahead_kernel_enabled(t: torch.Tensor) -> bool:
 def head_default_tree(spec: SpecConfig, runner: ModelRunner) -> SpecConfig:
     """With no tree flags (--speculative-num-steps omitted), the tree the head's config names
     as the one it was tuned with (`specserve_default_tree`: [steps, topk, draft tokens]),
-    ahead of SGLang's choice by architecture; unchanged otherwise."""
-    if spec.num_steps is not None:
-        return spec
+    ahead of SGLang's choice by architecture; and the batch tree (batch_tree.py) resolved:
+    auto takes the head's `specserve_batch_tree` with the head's own tree, else off."""
     try:
         config = json.loads((Path(_draft_dir(spec, runner)) / "config.json").read_text())
     except (OSError, ValueError):
-        return spec
-    tree = config.get("specserve_default_tree")
-    if tree is None:
-        return spec
-    steps, topk, n = (int(v) for v in tree)
-    logger.info("Draft tree %d,%d,%d (steps, topk, draft tokens): the head's own default", steps, topk, n)
-    return replace(spec, num_steps=steps, eagle_topk=topk, num_draft_tokens=n)
+        config = {}
+    tree, from_head = config.get("specserve_default_tree"), spec.num_steps is None
+    if from_head and tree is not None:
+        steps, topk, n = (int(v) for v in tree)
+        logger.info("Draft tree %d,%d,%d (steps, topk, draft tokens): the head's own default", steps, topk, n)
+        spec = replace(spec, num_steps=steps, eagle_topk=topk, num_draft_tokens=n)
+    batch = batch_tree.resolve(spec.batch_tree, config.get("specserve_batch_tree"), from_head and tree is not None)
+    return replace(spec, batch_tree=batch)
 
 
 def _draft_dir(spec: SpecConfig, runner: ModelRunner):

@@ -67,6 +67,11 @@ class InFlightSpec:
         self.dropped.add(i)
 
     @property
+    def nodes(self) -> int:
+        """N, the tree nodes verified per request (the main tree's or the batch tree's)."""
+        return self.slots[0].numel()
+
+    @property
     def all_dropped(self) -> bool:
         return len(self.dropped) == len(self.reqs)
 

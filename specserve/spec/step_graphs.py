@@ -34,6 +34,11 @@ trees' padding rows, and the host reads only rows [0, b) of the walk. Above 8 re
 step had been ~40 launches around three replays: forced EAGLE-3 at batch 64 ran at 0.77x
 the plain engine with step graphs up to 8, 0.85x with them up to 64 (H100, SmolLM2).
 
+With a batch tree (batch_tree.py), sizes from the proposer's `batch_from` up draft and
+verify it instead of the main tree: each shape keeps its own static trees (`_Trees`), a
+run keeps one shape (`launch` asserts it), and the target's attention backend keeps verify
+graph state per N.
+
 Sampled steps (temperature alone: no top-k, top-p, min-p, penalties or logprobs) have
 graphs of their own: the walk runs over `gumbel_targets`, the target logits plus the
 Gumbel noise plain sampling would draw at each node's output index, so they reproduce
@@ -58,6 +63,7 @@ from specserve.runner.sampler import HostFlags, SamplingBatch
 from specserve.spec.accept import gumbel_targets, walk_greedy
 from specserve.spec.drafts import Drafts
 from specserve.spec.proposer import Proposer
+from specserve.spec.tree_draft import TreeDrafter
 
 if TYPE_CHECKING:
     from specserve.spec.eagle import EagleProposer
@@ -77,22 +83,18 @@ def supported(proposer: Proposer) -> bool:
     graphs whose trees fill all N nodes."""
     if not hasattr(proposer, "draft_ahead_inline") or proposer.extend_graphs is None or proposer.tree.graphs is None:
         return False
+    if proposer.batch_tree is not None and proposer.batch_tree.graphs is None:
+        return False
     return proposer.tree.num_selected(proposer.max_nodes) == proposer.max_nodes - 1
 
 
-class StepGraphs:
-    def __init__(self, runner: ModelRunner, proposer: "EagleProposer", kv: KVManager, max_bs: int,
-                 capture: bool = True, exact: int = EXACT) -> None:
-        """Graphs for batches up to `max_bs`, one per `step_sizes(max_bs, exact)`; `capture`
-        False runs the same body eagerly (CPU tests)."""
-        self.runner, self.proposer, self.kv, self.capture = runner, proposer, kv, capture
-        n, k, steps = proposer.max_nodes, proposer.topk, proposer.tree.num_steps
-        self.n, self.k, self.max_bs = n, k, max_bs
-        self.sizes, self.pad_row = step_sizes(max_bs, exact), kv.table.pad_row
-        dev = runner.device
-        # per replay of size b: table rows io[:b], then verify slots io[b:b + b*N] (one copy)
-        self.io = torch.zeros(max_bs * (n + 1), dtype=torch.int64, device=dev)
-        self.kv_len = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # before the step; after, once replayed
+class _Trees:
+    """One tree shape's state carried from one replay to the next (static buffers): the
+    trees drafted for the next step, over max_bs requests of n nodes, and the drafting
+    pass's scratch slots [steps - 1, max_bs * k]."""
+
+    def __init__(self, drafter: TreeDrafter, n: int, max_bs: int, scratch: torch.Tensor) -> None:
+        self.drafter, self.n, dev = drafter, n, scratch.device
         # Trees start as stars (every node the root's child, token 0), as a padding request
         # that no real one ever left finds them: depth 1, so its walk commits at most 2
         # tokens, within the draft extend's steps + 1 a request (eagle.py `extend_len`).
@@ -103,7 +105,34 @@ class StepGraphs:
         star[:, 0] = True
         self.mask = star.expand(max_bs, n, n).clone()
         self.valid = torch.ones(max_bs, n, dtype=torch.bool, device=dev)
-        self.scratch = kv.reserve(max_bs * k * (steps - 1)).to(dev).view(steps - 1, max_bs * k)
+        width = drafter.topk * (drafter.num_steps - 1)
+        self.scratch = scratch[:max_bs * width].view(drafter.num_steps - 1, max_bs * drafter.topk)
+
+    def drafts(self, b: int) -> Drafts:
+        """The first b requests' trees (views of the static buffers)."""
+        return Drafts(self.tokens[:b], self.parents[:b], self.valid[:b], [self.n] * b, self.mask[:b])
+
+
+class StepGraphs:
+    def __init__(self, runner: ModelRunner, proposer: "EagleProposer", kv: KVManager, max_bs: int,
+                 capture: bool = True, exact: int = EXACT) -> None:
+        """Graphs for batches up to `max_bs`, one per `step_sizes(max_bs, exact)`; `capture`
+        False runs the same body eagerly (CPU tests). Sizes from the proposer's batch_from
+        up draft its batch tree, when it has one (batch_tree.py)."""
+        self.runner, self.proposer, self.kv, self.capture = runner, proposer, kv, capture
+        self.max_bs, self.sizes, self.pad_row = max_bs, step_sizes(max_bs, exact), kv.table.pad_row
+        dev = runner.device
+        drafters = [(proposer.tree, proposer.max_nodes)]
+        if proposer.batch_tree is not None:
+            drafters.append((proposer.batch_tree, proposer.batch_nodes))
+        # one reservation, shared: a step drafts one tree, and the main tree's is the larger
+        scratch = kv.reserve(max_bs * proposer.scratch_per_req).to(dev)
+        self._trees = [_Trees(d, n, max_bs, scratch) for d, n in drafters]
+        self._last = self._trees[0]  # the trees of the last replay
+        n = max(t.n for t in self._trees)
+        # per replay of size b: table rows io[:b], then verify slots io[b:b + b*N] (one copy)
+        self.io = torch.zeros(max_bs * (n + 1), dtype=torch.int64, device=dev)
+        self.kv_len = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # before the step; after, once replayed
         # sampled steps: per request temperature and greedy (0/1); seed and output-index offset
         self.floats = torch.ones(2, max_bs, dtype=torch.float32, device=dev)
         self.ints = torch.zeros(2, max_bs, dtype=torch.int64, device=dev)
@@ -112,9 +141,21 @@ class StepGraphs:
         # shrinking batch paid ~17 ms for them (H100). Each keeps its rows in place.
         for size in (1, max_bs):
             self.keep_rows(size, torch.arange(size, device=dev))
+        if capture:  # the verify's graph metadata for the batch tree's N (the runner made the main tree's)
+            for t in self._trees[1:]:
+                runner.attn_backend.init_cuda_graph_state(max_bs, t.n)
         keys = [(b, sampled) for b in self.sizes for sampled in (False, True)]
         with torch.inference_mode():
             self.graphs, self.walks = capture_each(keys, lambda key: self._step(*key), dev) if capture else ({}, {})
+
+    def _trees_for(self, bsz: int) -> _Trees:
+        """The tree shape a batch of `bsz` drafts: by the size it replays (batch_tree.py)."""
+        batch = len(self._trees) > 1 and self.size_for(bsz) >= self.proposer.batch_from
+        return self._trees[1] if batch else self._trees[0]
+
+    def nodes(self, bsz: int) -> int:
+        """N, the tree nodes a step over `bsz` requests verifies per request."""
+        return self._trees_for(bsz).n
 
     def can_run(self, bsz: int) -> bool:
         return bsz <= self.max_bs
@@ -125,25 +166,28 @@ class StepGraphs:
 
     @torch.inference_mode()
     def launch(self, reqs: list[Req], slots: torch.Tensor, first: Drafts | None) -> torch.Tensor:
-        """Queue one step over `reqs` with their verify `slots` [B*N] (host). `first`: the
-        trees to verify when the step starts a run (the host's kv_len and sampling params
-        are then written too); None continues from the last replay's state. Returns the
-        walk's packed rows [B, 2N + 1] on the device, valid until the next launch."""
-        b, n = len(reqs), self.n
-        g = self.size_for(b)
+        """Queue one step over `reqs` with their verify `slots` [B*N] (host, N =
+        `nodes(B)`). `first`: the trees to verify when the step starts a run (the host's
+        kv_len and sampling params are then written too); None continues from the last
+        replay's state, which drafted the same tree shape. Returns the walk's packed rows
+        [B, 2N + 1] on the device, valid until the next launch."""
+        b, trees = len(reqs), self._trees_for(len(reqs))
+        g, n = self.size_for(b), trees.n
+        assert first is not None or trees is self._last, "a run keeps one tree shape"
+        self._last = trees
         pad = g - b  # padding requests: the pad row, slot 0
         host = torch.cat([torch.tensor([r.row for r in reqs] + [self.pad_row] * pad, dtype=torch.int64),
                           slots, torch.zeros(pad * n, dtype=torch.int64)])
         self.io[:g * (n + 1)].copy_(host, non_blocking=True)  # pageable: staged before the call returns
         if first is not None:
-            self._start_run(reqs, first)
+            self._start_run(reqs, first, trees)
         sampled = not all(r.params.greedy for r in reqs)
         if not self.capture:
             return self._step(g, sampled)[:b]
         self.graphs[(g, sampled)].replay()
         return self.walks[(g, sampled)][:b]
 
-    def _start_run(self, reqs: list[Req], drafts: Drafts) -> None:
+    def _start_run(self, reqs: list[Req], drafts: Drafts, trees: _Trees) -> None:
         """The state a run's first replay starts from: kv_lens, sampling params, trees."""
         b = len(reqs)
         ps = [r.params for r in reqs]
@@ -152,23 +196,23 @@ class StepGraphs:
         floats = [[p.temperature for p in ps], [float(p.greedy) for p in ps]]
         self.floats[:, :b].copy_(torch.tensor(floats, dtype=torch.float32), non_blocking=True)
         self.kv_len[:b].copy_(torch.tensor([r.kv_len for r in reqs], dtype=torch.int64), non_blocking=True)
-        for static, value in ((self.tokens, drafts.tokens), (self.parents, drafts.parents),
-                              (self.mask, drafts.tree_mask())):
+        for static, value in ((trees.tokens, drafts.tokens), (trees.parents, drafts.parents),
+                              (trees.mask, drafts.tree_mask())):
             if static.data_ptr() != value.data_ptr():  # the trees a replay left are in place
                 static[:b].copy_(value)
 
     def keep_rows(self, b: int, rows: torch.Tensor) -> None:
         """The next replay continues over rows `rows` [B'] (device) of the last replay of
         size b, whose other requests ended: their state moves to the buffers' front."""
-        k = rows.numel()
-        for buf in (self.kv_len, self.tokens, self.parents, self.mask):
+        k, t = rows.numel(), self._last
+        for buf in (self.kv_len, t.tokens, t.parents, t.mask):
             buf[:k].copy_(buf[:b].index_select(0, rows))
         for buf in (self.floats, self.ints):  # sampling params, [2, max_bs]
             buf[:, :k].copy_(buf[:, :b].index_select(1, rows))
 
     def trees(self, b: int) -> Drafts:
         """The trees the last replay of size b drafted (views of the static buffers)."""
-        return Drafts(self.tokens[:b], self.parents[:b], self.valid[:b], [self.n] * b, self.mask[:b])
+        return self._last.drafts(b)
 
     def kv_after(self, b: int) -> torch.Tensor:
         """[B] kv_len after the last replay's commit (a view, rewritten by the next launch)."""
@@ -186,13 +230,14 @@ class StepGraphs:
     def _step(self, b: int, sampled: bool) -> torch.Tensor:
         """The step's device work for b requests, padding included (captured, or eager on a
         CPU); `sampled`: walk the Gumbel targets of seeded sampling rather than the argmax."""
-        n, table = self.n, self.kv.table
+        t, table = self._trees_for(b), self.kv.table
+        n, k = t.n, t.drafter.topk
         rows, slots, kv_len = self.io[:b], self.io[b:b * (n + 1)], self.kv_len[:b]
         pad = rows == self.pad_row  # a padding request starts each step at position 0
         kv_len.masked_fill_(pad, 0)
         self.ints[1, :b].masked_fill_(pad, 0)  # and output index 0
         table.write_block(rows, kv_len, slots.view(b, n))
-        drafts = self.trees(b)
+        drafts = t.drafts(b)
         positions = (kv_len[:, None] + drafts.depths()).reshape(-1)
         fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, slots, rows, kv_len,
                                              drafts.tree_mask(), table.table)
@@ -203,11 +248,11 @@ class StepGraphs:
             logits = gumbel_targets(logits, self._sampling(b, kv_len), drafts.depths())
         packed, walk = walk_greedy(drafts, logits, None)
         tokens, parents, mask, kv_after = self.proposer.draft_ahead_inline(
-            walk, features.view(b, n, -1), slots.view(b, n), torch.cat([rows, kv_len]),
-            self.scratch[:, :b * self.k])
+            walk, features.view(b, n, -1), slots.view(b, n), torch.cat([rows, kv_len]), t.scratch[:, :b * k],
+            t.drafter)
         # read above by the verify and the walk; the next replay's trees from here on
-        self.tokens[:b].copy_(tokens)
-        self.parents[:b].copy_(parents)
-        self.mask[:b].copy_(mask)
+        t.tokens[:b].copy_(tokens)
+        t.parents[:b].copy_(parents)
+        t.mask[:b].copy_(mask)
         kv_len.copy_(kv_after)
         return packed

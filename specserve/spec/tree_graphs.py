@@ -105,5 +105,6 @@ class TreeDraftGraphs:
     def _expand(self, roots: torch.Tensor, rows: torch.Tensor, tail_start: torch.Tensor, scratch: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logp, ids, states = self.roots.get(rows)
-        x = TreeInputs(logp, ids, states, roots, rows, tail_start, scratch)
+        k = self.drafter.topk  # a batch tree may branch less than the root states hold (sorted best first)
+        x = TreeInputs(logp[:, :k], ids[:, :k], states, roots, rows, tail_start, scratch)
         return self.drafter.expand(x, self.drafter.step, self.num_nodes)

@@ -174,12 +174,19 @@ class SpecWorker:
                 or not pipeline.eligible(reqs, self.spec.num_steps, self.context_length, sampled):
             return False
         prev = self._inflight
+        # a run keeps its tree shape: a batch that shrinks across batch_from drains (batch_tree.py)
         return prev is None or (prev.live_rows(reqs) is not None and prev.graphed == self._graphed(len(reqs))
+                                and prev.nodes == self._nodes(len(reqs))
                                 and self.proposer.has_drafted_ahead(prev.reqs))
 
     def _graphed(self, bsz: int) -> bool:
         """Whether a pipelined step over `bsz` requests is one step-graph replay."""
         return self.step_graphs is not None and self.step_graphs.can_run(bsz)
+
+    def _nodes(self, bsz: int) -> int:
+        """N of a pipelined step over `bsz` requests: its step graph's tree (the batch tree
+        from batch_from requests, batch_tree.py), else the main tree's."""
+        return self.step_graphs.nodes(bsz) if self._graphed(bsz) else self.proposer.max_nodes
 
     def capture_step_graphs(self, max_bs: int) -> None:
         """Capture graphs of the whole pipelined step for batches up to
@@ -191,7 +198,7 @@ class SpecWorker:
         """Queue a greedy step over full trees from the device state `prev` left (or the
         host's, when nothing is in flight) and its draft-ahead; read nothing back. `prev`
         may carry requests that ended (dropped): the step takes the rows of the others."""
-        b, n, dev = len(reqs), self.proposer.max_nodes, self.runner.device
+        b, n, dev = len(reqs), self._nodes(len(reqs)), self.runner.device
         slots = self.kv.alloc_each([n] * b)
         live = prev.live_rows(reqs) if prev is not None and prev.dropped else None
         keep = h2d(live, dev) if live is not None else None  # [B] rows of `prev` (device)
@@ -221,7 +228,7 @@ class SpecWorker:
         """_launch as one replay of the step graph: `prev` left its kv_len and trees in the
         graph's buffers (rows `keep` of them when some of its requests ended); a first
         step brings the host's."""
-        b, n, g = len(reqs), self.proposer.max_nodes, self.step_graphs
+        b, n, g = len(reqs), self.step_graphs.nodes(len(reqs)), self.step_graphs
         first = self.proposer.propose(reqs, [n] * b) if prev is None else None
         if keep is not None:
             g.keep_rows(len(prev.reqs), keep)
@@ -238,7 +245,7 @@ class SpecWorker:
         committed = []
         for i, req in zip(live, reqs):
             committed.append(self._commit_tokens(req, result.tokens[i], result.paths[i], None))
-            self._record(req, len(committed[-1]), drafted=True)
+            self._record(req, len(committed[-1]), drafted=True, nodes=done.nodes)
         kept = commit_kv(self.kv, reqs, [done.slots[i] for i in live], paths, [len(c) for c in committed],
                          write_table=False)
         self.proposer.on_verified(reqs, Verified(committed, paths, None, kept, extended=True))
@@ -367,17 +374,18 @@ class SpecWorker:
                 break
         return done
 
-    def _record(self, req: Req, committed: int, drafted: bool) -> None:
+    def _record(self, req: Req, committed: int, drafted: bool, nodes: int | None = None) -> None:
         """Per-request counters in SGLang's names. Only verifies that carried drafts count
         (spec_verify_ct); steps the governor ran plainly, or root-only trees (penalties),
-        are counted apart (spec_plain_ct), so the accept length is that of speculation."""
+        are counted apart (spec_plain_ct), so the accept length is that of speculation.
+        `nodes`: the verified tree's N (default the main tree's)."""
         meta = req.meta
         if not drafted:
             meta["spec_plain_ct"] = meta.get("spec_plain_ct", 0) + 1
             return
         meta["spec_verify_ct"] = meta.get("spec_verify_ct", 0) + 1
         meta["spec_accept_token_num"] = meta.get("spec_accept_token_num", 0) + committed - 1
-        meta["spec_draft_token_num"] = meta.get("spec_draft_token_num", 0) + self.proposer.max_nodes - 1
+        meta["spec_draft_token_num"] = meta.get("spec_draft_token_num", 0) + (nodes or self.proposer.max_nodes) - 1
         meta["spec_accept_length"] = (meta["spec_accept_token_num"] + meta["spec_verify_ct"]) / meta["spec_verify_ct"]
         meta["spec_accept_rate"] = meta["spec_accept_token_num"] / max(meta["spec_draft_token_num"], 1)
         self.stats.add(1, committed)

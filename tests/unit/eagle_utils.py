@@ -76,6 +76,9 @@ def use_static_paths(engine: Engine, max_bs: int) -> None:
     hidden = runner.model.config.hidden_size
     width = hidden * len(p.model.aux_layers) if p.model.feature_mode == "aux" else hidden
     p.tree.graphs = TreeDraftGraphs(p.tree, p.roots, max_bs, p.max_nodes, runner.device, capture=False)
+    if p.batch_tree is not None:
+        p.batch_tree.graphs = TreeDraftGraphs(p.batch_tree, p.roots, max_bs, p.batch_nodes, runner.device,
+                                              capture=False)
     p.extend_graphs, p.catchup_graphs = (
         DraftExtendGraphs(p.model, p.backend, p.pool, engine.scheduler.kv.table.table, max_bs, n, width, p.topk,
                           p.token_map, p.roots, capture=False) for n in (p.extend_len, RING))

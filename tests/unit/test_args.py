@@ -251,6 +251,11 @@ NEEDS_ALGO = "requires --speculative-algorithm"
      "--speculative-num-draft-tokens 12 is too large for --speculative-num-steps 3 and "
      "--speculative-eagle-topk 2: the draft tree has topk + (steps-1)*topk^2 = 10 candidates, "
      "so num_draft_tokens must be <= 11"),
+    (EAGLE + ["--speculative-batch-tree", "3,1"], "--speculative-batch-tree must be off, auto or "
+     "STEPS,TOPK,DRAFT_TOKENS (e.g. 3,2,6), got '3,1'"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-batch-tree", "3,1,4"],
+     "--speculative-batch-tree applies to --speculative-algorithm EAGLE and EAGLE3 only, not NGRAM"),
+    (EAGLE + ["--speculative-batch-tree-from", "0"], "--speculative-batch-tree-from must be >= 1, got 0"),
 ])
 def test_speculative_errors(argv: list[str], message: str) -> None:
     assert error_of(*argv) == message

@@ -342,16 +342,23 @@ def test_a_head_may_name_its_default_tree(tiny, smollm2_dir, tmp_path):
     target, prompts, ref, heads = tiny
     head = shutil.copytree(heads["EAGLE3"], tmp_path / "tuned")
     config = json.loads((head / "config.json").read_text())
-    (head / "config.json").write_text(json.dumps({**config, "specserve_default_tree": [3, 2, 6]}))
+    (head / "config.json").write_text(json.dumps({**config, "specserve_default_tree": [3, 2, 6],
+                                                  "specserve_batch_tree": [2, 1, 3]}))
     algo = {"speculative_algorithm": "EAGLE3", "speculative_adaptive": "off"}
 
     def tree(draft, **flags):
         eng = _engine(target, smollm2_dir, **algo, speculative_draft_model_path=str(draft), **flags)
         s = eng.scheduler.spec.spec
-        return eng, (s.num_steps, s.eagle_topk, s.num_draft_tokens)
+        return eng, (s.num_steps, s.eagle_topk, s.num_draft_tokens), s.batch_tree
 
-    eng, chosen = tree(head)
-    assert chosen == (3, 2, 6)
+    eng, chosen, batch = tree(head)
+    assert chosen == (3, 2, 6) and batch == "2,1,3"  # and the head's batch tree with it
+    drafter = eng.scheduler.spec.proposer.drafter(3)
+    assert (drafter.num_steps, drafter.topk) == (2, 1)
     assert _run(eng, prompts[:2])[0]["output_ids"] == ref[0]
-    assert tree(head, speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)[1] == (3, 1, 4)
-    assert tree(heads["EAGLE3"])[1] == (5, 4, 8)
+    chain = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+    assert tree(head, **chain)[1:] == ((3, 1, 4), "off")  # the user's tree: no batch tree unless asked for
+    assert tree(head, **chain, speculative_batch_tree="2,1,3")[1:] == ((3, 1, 4), "2,1,3")
+    assert tree(heads["EAGLE3"])[1:] == ((5, 4, 8), "off")
+    with pytest.raises(ValueError, match="batch-tree 4,1,5 may take at most the main tree's 3 steps"):
+        tree(head, speculative_batch_tree="4,1,5")

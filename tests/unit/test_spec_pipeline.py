@@ -43,7 +43,8 @@ def tiny(tmp_path_factory, smollm2_dir):
 def _pipeline(eng, graphed: bool | str, max_bs: int) -> None:
     """Leave greedy steps in flight, launched through the whole-step graph's body
     (step_graphs.py: batches up to max_bs; "padded": graphs of 1, 2, 4, 8 requests, a
-    batch padded up to the next) or step by step (`SpecWorker._launch`)."""
+    batch padded up to the next; "batch tree": with the engine's batch tree) or step by
+    step (`SpecWorker._launch`)."""
     if graphed:
         use_step_graphs(eng, max_bs, exact=1 if graphed == "padded" else 8)
     else:
@@ -67,27 +68,49 @@ def _greedy(n: int) -> dict:
     return {"temperature": 0, "max_new_tokens": n}
 
 
+# the batch tree (batch_tree.py) from 4 requests up: batches of 8 and 6 draft 2,1,3, the last 3 the main 3,2,6
+BATCH_TREE = {"speculative_batch_tree": "2,1,3", "speculative_batch_tree_from": 4}
+
+
 @pytest.mark.parametrize("head,graphed", [("EAGLE", True), ("EAGLE3", True), ("EAGLE3", "padded"),
-                                          ("EAGLE3", False)])
+                                          ("EAGLE3", False), ("EAGLE3", "batch tree")])
 def test_pipelined_steps_are_token_identical(tiny, smollm2_dir, head, graphed, monkeypatch):
     target, heads, ps, ref = tiny
     counts: dict = {}
-    eng = _pipelined(target, smollm2_dir, head, heads[head], monkeypatch, counts, graphed)
+    flags = BATCH_TREE if graphed == "batch tree" else {}
+    eng = _pipelined(target, smollm2_dir, head, heads[head], monkeypatch, counts, graphed, **flags)
     if graphed:
         count_calls(eng.scheduler.spec, "_launch_graphed", counts, monkeypatch)
     sizes = _spy_padding(eng, monkeypatch) if graphed == "padded" else None
+    trees = _spy_trees(eng, monkeypatch) if flags else None
     count_calls(eng.scheduler.spec, "drain", counts, monkeypatch)
     params = [_greedy(30 - 4 * (i % 3)) for i in range(8)]
     outs = run(eng, ps, params) + run(eng, ps[:3], params[:3])
     assert [o["output_ids"] for o in outs] == [r[:p["max_new_tokens"]] for r, p in zip(ref + ref[:3], params + params[:3])]
     # most steps were left in flight and read back one step later; the batch shrank 4
     # times, and each next step went on from the rows of the step in flight, undrained
+    # (but once with a batch tree: from 6 requests to 3 the tree changes, a new run)
     assert counts["_launch"] >= 6 and counts["_land"] >= counts["_launch"] - 2, counts
-    assert counts["drop"] >= 4 and counts.get("drain", 0) == 0, counts
+    assert counts["drop"] >= 4 and counts.get("drain", 0) == (1 if flags else 0), counts
+    if trees is not None:  # (batch, N): the batch tree's 3 nodes at 8 and 6 requests, the main's 6 below 4
+        assert {(8, 3), (6, 3), (3, 6)} <= trees and all((n == 3) == (b >= 4) for b, n in trees), trees
+        assert {o["meta_info"]["spec_accept_rate"] <= 1 for o in outs} == {True}
     if graphed:  # batch 8 and 3 both fit the step graphs
         assert counts["_launch_graphed"] == counts["_launch"], counts
     if sizes is not None:  # 6 and 3 requests ran as padded batches of 8 and 4
         assert {(6, 8), (3, 4)} <= sizes, sizes
+
+
+def _spy_trees(eng, monkeypatch) -> set:
+    """The (batch, tree nodes) pairs the step graphs launch from now on."""
+    graphs, seen = eng.scheduler.spec.step_graphs, set()
+    real = graphs.launch
+
+    def launch(reqs, slots, first):
+        seen.add((len(reqs), slots.numel() // len(reqs)))
+        return real(reqs, slots, first)
+    monkeypatch.setattr(graphs, "launch", launch)
+    return seen
 
 
 def _spy_padding(eng, monkeypatch) -> set:
@@ -99,17 +122,18 @@ def _spy_padding(eng, monkeypatch) -> set:
     return seen
 
 
-@pytest.mark.parametrize("graphed", [True, "padded"])
+@pytest.mark.parametrize("graphed", [True, "padded", "batch tree"])
 def test_sampled_steps_in_step_graphs_reproduce_seeded_plain_sampling(tiny, smollm2_dir, graphed, monkeypatch):
     """Sampled steps walk Gumbel targets keyed by each node's output index, which the step
     graph derives from the kv_len it carries: seeded outputs are plain sampling's, token
     for token, in a batch that mixes greedy and sampled requests (padded: three requests
-    replay the graph of four)."""
+    replay the graph of four; batch tree: from 2 requests up the batch tree drafts)."""
     target, heads, ps, _ = tiny
     params = [{"temperature": t, "seed": 11 + i, "max_new_tokens": 30} for i, t in enumerate((1.0, 0.0, 0.7))]
     want = [o["output_ids"] for o in run(engine(target, smollm2_dir), ps[:3], params)]
     counts: dict = {}
-    eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, counts, graphed)
+    flags = {**BATCH_TREE, "speculative_batch_tree_from": 2} if graphed == "batch tree" else {}
+    eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, counts, graphed, **flags)
     count_calls(eng.scheduler.spec, "_launch_graphed", counts, monkeypatch)
     outs = run(eng, ps[:3], params) + run(eng, ps[:1], params[:1])
     assert [o["output_ids"] for o in outs] == want + want[:1]
@@ -265,6 +289,21 @@ def test_captured_step_graphs_are_token_identical(tiny, smollm2_dir, monkeypatch
     sampled = [{"temperature": 1.0, "seed": i, "max_new_tokens": 30} for i in range(3)]
     want = [o["output_ids"] for o in run(engine(target, smollm2_dir), ps[:3], sampled)]
     assert [o["output_ids"] for o in run(eng, ps[:3], sampled)] == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs")
+def test_captured_batch_tree_is_token_identical(tiny, smollm2_dir, monkeypatch):
+    """The captured step graphs of 4 requests and more draft the batch tree and those
+    below the main tree: 8 requests that shrink to 3 decode as plain greedy does."""
+    target, heads, ps, ref = tiny
+    eng = engine(target, smollm2_dir, **spec_flags("EAGLE3", heads["EAGLE3"], "tree"), **BATCH_TREE,
+                 cuda_graph_max_bs=8, cuda_graph_max_prefill_tokens=512)
+    assert eng.scheduler.spec.step_graphs is not None
+    trees = _spy_trees(eng, monkeypatch)
+    params = [_greedy(30 - 4 * (i % 3)) for i in range(8)]
+    outs = run(eng, ps, params)
+    assert [o["output_ids"] for o in outs] == [r[:p["max_new_tokens"]] for r, p in zip(ref, params)]
+    assert {(8, 3), (3, 6)} <= trees and all((n == 3) == (b >= 4) for b, n in trees), trees
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captured CUDA graphs")
