@@ -88,7 +88,7 @@ class SpecConfig:
     # EAGLE step graphs from batch_tree_from requests up draft this smaller tree (spec/batch_tree.py):
     # auto (the head's own, when the tree flags are omitted) | off | "steps,topk,draft tokens"
     batch_tree: str = "auto"
-    batch_tree_from: int = 9
+    batch_tree_from: int = 2  # batch 1 keeps the main tree (spec/batch_tree.py)
 
     @property
     def enabled(self) -> bool:

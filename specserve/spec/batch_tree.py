@@ -1,4 +1,4 @@
-"""The batch tree: the smaller draft tree EAGLE's step graphs use for large batches.
+"""The batch tree: the smaller draft tree EAGLE's step graphs use for batches of 2 and more.
 
 At batch 1 a verify of N tree tokens costs about one decode step (the GPU waits on weight
 reads either way), so the tree that gets the most tokens accepted wins: the shipped SmolLM2
@@ -11,7 +11,12 @@ the same process (`.gpu` scripts, one hold each):
     at batch 16 1.45x / 1.52x / 1.53x;
   * the governor on, 3 rounds: the head's 5,6,32 with its batch tree 3,2,6 from 9
     requests ran 1.18x / 1.23x / 1.16x at batch 64 / 32 / 16, without it 1.08x / 1.08x /
-    1.09x.
+    1.09x;
+  * the same at batch 8 / 4 / 2 with the batch tree from 2 requests up against from 9
+    (the main tree below): 1.36x / 1.35x / 1.46x against 1.29x / 1.24x / 1.31x; at batch
+    1 the main tree stays ahead of every smaller one tried (5,6,32 1.73x, 5,6,24 1.70x,
+    5,4,16 and 4,4,16 1.67x, 4,6,16 1.64x; 30 questions x 256, 2 rounds). Two requests
+    of 32 nodes are 64 tokens, past the few-token kernels' 32 (kernels/skinny.py).
 
 So a step graph of at least `batch_tree_from` requests drafts and verifies the batch tree
 (step_graphs.py, keyed by its captured size), and smaller ones the main tree. A pipelined
