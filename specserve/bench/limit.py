@@ -6,8 +6,10 @@ Scheduler (its attention backend, CUDA graphs and overlapped decode; and once mo
 overlap off, in the same run). Achieved bandwidth = bytes one step must read (every weight
 once, one embedding row, the KV so far) / step time, compared with a device-to-device copy
 measured in the same run ((read + write) bytes / time). It also times a verify forward of
-a 16-node tree against one decode step on the same model, both through the bare runner
-with a read-back after each (the verify of a speculative step is read back at once).
+a 16-node tree against one decode step on the same model two ways: through the bare
+runner with a read-back after each (host work included; the verify of a speculative step
+is read back at once), and as the GPU time of their captured graphs' replays (CUDA
+events, the two graphs alternated in blocks), which host noise does not move.
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     _served_decode(sched, ids, 8, overlap=True)  # warm-up: Triton compiles, graphs replay once
     overlap_s = _served_decode(sched, ids, args.steps, overlap=True)
     plain_s = _served_decode(sched, ids, args.steps, overlap=False)
-    step_s, kv_mid, verify_ratio = _decode(runner, sched.kv, args.prompt_len, args.steps)
+    step_s, kv_mid, verify_ratio, graph_us = _decode(runner, sched.kv, args.prompt_len, args.steps)
     weights = step_bytes(model, kv_mid)
     bw = weights / overlap_s
     row = {"bench": "limit", "model": "llama-3.1-8b-shaped", "dtype": "bfloat16", "batch_size": 1,
@@ -91,11 +93,14 @@ def main(argv: list[str] | None = None) -> int:
            "achieved_GBps": bw / 1e9, "copy_GBps": copy_bw / 1e9, "fraction_of_copy": bw / copy_bw,
            "no_overlap_step_ms": 1e3 * plain_s, "no_overlap_fraction": weights / plain_s / copy_bw,
            "runner_loop_step_ms": 1e3 * step_s, "verify16_over_decode": verify_ratio,
+           "graph_decode_us": graph_us[0], "graph_verify16_us": graph_us[1],
+           "graph_verify16_over_decode": graph_us[1] / graph_us[0] if graph_us[0] else None,
            "prompt_len": args.prompt_len, "steps": args.steps}
     report(f"limit: 8B-shaped bf16 bs=1 {row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms/step), "
            f"{row['achieved_GBps']:.0f} GB/s = {100 * row['fraction_of_copy']:.1f}% of copy "
            f"{row['copy_GBps']:.0f} GB/s (no overlap: {row['no_overlap_step_ms']:.2f} ms, "
            f"{100 * row['no_overlap_fraction']:.1f}%); verify(16) = {verify_ratio:.2f}x a decode step "
+           f"({_graph_note(graph_us)}) "
            f"({row['attention_backend']}, graphs {'on' if row['cuda_graphs'] else 'off'}, "
            f"PDL {'on' if row['pdl'] else 'off'}, {row['device']})",
            row, args.output)
@@ -146,9 +151,17 @@ def _served_decode(sched, ids: list[int], steps: int, overlap: bool) -> float:
     return (time.perf_counter() - start) / tokens
 
 
-def _decode(runner, kv, prompt_len: int, steps: int) -> tuple[float, int, float]:
+def _graph_note(graph_us: tuple[float, float]) -> str:
+    decode, verify = graph_us
+    if not decode:
+        return "no graphs"
+    return f"graphs: {verify:.0f} / {decode:.0f} us = {verify / decode:.3f}x"
+
+
+def _decode(runner, kv, prompt_len: int, steps: int) -> tuple[float, int, float, tuple[float, float]]:
     """The runner alone, each step read back before the next: seconds per decode step
-    (host included), the mean KV length, and verify(16) / decode timed the same way."""
+    (host included), the mean KV length, verify(16) / decode timed the same way, and
+    the (decode, verify) graphs' GPU time in us ((0, 0) without graphs)."""
     from specserve.engine.batch import ScheduleBatch
     from specserve.engine.request import Req
     from specserve.engine.sampling_params import SamplingParams
@@ -174,20 +187,46 @@ def _decode(runner, kv, prompt_len: int, steps: int) -> tuple[float, int, float]
         decode()
     step_s = (time.perf_counter() - start) / steps
     kv_mid = (kv_start + req.kv_len) // 2
-    ratio = _verify_ratio(runner, kv, req, step_s)
+    slots = kv.alloc_slots(VERIFY_NODES)
+    ratio = _verify_ratio(runner, kv, req, slots, step_s)
+    graph_us = _graph_times(runner)  # each graph's metadata is its last forward's, above
+    kv.allocator.free(slots)
     kv.release(req)
-    return step_s, kv_mid, ratio
+    return step_s, kv_mid, ratio, graph_us
 
 
-def _verify_ratio(runner, kv, req, decode_s: float, nodes: int = 16, iters: int = 20) -> float:
-    """A VERIFY forward of a 16-node tree (4 chains of 4 under the root) / one decode step."""
+def _graph_times(runner, blocks: int = 7, iters: int = 40) -> tuple[float, float]:
+    """Median GPU us of a DECODE and a VERIFY graph replay at batch 1, alternated in
+    `blocks` blocks of `iters` replays. Each replays on the metadata of its last forward
+    (they keep separate buffers) and rewrites that forward's K/V: same values, same slots."""
+    from specserve.runner.forward_batch import ForwardMode
+
+    graphs = runner.graphs.graphs if runner.graphs is not None else {}
+    pair = graphs.get((ForwardMode.DECODE, 1)), graphs.get((ForwardMode.VERIFY, 1))
+    if None in pair:
+        return 0.0, 0.0
+    times: tuple[list[float], list[float]] = ([], [])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(blocks):
+        for graph, out in zip(pair, times):
+            start.record()
+            for _ in range(iters):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            out.append(1e3 * start.elapsed_time(end) / iters)
+    return tuple(sorted(t)[len(t) // 2] for t in times)  # type: ignore[return-value]
+
+
+def _verify_ratio(runner, kv, req, slots: torch.Tensor, decode_s: float, nodes: int = VERIFY_NODES,
+                  iters: int = 20) -> float:
+    """A VERIFY forward of a 16-node tree (4 chains of 4 under the root, at `slots`) / one decode step."""
     from specserve.spec.drafts import Drafts
     from specserve.spec.verify import verify_batch
 
     parents = [-1] + [0 if i % 4 == 1 else i - 1 for i in range(1, nodes)]
     tokens = [(2000 + i) % runner.vocab_size for i in range(nodes - 1)]
     drafts = Drafts.from_lists([[req.last_id] + tokens], [parents])
-    slots = kv.alloc_slots(nodes)
     kv.table.write(req.row, req.kv_len, slots)
     batch = verify_batch([req], drafts, [slots], full=runner.verify_graph_tokens == nodes)
     for _ in range(3):
@@ -195,7 +234,6 @@ def _verify_ratio(runner, kv, req, decode_s: float, nodes: int = 16, iters: int 
     start = time.perf_counter()
     for _ in range(iters):
         _argmax(runner, kv, batch)
-    kv.allocator.free(slots)
     return (time.perf_counter() - start) / iters / decode_s
 
 

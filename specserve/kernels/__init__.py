@@ -89,8 +89,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 SKINNY_MAX_TOKENS = 32  # skinny.py pads tokens to 16 or 32
 # The widest activations the few-token path takes: narrow models' layers are latency-bound
 # and gain from the fused forms (SmolLM2's 576-wide: 901 us against 1019 for a 32-node
-# verify graph on an H100). Llama-8B's 4096-wide ones did not: bench limit's verify(16)
-# ran 1.22-1.23x a decode step with it, 1.13-1.24x with cuBLAS (three holds).
+# verify graph on an H100). Llama-8B's 4096-wide ones did not: its verify graph of 16
+# nodes took 7294 us with them (6695 with the qkv projection and RoPE apart) against 6397
+# with cuBLAS's, the lm_head on this kernel in all three, where its decode graph took
+# 5410 (H100, PDL, replays timed by CUDA events, one hold).
 SKINNY_MAX_WIDTH = 2048
 _PDL_OK: dict[int | None, bool] = {}  # device index -> compute capability >= 9
 
@@ -120,14 +122,17 @@ def pdl_flags(device: torch.device) -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
 
 
-def use_gemv(x: torch.Tensor) -> bool:
+def use_gemv(x: torch.Tensor, lm_head: bool = False) -> bool:
     """Whether linear layers on activations `x` [T, K] run as fused GEMVs: one token
     (matvec.py), or up to SKINNY_MAX_TOKENS of at most SKINNY_MAX_WIDTH (skinny.py,
-    unless SPECSERVE_SKINNY=0), on the fused kernels' side of the switch."""
+    unless SPECSERVE_SKINNY=0), on the fused kernels' side of the switch. An lm_head
+    (`lm_head`) takes the few-token kernel at any width: Llama-8B's (128256 x 4096) ran
+    in 354 us at 16 tokens against cuBLAS's 377, where its decoder layers lost to cuBLAS
+    (H100, isolated, three weights in turn)."""
     if x.dim() != 2 or not use_fused(x):
         return False
     t, width = x.shape
-    return t == 1 or (2 <= t <= SKINNY_MAX_TOKENS and width <= SKINNY_MAX_WIDTH
+    return t == 1 or (2 <= t <= SKINNY_MAX_TOKENS and (lm_head or width <= SKINNY_MAX_WIDTH)
                       and os.environ.get("SPECSERVE_SKINNY") != "0")
 
 

@@ -368,7 +368,7 @@ def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     (two when gated) and one x tile; as many stages as fit the device's shared memory (4
     stages of gate_up's 64x256 pair need 296 KB), up to 4 (SmolLM2's gate_up and
     down_proj at 32 tokens: 4.74 and 4.33 us against 5.01 and 4.56 with 3; at 16, 5.18
-    and 4.45 against 5.17 and 4.57; qkv 3.57 against 3.54). A narrow model's lm_head at 32 tokens takes
+    and 4.45 against 5.17 and 4.57; qkv 3.57 against 3.54), 3 for a wide model's lm_head. A narrow model's lm_head at 32 tokens takes
     64-deep tiles (SmolLM2's 49152 x 576: 26 us against 34 with 128, H100). Narrow layers (SmolLM2's 576 rows) halve
     BLOCK_N down to tl.dot's 16 until there are about half as many programs as SMs: 9
     programs cannot stream even a small weight (gate_up 6.2 us and down_proj 4.8 at 32
@@ -391,4 +391,6 @@ def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
         block_k = 64 * 2 // w_bytes
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
-    return Config(block_n, block_k, max(1, min(4, smem // stage)))
+    # A wide model's lm_head: 3 stages (Llama-8B's at 16 tokens: 354 us against 403 with 4)
+    most = 3 if n >= 16384 and k > 2048 and not gated else 4
+    return Config(block_n, block_k, max(1, min(most, smem // stage)))

@@ -295,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits of `hidden` [T, H]: float32, or (float32 False, for an argmax alone) maybe
         in the model's dtype, whose conversion would change no argmax (it is exact and
         keeps order) and at a verify of 2048 tokens moves 600 MB (H100: ~0.2 ms a step)."""
-        if kernels.use_gemv(hidden):  # the float32 logits of the half ones, in the GEMV's launch
+        if kernels.use_gemv(hidden, lm_head=True):  # the float32 logits of the half ones, in the GEMV's launch
             return kernels.gemv(hidden, self.lm_head.weight, out_dtype=torch.float32)
         logits = self.lm_head(hidden)
         return logits.float() if float32 else logits

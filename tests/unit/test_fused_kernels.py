@@ -143,17 +143,21 @@ def test_skinny_config_fits_the_device(monkeypatch):
             assert block_n == 16 or -(-n // block_n) >= sms // 2, (n, block_n)
     assert skinny._config(576, 576, False, False, 2, 16, DEV)[1:3] == (1024, 1)  # o_proj: one tile
     assert skinny._config(576, 1536, False, False, 2, 16, DEV)[0] == 16  # down_proj: 36 programs, not 9
+    assert skinny._config(128256, 4096, False, True, 2, 16, DEV).stages == 3  # a wide lm_head: 3 stages
 
 
 def test_few_token_path_takes_narrow_models_only(monkeypatch):
     """One token always; 2-32 tokens up to 2048 wide (Llama-8B's 4096-wide verify was
-    faster on cuBLAS), unless SPECSERVE_SKINNY=0."""
+    faster on cuBLAS) or for an lm_head, unless SPECSERVE_SKINNY=0."""
     def takes(t: int, width: int) -> bool:
         with kernels.fused_kernels(True):
             return kernels.use_gemv(torch.zeros(t, width))
 
     assert takes(1, 4096) and takes(32, 576) and takes(2, 2048)
     assert not takes(16, 4096) and not takes(33, 576)
+    with kernels.fused_kernels(True):  # an lm_head at any width
+        assert kernels.use_gemv(torch.zeros(16, 4096), lm_head=True)
+        assert not kernels.use_gemv(torch.zeros(33, 4096), lm_head=True)
     monkeypatch.setenv("SPECSERVE_SKINNY", "0")
     assert takes(1, 576) and not takes(16, 576)
 
