@@ -91,9 +91,7 @@ class EagleProposer:
         self.tree = TreeDrafter(kv, self._tree_step, spec.eagle_topk, spec.num_steps, shift=1,
                                 token_map=self.token_map)
         # the batch tree (batch_tree.py): drafted by the step graphs of batch_from requests and more
-        self.batch_tree, self.batch_nodes, self.batch_from = self._batch_tree(spec), 0, spec.batch_tree_from
-        if self.batch_tree is not None:
-            self.batch_nodes = batch_tree.parse_tree(spec.batch_tree).nodes
+        (self.batch_tree, self.batch_nodes), self.batch_from = self._batch_tree(spec), spec.batch_tree_from
         self.roots = RootStates(kv.table.table.shape[0], spec.eagle_topk, c.hidden_size, runner.dtype, runner.device)
         self.extend_len = spec.num_steps + 1  # the most tokens one verify commits
         self.extend_graphs = self.catchup_graphs = None  # after a verify; after plain steps (backlog.py)
@@ -336,15 +334,16 @@ class EagleProposer:
             return TreeDraftGraphs(tree or self.tree, self.roots, runner.graph_max_bs(max_running),
                                    nodes or self.max_nodes, runner.device)
 
-    def _batch_tree(self, spec: SpecConfig) -> TreeDrafter | None:
-        """The batch tree's drafter (same head, root states and scratch), or None when off."""
+    def _batch_tree(self, spec: SpecConfig) -> tuple[TreeDrafter | None, int]:
+        """The batch tree's drafter (same head, root states and scratch) and its N; (None, 0) when off."""
         shape = batch_tree.parse_tree(spec.batch_tree if spec.batch_tree != batch_tree.AUTO else batch_tree.OFF)
         if shape is None:
-            return None
+            return None, 0
         batch_tree.check_against(batch_tree.TreeShape(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens), shape)
         logger.info("Batch tree %s (steps, topk, draft tokens) for step graphs of %d requests and more",
                     shape, spec.batch_tree_from)
-        return TreeDrafter(self.kv, self._tree_step, shape.topk, shape.steps, shift=1, token_map=self.token_map)
+        drafter = TreeDrafter(self.kv, self._tree_step, shape.topk, shape.steps, shift=1, token_map=self.token_map)
+        return drafter, shape.nodes
 
     def drafter(self, nodes: int) -> TreeDrafter:
         """The drafter of trees of `nodes` nodes: the batch tree's, or the main tree's."""
