@@ -87,14 +87,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 SKINNY_MAX_TOKENS = 32  # skinny.py pads tokens to 16 or 32
-# The widest activations the few-token path takes: narrow models' layers are latency-bound
-# and gain from the fused forms (SmolLM2's 576-wide: 901 us against 1019 for a 32-node
-# verify graph on an H100). Llama-8B's 4096-wide ones did not: its verify graph of 16
-# nodes took 7294 us with them (6695 with the qkv projection and RoPE apart) against 6397
-# with cuBLAS's, the lm_head on this kernel in all three, where its decode graph took
-# 5410 (H100, PDL, replays timed by CUDA events, one hold).
+# The widest activations the few-token path takes with pointer loads: narrow models'
+# layers are latency-bound and gain from the fused forms (SmolLM2's 576-wide: 901 us
+# against 1019 for a 32-node verify graph on an H100). Llama-8B's 4096-wide ones did not:
+# its verify graph of 16 nodes took 7294 us with them (6695 with the qkv projection and
+# RoPE apart) against 6397 with cuBLAS's, where its decode graph took 5410 (H100, PDL,
+# replays timed by CUDA events, one hold). Wider layers take the few-token path where
+# their weights stream through TMA descriptors (`tma_enabled`, skinny.use_tma).
 SKINNY_MAX_WIDTH = 2048
-_PDL_OK: dict[int | None, bool] = {}  # device index -> compute capability >= 9
+_HOPPER: dict[int | None, bool] = {}  # device index -> compute capability >= 9
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -108,11 +109,14 @@ def pdl_enabled(device: torch.device) -> bool:
     test_fused_kernels.py); with the GEMVs alone bench limit ran at 89.8% of copy bandwidth
     against 88.8% without, and with every layer kernel at 90.5%, where SmolLM2's decode
     graph fell from 640 to 469 us (dummy weights, 300 cached tokens)."""
-    if device.type != "cuda" or os.environ.get("SPECSERVE_PDL", "1") == "0":
-        return False
-    if device.index not in _PDL_OK:
-        _PDL_OK[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
-    return _PDL_OK[device.index]
+    return device.type == "cuda" and os.environ.get("SPECSERVE_PDL", "1") != "0" and _hopper(device)
+
+
+def _hopper(device: torch.device) -> bool:
+    """Whether CUDA `device` is Hopper or later (compute capability 9+), read once per device."""
+    if device.index not in _HOPPER:
+        _HOPPER[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _HOPPER[device.index]
 
 
 def pdl_flags(device: torch.device) -> dict:
@@ -122,18 +126,24 @@ def pdl_flags(device: torch.device) -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"USE_PDL": False}
 
 
+def tma_enabled(device: torch.device) -> bool:
+    """Whether the few-token kernel may stream weights through TMA descriptors (skinny.py):
+    on Hopper and later unless SPECSERVE_TMA=0."""
+    return device.type == "cuda" and os.environ.get("SPECSERVE_TMA", "1") != "0" and _hopper(device)
+
+
 def use_gemv(x: torch.Tensor, lm_head: bool = False) -> bool:
     """Whether linear layers on activations `x` [T, K] run as fused GEMVs: one token
-    (matvec.py), or up to SKINNY_MAX_TOKENS of at most SKINNY_MAX_WIDTH (skinny.py,
-    unless SPECSERVE_SKINNY=0), on the fused kernels' side of the switch. An lm_head
-    (`lm_head`) takes the few-token kernel at any width: Llama-8B's (128256 x 4096) ran
-    in 354 us at 16 tokens against cuBLAS's 377, where its decoder layers lost to cuBLAS
-    (H100, isolated, three weights in turn)."""
+    (matvec.py), or up to SKINNY_MAX_TOKENS (skinny.py, unless SPECSERVE_SKINNY=0) of at
+    most SKINNY_MAX_WIDTH, or of any width where TMA streams the wide weights
+    (`tma_enabled`), on the fused kernels' side of the switch. An lm_head (`lm_head`)
+    takes the few-token kernel at any width: Llama-8B's (128256 x 4096) ran in 354 us at
+    16 tokens with pointer loads against cuBLAS's 377 (H100, isolated, three weights in turn)."""
     if x.dim() != 2 or not use_fused(x):
         return False
     t, width = x.shape
-    return t == 1 or (2 <= t <= SKINNY_MAX_TOKENS and (lm_head or width <= SKINNY_MAX_WIDTH)
-                      and os.environ.get("SPECSERVE_SKINNY") != "0")
+    return t == 1 or (2 <= t <= SKINNY_MAX_TOKENS and os.environ.get("SPECSERVE_SKINNY") != "0"
+                      and (lm_head or width <= SKINNY_MAX_WIDTH or tma_enabled(x.device)))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
@@ -183,11 +193,13 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, rope: Rope
     """`gemv` of x [T, K] (2 <= T <= SKINNY_MAX_TOKENS) through an attention layer's fused
     qkv weight, then `rope_store_kv` at the rope's positions (`models.rope.RopeAt`), in one
     launch (qkv_rope.py): the rotated queries [T, heads, D]. None where it does not apply
-    (one token: the GEMV's layout; head dims that are not a multiple of 16), for the
-    caller's two launches."""
-    from specserve.kernels import qkv_rope
+    (one token: the GEMV's layout; head dims that are not a multiple of 16; weights on
+    TMA), for the caller's two launches."""
+    from specserve.kernels import qkv_rope, skinny
 
-    if x.shape[0] < 2 or not qkv_rope.supports(k_cache.shape[-1]):
+    # A wide weight streamed by TMA: the projection and RoPE apart (qkv_rope.py's programs
+    # take interleaved rows, which pointer loads serve)
+    if x.shape[0] < 2 or not qkv_rope.supports(k_cache.shape[-1]) or skinny.use_tma(weight):
         return None
     return qkv_rope.qkv_rope_store(x, weight, heads, rope, k_cache, v_cache, slots, norm_weight=norm_weight, eps=eps)
 

@@ -77,13 +77,13 @@ def _qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, table_ptr, pos_ptr, q_ptr, k_cache, v
     n = (H + 2 * KVH) * D
     k_lo, k_len = split_range(K, SPLIT_K, BLOCK_K)  # the whole K without a split
     xk, wk, nwk = x_ptr + k_lo, w_ptr + k_lo * swk, nw_ptr + k_lo
-    w, wu, g = first_tiles(wk, nwk, rows, rows < n, n, k_len, sw, swk, NORM, False, BLOCK_K)
+    w, wu, g = first_tiles(wk, nwk, rows, rows < n, n, k_len, sw, swk, w_ptr, k_lo, NORM, False, BLOCK_K, False)
     wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, the tables) are visible
     toks = tl.arange(0, BLOCK_T)
     tmask = toks < T
     ca, sa, cb, sb = _tables(table_ptr, pos_ptr, toks, tmask, st, d0, D, PAIRS)  # on their way during the dot
-    acc, _, ss = product(xk, wk, nwk, w, wu, g, rows, rows < n, T, n, k_len, sx, sw, swk, eps, NORM, DEFER, False,
-                         HALF, IEEE, BLOCK_T, 2 * PAIRS, BLOCK_K, ONE_TILE)
+    acc, _, ss = product(xk, wk, nwk, w, wu, g, rows, rows < n, T, n, k_len, sx, sw, swk, eps, w_ptr, k_lo, NORM,
+                         DEFER, False, HALF, IEEE, BLOCK_T, 2 * PAIRS, BLOCK_K, ONE_TILE, False)
     last = True
     if SPLIT_K > 1:
         tl.static_assert(DEFER or not NORM)  # the exact norm needs the whole row in one program
