@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     bw = weights / overlap_s
     row = {"bench": "limit", "model": "llama-3.1-8b-shaped", "dtype": "bfloat16", "batch_size": 1,
            "device": torch.cuda.get_device_name(device), "attention_backend": type(runner.attn_backend).__name__,
-           "cuda_graphs": runner.graphs is not None, "pdl": kernels.pdl_enabled(device), "tok_s": 1 / overlap_s, "step_ms": 1e3 * overlap_s,
+           "cuda_graphs": runner.graphs is not None, "pdl": kernels.pdl_enabled(device),
+           "tma": kernels.tma_enabled(device), "tok_s": 1 / overlap_s, "step_ms": 1e3 * overlap_s,
            "achieved_GBps": bw / 1e9, "copy_GBps": copy_bw / 1e9, "fraction_of_copy": bw / copy_bw,
            "no_overlap_step_ms": 1e3 * plain_s, "no_overlap_fraction": weights / plain_s / copy_bw,
            "runner_loop_step_ms": 1e3 * step_s, "verify16_over_decode": verify_ratio,
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
            f"{100 * row['no_overlap_fraction']:.1f}%); verify(16) = {verify_ratio:.2f}x a decode step "
            f"({_graph_note(graph_us)}) "
            f"({row['attention_backend']}, graphs {'on' if row['cuda_graphs'] else 'off'}, "
-           f"PDL {'on' if row['pdl'] else 'off'}, {row['device']})",
+           f"PDL {'on' if row['pdl'] else 'off'}, TMA {'on' if row['tma'] else 'off'}, {row['device']})",
            row, args.output)
     return 0
 
