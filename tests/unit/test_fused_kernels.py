@@ -119,6 +119,16 @@ def test_gemv_is_the_unfused_chain(n, k, dtype, transposed):
     assert logits.dtype == torch.float32 and torch.equal(logits, kernels.gemv(x, w).float())
 
 
+def _random_forms(t: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every fused form (`_check_fused_forms`) on random x [t, k], weights [n, k] and
+    [2n, k], a residual and a norm; returns (x, the plain weight) for further checks."""
+    x = torch.randn(t, k, device=DEV).to(dtype)
+    res = torch.randn(t, n, device=DEV).to(dtype)
+    w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
+    _check_fused_forms(x, w, wg, res, _norm(k, dtype))
+    return x, w
+
+
 def test_skinny_config_fits_the_device(monkeypatch):
     """Llama-8B's and SmolLM2's layers, half and float32 weights, 16 and 32 padded tokens,
     with and without the norm: every stage (weight tile or gated pair, x tile) fits an
@@ -184,10 +194,7 @@ def test_skinny_is_the_unfused_chain(t, n, k, dtype):
     """The few-token kernel (skinny.py) against the same torch ops, per token: tokens
     padded to 16 and 32, one K tile and several (1100), so the norm's exact form (one
     tile, 16 tokens) and its deferred form (32 tokens, several tiles, gated)."""
-    x = torch.randn(t, k, device=DEV).to(dtype)
-    res = torch.randn(t, n, device=DEV).to(dtype)
-    w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
-    _check_fused_forms(x, w, wg, res, _norm(k, dtype))
+    x, w = _random_forms(t, n, k, dtype)
     _close(kernels.gemv(x, w.t().contiguous().t()), F.linear(x, w))  # the CPU's [in, out] layout
 
 
@@ -200,10 +207,7 @@ def test_skinny_tma_is_the_unfused_chain(t, n, k, dtype, monkeypatch):
     from specserve.kernels import skinny
 
     monkeypatch.setattr(skinny, "TMA_OVERRIDE", True)
-    x = torch.randn(t, k, device=DEV).to(dtype)
-    res = torch.randn(t, n, device=DEV).to(dtype)
-    w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
-    _check_fused_forms(x, w, wg, res, _norm(k, dtype))
+    _random_forms(t, n, k, dtype)
 
 
 def _force_split(monkeypatch, module, split: int) -> None:
@@ -223,10 +227,7 @@ def test_skinny_split_k_is_the_unfused_chain(t, n, k, split, dtype, monkeypatch)
     from specserve.kernels import skinny
 
     _force_split(monkeypatch, skinny, split)
-    x = torch.randn(t, k, device=DEV).to(dtype)
-    res = torch.randn(t, n, device=DEV).to(dtype)
-    w, wg = (torch.randn(rows, k, device=DEV).div(k ** 0.5).to(dtype) for rows in (n, 2 * n))
-    _check_fused_forms(x, w, wg, res, _norm(k, dtype))
+    _random_forms(t, n, k, dtype)
     assert not skinny._counts(DEV).any()
 
 
