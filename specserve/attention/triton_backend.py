@@ -152,6 +152,13 @@ class TritonBackend(AttentionBackend):
             mask=None if causal else torch.ones(max_bs * n * n, dtype=torch.uint8, device=dev),
             mask_indptr=None if causal else idx * n * n)
 
+    def verify_prefix_buffer(self, n: int) -> torch.Tensor | None:
+        """The int32 prefix lengths [max_bs] that graphs of n new tokens per request read
+        (None before init_cuda_graph_state(.., n)): a caller that writes them itself passes
+        this buffer as the batch's device_prefix, and no copy is launched."""
+        vb = self._verify.get(n)
+        return vb.prefix_lens if vb is not None else None
+
     def init_prefill_graph_state(self, max_reqs: int = 1) -> None:
         """Static metadata for graphs of up to `max_reqs` requests' EXTEND
         (runner/prefill_graphs.py): each request's prefix, true extend length and first
@@ -174,10 +181,11 @@ class TritonBackend(AttentionBackend):
         if fb.mode in _FIXED_N_MODES:
             vb = self._verify[fb.extend_lens[0]]
             prefix = vb.prefix_lens[:bs]
-            if fb.device_prefix is not None:  # a pipelined step: lengths exist on the device only
-                prefix.copy_(fb.device_prefix)
-            else:
+            device_prefix = fb.device_prefix  # a pipelined step: lengths exist on the device only
+            if device_prefix is None:
                 prefix.copy_(torch.tensor(fb.prefix_lens, dtype=torch.int32), non_blocking=True)
+            elif device_prefix.data_ptr() != prefix.data_ptr():  # else its writer wrote them here
+                prefix.copy_(device_prefix)
             if fb.custom_masks is not None and vb.mask is not None:  # capture runs with full masks (all ones)
                 masks = fb.custom_masks
                 flat = (masks if isinstance(masks, torch.Tensor) else torch.stack(list(masks))).reshape(-1)

@@ -227,13 +227,14 @@ def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, fr
 
 
 def tree_select(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                n_sel: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                n_sel: int, max_depth: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A drafting pass's best n_sel candidates as trees [B, 1 + n_sel] (tokens, parents)
     and their ancestor masks, in one launch (node_select.py; `spec.tree_draft._select`
-    is the reference)."""
+    is the reference); into `out` when given."""
     from specserve.kernels import node_select
 
-    return node_select.tree_select(roots, scores, tokens, parents, n_sel, max_depth)
+    return node_select.tree_select(roots, scores, tokens, parents, n_sel, max_depth, out)
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+Trees = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # node tokens, node parents, ancestor masks (bool)
 CHUNK = 64  # candidates compared at a time when ranking (keeps the [BM, CHUNK] block in registers)
 
 
@@ -60,18 +61,21 @@ def _select_kernel(roots_ptr, score_ptr, token_ptr, parent_ptr, node_of_ptr, out
 
 
 def tree_select(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                n_sel: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                n_sel: int, max_depth: int, out: Trees | None = None) -> Trees:
     """roots [B], scores/tokens/parents [B, M] (float32, int64, int64) -> node tokens and
-    parents [B, 1 + n_sel] int64 and the ancestor-or-self mask [B, 1 + n_sel, 1 + n_sel] bool."""
+    parents [B, 1 + n_sel] int64 and the ancestor-or-self mask [B, 1 + n_sel, 1 + n_sel] bool,
+    written into `out` (contiguous tensors of those shapes) when given."""
     bsz, m = scores.shape
     n, dev = n_sel + 1, scores.device
     assert 0 < n_sel <= m and max_depth >= 1
     bm = max(triton.next_power_of_2(m), 16)
     node_of = torch.empty(bsz, bm, dtype=torch.int32, device=dev)
-    out_tok = torch.empty(bsz, n, dtype=torch.int64, device=dev)
-    out_par = torch.empty(bsz, n, dtype=torch.int64, device=dev)
-    mask = torch.empty(bsz, n, n, dtype=torch.uint8, device=dev)
+    if out is None:
+        out = (torch.empty(bsz, n, dtype=torch.int64, device=dev), torch.empty(bsz, n, dtype=torch.int64, device=dev),
+               torch.empty(bsz, n, n, dtype=torch.bool, device=dev))
+    assert [tuple(t.shape) for t in out] == [(bsz, n), (bsz, n), (bsz, n, n)] and all(t.is_contiguous() for t in out)
+    out_tok, out_par, mask = out[0], out[1], out[2].view(torch.uint8)
     _select_kernel[(bsz,)](roots, scores.contiguous(), tokens.contiguous(), parents.contiguous(), node_of,
                            out_tok, out_par, mask, m, n_sel, max_depth, BM=bm,
                            BN=max(triton.next_power_of_2(n), 16), CH=min(CHUNK, bm), num_warps=4 if bm <= 128 else 8)
-    return out_tok, out_par, mask.view(torch.bool)
+    return out

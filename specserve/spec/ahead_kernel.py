@@ -16,7 +16,10 @@ request (and per padding request of the captured batch size) does all of it:
     `_extend_graphed` pads with); its table row, last row b * L + lens - 1, root-state row;
   * padding requests: token 0, position 0, slot 0, feature row 0, the first real request's
     table row, last row p * L, root-state row = RootStates' scratch row;
-  * roots[b] = the bonus token and kv_lens[b] = start + lens, for the tree pass.
+  * roots[b] = the bonus token, kv_lens[b] = start + lens and tails[b] = start + lens + 1
+    - shift (the tree pass's tail start, tree_draft.py), for the tree pass;
+  * with a prefix buffer (the extend graph's int32 prefix lengths, which its attention
+    reads): start, and 0 for a padding request, so the extend launches no copy of its own.
 The reference is the torch path in eagle.py, which runs everywhere else (and CPU tests
 compare the two under TRITON_INTERPRET).
 """
@@ -29,12 +32,15 @@ import triton.language as tl
 
 @triton.jit
 def _ahead_kernel(OnPath, Tok, Bonus, Slots, RowStart, Table, stride_table,
-                  Ids, Pos, OutSlots, FeatRows, Rows, Last, Dst, Roots, KvLens,
-                  n_real, scratch_row, N, L, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+                  Ids, Pos, OutSlots, FeatRows, Rows, Last, Dst, Roots, KvLens, Tails, Prefix32,
+                  n_real, scratch_row, shift, N, L, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_PREFIX: tl.constexpr):
     p = tl.program_id(0)
     col = tl.arange(0, BLOCK_L)
     in_l = col < L
     if p >= n_real:  # a padding request of the captured batch size
+        if HAS_PREFIX:
+            tl.store(Prefix32 + p, (p * 0).to(tl.int32))
         zero = tl.zeros([BLOCK_L], dtype=tl.int64)
         tl.store(Ids + p * L + col, zero, mask=in_l)
         tl.store(Pos + p * L + col, zero, mask=in_l)
@@ -72,25 +78,35 @@ def _ahead_kernel(OnPath, Tok, Bonus, Slots, RowStart, Table, stride_table,
     tl.store(Dst + p, row)
     tl.store(Last + p, (p * L + lens - 1).to(tl.int64))
     tl.store(Roots + p, bonus)
-    tl.store(KvLens + p, start + lens)
+    tl.store(KvLens + p, start + lens)  # may be the tensor RowStart's second half was copied from
+    tl.store(Tails + p, start + lens + 1 - shift)
+    if HAS_PREFIX:
+        tl.store(Prefix32 + p, start.to(tl.int32))
 
 
 def draft_ahead_index(on_path: torch.Tensor, tokens: torch.Tensor, bonus: torch.Tensor, slots: torch.Tensor,
                       row_start: torch.Tensor, table: torch.Tensor, static: list[torch.Tensor], padded_bs: int,
-                      L: int, scratch_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      L: int, scratch_row: int, shift: int = 0, kv_lens: torch.Tensor | None = None,
+                      prefix32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fill the draft-extend graph's static inputs and the table from a greedy walk.
 
     on_path [B, N] bool, tokens [B, N] and slots [B, N] int64, bonus [B] int64; row_start
     [2B] int64 = the requests' table rows, then their kv_len before the verify; static =
     the extend graph's [ids, positions, slots, feature rows] (each >= padded_bs * L) and
-    [rows, last, root-state rows] (each >= padded_bs). Returns (roots, kv_lens) [B] for
-    the tree pass (the bonus tokens; kv_len after the commit)."""
+    [rows, last, root-state rows] (each >= padded_bs). Returns (roots, kv_lens, tails) [B]
+    for the tree pass: the bonus tokens, kv_len after the commit (written into `kv_lens`
+    when given) and kv_len after + 1 - shift. prefix32 [>= padded_bs] int32, when given,
+    gets the extend's prefix lengths (kv_len before; 0 for padding requests)."""
     b, n = on_path.shape
     assert tokens.shape == slots.shape == (b, n) and bonus.shape == (b,) and row_start.shape == (2 * b,)
     assert all(t.is_contiguous() for t in (on_path, tokens, slots, bonus, row_start)) and table.stride(1) == 1
+    assert prefix32 is None or (prefix32.dtype == torch.int32 and prefix32.numel() >= padded_bs)
     roots = torch.empty(b, dtype=torch.int64, device=on_path.device)
-    kv_lens = torch.empty_like(roots)
+    kv_lens = torch.empty_like(roots) if kv_lens is None else kv_lens
+    tails = torch.empty_like(roots)
+    assert kv_lens.shape == (b,) and kv_lens.is_contiguous()
     _ahead_kernel[(padded_bs,)](on_path, tokens, bonus, slots, row_start, table, table.stride(0), *static,
-                                roots, kv_lens, b, scratch_row, n, L, BLOCK_L=triton.next_power_of_2(L),
-                                BLOCK_N=triton.next_power_of_2(n), num_warps=1)
-    return roots, kv_lens
+                                roots, kv_lens, tails, prefix32 if prefix32 is not None else tails,
+                                b, scratch_row, shift, n, L, BLOCK_L=triton.next_power_of_2(L),
+                                BLOCK_N=triton.next_power_of_2(n), HAS_PREFIX=prefix32 is not None, num_warps=1)
+    return roots, kv_lens, tails

@@ -63,8 +63,8 @@ from specserve.spec.draft_prefill_graphs import DraftPrefillGraphs
 from specserve.spec.drafts import Drafts
 from specserve.spec.extend_graphs import DraftExtendGraphs
 from specserve.spec.proposer import Decoded, Verified
-from specserve.spec.root_states import RootStates
-from specserve.spec.tree_draft import TreeDrafter, TreeStep, frontier_batch, top_children
+from specserve.spec.root_states import RootState, RootStates
+from specserve.spec.tree_draft import TreeDrafter, Trees, TreeStep, frontier_batch, top_children
 from specserve.spec.tree_graphs import TreeDraftGraphs
 
 logger = logging.getLogger("specserve")
@@ -217,7 +217,7 @@ class EagleProposer:
         spec/pipeline.py). Returns kv_len after the commit [B], on the device. On CUDA one
         kernel does the bookkeeping (ahead_kernel.py)."""
         b = len(reqs)
-        roots, kv_lens = self._commit_ahead(walk, features, slots, row_start, inline=False)
+        roots, kv_lens, _, _ = self._commit_ahead(walk, features, slots, row_start, inline=False)
         self.roots.mark(reqs)
         self._ahead = None
         if trees and self.tree.graphed(b):
@@ -227,17 +227,18 @@ class EagleProposer:
         return kv_lens
 
     def draft_ahead_inline(self, walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor,
-                           row_start: torch.Tensor, scratch: torch.Tensor, tree: TreeDrafter
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                           row_start: torch.Tensor, scratch: torch.Tensor, tree: TreeDrafter, kv_out: torch.Tensor,
+                           out: Trees) -> None:
         """draft_ahead's device work for exactly B requests, replaying no graph and touching
         no host state, so a caller's own CUDA graph can hold it (spec/step_graphs.py): the
         commit's table write, the draft extend and `tree`'s drafting pass over `scratch`
-        [num_steps - 1, B*k], slots the caller keeps. Returns the next trees' (tokens,
-        parents, mask) and kv_len after the commit [B]; the caller then calls `adopt_ahead`."""
+        [num_steps - 1, B*k], slots the caller keeps. Writes kv_len after the commit into
+        `kv_out` [B] (which may be the tensor row_start's second half was copied from) and
+        the next trees into `out` (tokens, parents, mask); the caller then calls `adopt_ahead`."""
         b = slots.shape[0]
-        roots, kv_lens = self._commit_ahead(walk, features, slots, row_start, inline=True)
-        tokens, parents, mask = tree.graphs.run_inline(roots, row_start[:b], kv_lens + 1 - tree.shift, scratch)
-        return tokens, parents, mask, kv_lens
+        roots, _, tails, states = self._commit_ahead(walk, features, slots, row_start, inline=True,
+                                                     shift=tree.shift, kv_out=kv_out)
+        tree.graphs.run_inline(roots, row_start[:b], tails, scratch, out, states)
 
     def adopt_ahead(self, reqs: list[Req], drafts: Drafts) -> None:
         """`reqs` have root states and `drafts` are their next trees (draft_ahead_inline's)."""
@@ -245,23 +246,34 @@ class EagleProposer:
         self._ahead = ([r.rid for r in reqs], drafts)
 
     def _commit_ahead(self, walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor, row_start: torch.Tensor,
-                      inline: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The commit's table write and the draft extend from a greedy walk: (roots, kv_lens)
-        [B], the bonus tokens and kv_len after the commit. `inline`: run the extend
-        unreplayed for exactly B requests (a caller's capture)."""
+                      inline: bool, shift: int = 0, kv_out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RootState | None]:
+        """The commit's table write and the draft extend from a greedy walk: (roots,
+        kv_lens, tails) [B], the bonus tokens, kv_len after the commit (in `kv_out` when
+        given) and kv_len after + 1 - shift (a tree pass's tail starts), and the root states
+        the extend wrote when it ran `inline` (unreplayed, for exactly B requests: a
+        caller's capture), else None."""
         b, L = slots.shape[0], self.extend_len
         starts = row_start[b:]
         feats = features.reshape(-1, features.shape[-1])
         if not _ahead_kernel_enabled(slots):
-            return self._extend_ahead(walk.paths(L), feats, slots, row_start)
+            roots, kv_lens = self._extend_ahead(walk.paths(L), feats, slots, row_start)
+            if kv_out is not None:
+                kv_lens = kv_out.copy_(kv_lens)
+            return roots, kv_lens, kv_lens + 1 - shift, None
         from specserve.spec import ahead_kernel
 
         ext = self.extend_graphs
-        roots, kv_lens = ahead_kernel.draft_ahead_index(
+        padded = b if inline else ext.size_for(b)
+        prefix32 = ext.prefix_buffer(padded)  # the extend's attention reads it: written by the kernel
+        roots, kv_lens, tails = ahead_kernel.draft_ahead_index(
             walk.on_path, walk.tokens, walk.bonus, slots, row_start, self.kv.table.table, ext.static_index(),
-            b if inline else ext.size_for(b), L, self.roots.scratch_row)
-        (ext.run_inline if inline else ext.replay_filled)(b, feats, starts)
-        return roots, kv_lens
+            padded, L, self.roots.scratch_row, shift, kv_out, prefix32)
+        prefix = prefix32[:padded] if prefix32 is not None else starts
+        if not inline:
+            ext.replay_filled(b, feats, prefix)
+            return roots, kv_lens, tails, None
+        return roots, kv_lens, tails, ext.run_inline(b, feats, prefix)
 
     def keep_ahead(self, reqs: list[Req], rows: list[int], index: torch.Tensor) -> None:
         """The next step continues over `reqs`, rows `rows` (`index` on the device) of the

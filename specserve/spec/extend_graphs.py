@@ -37,7 +37,7 @@ import torch
 from specserve.cache.req_table import slots_at
 from specserve.runner.cuda_graph import capture_each, capture_sizes, pad_device_prefix
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
-from specserve.spec.root_states import RootStates
+from specserve.spec.root_states import RootState, RootStates
 from specserve.spec.tree_draft import top_children
 
 
@@ -143,6 +143,14 @@ class DraftExtendGraphs:
         [table rows, last rows, root-state rows] ([max_bs] each), padding included."""
         return [self.ids, self.pos, self.slots, self.feat_rows, self.rows, self.last, self.dst]
 
+    def prefix_buffer(self, padded_bs: int) -> torch.Tensor | None:
+        """The int32 prefix lengths [>= padded_bs] that the captured extend's attention
+        reads, for a caller that writes them itself (ahead_kernel.py) and then passes them
+        as the prefix lengths: None when not captured or the backend has none."""
+        get = getattr(self.backend, "verify_prefix_buffer", None) if self.capture else None
+        buf = get(self.L) if get is not None else None
+        return buf if buf is not None and buf.numel() >= padded_bs else None
+
     @torch.inference_mode()
     def replay_filled(self, b: int, features: torch.Tensor, prefix_lens: list[int] | torch.Tensor) -> None:
         """Replay for B requests whose static inputs, padding requests included, the caller
@@ -150,14 +158,16 @@ class DraftExtendGraphs:
         self._go(self.size_for(b), b, features, prefix_lens)
 
     @torch.inference_mode()
-    def run_inline(self, b: int, features: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+    def run_inline(self, b: int, features: torch.Tensor, prefix_lens: torch.Tensor) -> RootState:
         """replay_filled for exactly B requests (no padding) without a replay of its own,
         so a caller's CUDA graph can hold it (spec/step_graphs.py): the metadata goes into
-        the backend's graph buffers from the device prefix lengths [B]."""
-        self._go(b, b, features, prefix_lens, replay=False)
+        the backend's graph buffers from the device prefix lengths [B]. Returns the root
+        states it wrote (logp [B, topk], ids [B, topk], hidden [B, H] or None), which a
+        tree pass in the same capture reads from here rather than gathering them back."""
+        return self._go(b, b, features, prefix_lens, replay=False)
 
     def _go(self, bs: int, b: int, features: torch.Tensor | None, prefix_lens: list[int] | torch.Tensor,
-            replay: bool = True) -> None:
+            replay: bool = True) -> RootState | None:
         """`prefix_lens` [b]: host ints, or a device tensor when the host does not know them
         yet (a pipelined step, spec/pipeline.py). `replay` False runs the captured body
         itself (inside a caller's capture)."""
@@ -171,13 +181,12 @@ class DraftExtendGraphs:
             fb = self._batch(bs, prefix_lens + [0] * (bs - b))
         if not self.capture:
             self.backend.init_forward_metadata(fb)
-            self._run(fb, bs)
-            return
+            return self._run(fb, bs)
         self.backend.init_metadata_for_replay(fb)
         if replay:
             self.graphs[bs].replay()
-        else:
-            self._run(fb, bs)
+            return None
+        return self._run(fb, bs)
 
     def _batch(self, bs: int, prefix_lens: list[int]) -> ForwardBatch:
         t = bs * self.L
@@ -185,7 +194,7 @@ class DraftExtendGraphs:
         return ForwardBatch(self.mode, self.ids[:t], self.pos[:t], slots[:t], self.rows[:bs],
                             prefix_lens, [self.L] * bs, self.table, self.kv_pool, self.backend)
 
-    def _run(self, fb: ForwardBatch, bs: int) -> None:
+    def _run(self, fb: ForwardBatch, bs: int) -> RootState:
         t = bs * self.L
         if self.table_slots:  # flat table indices -> slots, before the forward writes K/V there
             self.resolved[:t].copy_(slots_at(self.table, self.slots[:t]))
@@ -195,4 +204,6 @@ class DraftExtendGraphs:
             h_logits, h_next = self.model(fb, self.features[:t])
         last = self.last[:bs]
         logp, ids = top_children(self.model.compute_logits(h_logits[last]), self.topk, self.token_map)
-        self.roots.write(self.dst[:bs], logp, ids, h_next[last] if h_next is not None else None)
+        state = (logp, ids, h_next[last] if h_next is not None else None)
+        self.roots.write(self.dst[:bs], *state)
+        return state

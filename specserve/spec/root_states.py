@@ -15,6 +15,9 @@ from specserve.engine.request import Req
 from specserve.runner.h2d import h2d
 
 
+RootState = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # logp [B, k], ids [B, k], hidden [B, H]
+
+
 class RootStates:
     def __init__(self, rows: int, topk: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.scratch_row = rows
@@ -38,6 +41,6 @@ class RootStates:
         """`reqs` have states (written by a graph replay)."""
         self.ready.update(r.rid for r in reqs)
 
-    def get(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def get(self, rows: torch.Tensor) -> RootState:
         """(logp [B, k], ids [B, k], hidden [B, H] or None) of table rows `rows` [B] (device)."""
         return self.logp[rows], self.ids[rows], self.hidden[rows] if self.hidden is not None else None

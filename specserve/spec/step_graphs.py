@@ -64,6 +64,7 @@ from specserve.spec.accept import gumbel_targets, walk_greedy
 from specserve.spec.drafts import Drafts
 from specserve.spec.proposer import Proposer
 from specserve.spec.tree_draft import TreeDrafter
+from specserve.spec.verify_prologue import verify_prologue
 
 if TYPE_CHECKING:
     from specserve.spec.eagle import EagleProposer
@@ -144,9 +145,18 @@ class StepGraphs:
         if capture:  # the verify's graph metadata for the batch tree's N (the runner made the main tree's)
             for t in self._trees[1:]:
                 runner.attn_backend.init_cuda_graph_state(max_bs, t.n)
+        # the verify's int32 prefix lengths, written by the prologue kernel (verify_prologue.py)
+        self._prefix32 = self._prefix_buffers(runner, max_bs) if capture else {}
         keys = [(b, sampled) for b in self.sizes for sampled in (False, True)]
         with torch.inference_mode():
             self.graphs, self.walks = capture_each(keys, lambda key: self._step(*key), dev) if capture else ({}, {})
+
+    def _prefix_buffers(self, runner: ModelRunner, max_bs: int) -> dict[int, torch.Tensor]:
+        """N -> the backend's int32 prefix buffer of verify graphs with N nodes, where it
+        has one that holds max_bs requests."""
+        get = getattr(runner.attn_backend, "verify_prefix_buffer", None)
+        found = {t.n: get(t.n) for t in self._trees} if get is not None else {}
+        return {n: buf for n, buf in found.items() if buf is not None and buf.numel() >= max_bs}
 
     def _trees_for(self, bsz: int) -> _Trees:
         """The tree shape a batch of `bsz` drafts: by the size it replays (batch_tree.py)."""
@@ -233,26 +243,24 @@ class StepGraphs:
         t, table = self._trees_for(b), self.kv.table
         n, k = t.n, t.drafter.topk
         rows, slots, kv_len = self.io[:b], self.io[b:b * (n + 1)], self.kv_len[:b]
-        pad = rows == self.pad_row  # a padding request starts each step at position 0
-        kv_len.masked_fill_(pad, 0)
-        self.ints[1, :b].masked_fill_(pad, 0)  # and output index 0
-        table.write_block(rows, kv_len, slots.view(b, n))
         drafts = t.drafts(b)
-        positions = (kv_len[:, None] + drafts.depths()).reshape(-1)
-        fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, slots, rows, kv_len,
-                                             drafts.tree_mask(), table.table)
+        prefix32 = self._prefix32.get(n)
+        prefix32 = prefix32[:b] if prefix32 is not None else None
+        # a padding request starts at position 0 and output index 0; the table block; positions
+        positions = verify_prologue(rows, kv_len, self.ints[1, :b], slots.view(b, n), drafts.tree_mask(), table,
+                                    self.pad_row, prefix32)
+        fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, slots, rows,
+                                             prefix32 if prefix32 is not None else kv_len, drafts.tree_mask(),
+                                             table.table)
         # a greedy walk only argmaxes the logits: in the model's dtype (llama.py compute_logits)
         logits, features = self.runner.forward_inline(fb, static_meta=self.capture, argmax_only=not sampled)
         logits = logits.view(b, n, -1)
         if sampled:
             logits = gumbel_targets(logits, self._sampling(b, kv_len), drafts.depths())
         packed, walk = walk_greedy(drafts, logits, None)
-        tokens, parents, mask, kv_after = self.proposer.draft_ahead_inline(
-            walk, features.view(b, n, -1), slots.view(b, n), torch.cat([rows, kv_len]), t.scratch[:, :b * k],
-            t.drafter)
-        # read above by the verify and the walk; the next replay's trees from here on
-        t.tokens[:b].copy_(tokens)
-        t.parents[:b].copy_(parents)
-        t.mask[:b].copy_(mask)
-        kv_len.copy_(kv_after)
+        # row_start copies kv_len before the commit; kv_len and the trees, read above by the
+        # verify and the walk, are the next replay's from here on (written in place)
+        self.proposer.draft_ahead_inline(walk, features.view(b, n, -1), slots.view(b, n), torch.cat([rows, kv_len]),
+                                         t.scratch[:, :b * k], t.drafter, kv_len,
+                                         (t.tokens[:b], t.parents[:b], t.mask[:b]))
         return packed

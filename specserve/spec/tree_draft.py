@@ -58,6 +58,7 @@ class TreeStep:
 
 
 # step(frontier, states [R, H] or None) -> (logits [R, V_draft], next states [R, H] or None)
+Trees = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # node tokens, node parents, ancestor masks
 DraftStep = Callable[[TreeStep, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
@@ -127,6 +128,26 @@ class TreeDrafter:
         self.kv, self.step, self.topk, self.num_steps = kv, step, topk, num_steps
         self.shift, self.token_map = shift, token_map
         self.graphs = None  # a TreeDraftGraphs, set by a proposer that captured one
+        self._starts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see precompute
+
+    def precompute(self, max_bs: int, device: torch.device) -> None:
+        """Build the constants a pass of up to max_bs requests starts from (the root
+        children's parents, -1, the first frontier, 0..k-1 per request, and each depth's
+        offset from the tail start) once, outside any capture, so a captured pass reads
+        them instead of launching fills."""
+        k = self.topk
+        self._starts = (torch.full((max_bs, k), -1, dtype=torch.int64, device=device),
+                        torch.arange(k, device=device).repeat(max_bs, 1),
+                        torch.arange(max(self.num_steps - 1, 1), device=device)[:, None])
+
+    def _start_constants(self, bsz: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([B, k] parents of the root's children, [B, k] first frontier, [num_steps - 1, 1]
+        depth offsets 0, 1, ...): read only."""
+        if self._starts is not None and self._starts[0].shape[0] >= bsz and self._starts[0].device == dev:
+            return self._starts[0][:bsz], self._starts[1][:bsz], self._starts[2]
+        return (torch.full((bsz, self.topk), -1, dtype=torch.int64, device=dev),
+                torch.arange(self.topk, device=dev).repeat(bsz, 1),
+                torch.arange(max(self.num_steps - 1, 1), device=dev)[:, None])
 
     @property
     def max_candidates(self) -> int:
@@ -180,22 +201,23 @@ class TreeDrafter:
             self.kv.allocator.free(scratch)
         return _full_trees(tokens, parents, mask)
 
-    def expand(self, x: TreeInputs, step: DraftStep, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def expand(self, x: TreeInputs, step: DraftStep, num_nodes: int, out: Trees | None = None) -> Trees:
         """(tokens, parents) [B, N] and ancestor masks [B, N, N] of the trees (N = 1 +
-        num_selected), with device ops only."""
+        num_selected), with device ops only; written into `out` when given."""
         k = self.topk
         bsz, dev = x.first_logp.shape[0], x.first_logp.device
         score, token = x.first_logp, x.first_ids
-        scores, tokens, parents = [score], [token], [torch.full((bsz, k), -1, dtype=torch.int64, device=dev)]
-        frontier = torch.arange(k, device=dev).repeat(bsz, 1)  # [B, k] candidate indices
+        root_parents, frontier, depth_offsets = self._start_constants(bsz, dev)  # frontier: [B, k] candidates
+        scores, tokens, parents = [score], [token], [root_parents]
         states = x.states.repeat_interleave(k, dim=0) if x.states is not None else None  # [B*k, H]
         rows, tail_start = x.rows.repeat_interleave(k), x.tail_start.repeat_interleave(k)
+        positions = tail_start + depth_offsets  # [num_steps - 1, B*k]: depth d's at row d - 1 (one launch)
         host_start = [s for s in x.host_tail_start for _ in range(k)] if x.host_tail_start is not None else None
         # [B*k, depth]: ancestors' slots, then the node's own (no scratch: one step, no forward)
         tail = x.scratch[0][:, None] if self.num_steps > 1 else None
         size = k
         for depth in range(1, self.num_steps):
-            frame = TreeStep(token.reshape(-1), tail_start + (depth - 1), x.scratch[depth - 1], rows, tail_start,
+            frame = TreeStep(token.reshape(-1), positions[depth - 1], x.scratch[depth - 1], rows, tail_start,
                              tail, host_start)
             logits, out_states = step(frame, states)
             logp, kid = top_children(logits, k, self.token_map)  # [B*k, k]
@@ -207,7 +229,7 @@ class TreeDrafter:
             parents.append(par)
             size += k * k
         return _select(x.roots, torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
-                       self.num_selected(num_nodes), self.num_steps)
+                       self.num_selected(num_nodes), self.num_steps, out)
 
 
 def _advance(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
@@ -240,13 +262,24 @@ def _full_trees(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor)
 
 
 def _select(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-            n_sel: int, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            n_sel: int, max_depth: int, out: Trees | None = None) -> Trees:
     """Root + the best n_sel candidates by score, in candidate order (parents first):
     (tokens, parents) [B, 1 + n_sel] with node indices for parents (-1 for the root), and
-    the trees' ancestor masks. One launch on CUDA (kernels/node_select.py); these torch
-    ops are its reference. No candidate is deeper than max_depth."""
+    the trees' ancestor masks, written into `out` when given. One launch on CUDA
+    (kernels/node_select.py); these torch ops are its reference. No candidate is deeper
+    than max_depth."""
     if kernels.use_fused(scores):
-        return kernels.tree_select(roots, scores, tokens, parents, n_sel, max_depth)
+        return kernels.tree_select(roots, scores, tokens, parents, n_sel, max_depth, out)
+    trees = _select_torch(roots, scores, tokens, parents, n_sel)
+    if out is None:
+        return trees
+    for dst, src in zip(out, trees):
+        dst.copy_(src)
+    return out
+
+
+def _select_torch(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                  n_sel: int) -> Trees:
     bsz, m = scores.shape
     dev = scores.device
     sel = scores.topk(n_sel, dim=1).indices.sort(dim=1).values  # [B, n_sel]

@@ -23,8 +23,8 @@ import bisect
 import torch
 
 from specserve.runner.cuda_graph import capture_each, capture_sizes
-from specserve.spec.root_states import RootStates
-from specserve.spec.tree_draft import TreeDrafter, TreeInputs
+from specserve.spec.root_states import RootState, RootStates
+from specserve.spec.tree_draft import TreeDrafter, TreeInputs, Trees
 
 
 class TreeDraftGraphs:
@@ -39,6 +39,7 @@ class TreeDraftGraphs:
         self.root_ids, self.rows, self.tail_start, scratch = self.index.split(self._parts)
         self.scratch = scratch.view(steps - 1, n * k)
         self.capture = capture
+        drafter.precompute(n, device)
         self.graphs, self.outputs = capture_each(self.sizes, self._pass, device) if capture else ({}, {})
 
     def can_run(self, bsz: int) -> bool:
@@ -64,13 +65,15 @@ class TreeDraftGraphs:
         self.tail_start[:b].copy_(tail_start)
         return self._replay(b)
 
-    def run_inline(self, roots: torch.Tensor, rows: torch.Tensor, tail_start: torch.Tensor, scratch: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run_inline(self, roots: torch.Tensor, rows: torch.Tensor, tail_start: torch.Tensor, scratch: torch.Tensor,
+                   out: Trees | None = None, states: RootState | None = None) -> Trees:
         """A pass over exactly B requests (no padding) from device tensors, without a
         replay of its own, so a caller's CUDA graph can hold it (spec/step_graphs.py):
         roots, rows and tail starts [B], scratch [num_steps - 1, B*k] slots, read where
-        they are (a copy into the static inputs would be four launches more)."""
-        return self._expand(roots, rows, tail_start, scratch)
+        they are (a copy into the static inputs would be four launches more). The trees
+        go into `out` when given (the caller's static buffers: no copies after); `states`
+        are the rows' root states when the caller has them in hand (else gathered)."""
+        return self._expand(roots, rows, tail_start, scratch, out, states)
 
     def _host_index(self, root_ids: list[int], rows: list[int], tail_start: list[int],
                     scratch: torch.Tensor) -> torch.Tensor:
@@ -102,9 +105,9 @@ class TreeDraftGraphs:
         return self._expand(self.root_ids[:bs], self.rows[:bs], self.tail_start[:bs],
                             self.scratch[:, :bs * self.drafter.topk])
 
-    def _expand(self, roots: torch.Tensor, rows: torch.Tensor, tail_start: torch.Tensor, scratch: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logp, ids, states = self.roots.get(rows)
+    def _expand(self, roots: torch.Tensor, rows: torch.Tensor, tail_start: torch.Tensor, scratch: torch.Tensor,
+                out: Trees | None = None, root_states: RootState | None = None) -> Trees:
+        logp, ids, states = root_states if root_states is not None else self.roots.get(rows)
         k = self.drafter.topk  # a batch tree may branch less than the root states hold (sorted best first)
         x = TreeInputs(logp[:, :k], ids[:, :k], states, roots, rows, tail_start, scratch)
-        return self.drafter.expand(x, self.drafter.step, self.num_nodes)
+        return self.drafter.expand(x, self.drafter.step, self.num_nodes, out)

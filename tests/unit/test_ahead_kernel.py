@@ -73,13 +73,22 @@ def test_kernel_equals_the_torch_path(b, n, L, padded):
     want, want_roots, want_lens = _reference(walk, slots, rows, starts, L, padded, 99, want_table)
     static = [torch.full((padded * L + 3,), -7, dtype=torch.int64, device=DEV) for _ in range(4)] + \
              [torch.full((padded + 2,), -7, dtype=torch.int64, device=DEV) for _ in range(3)]
-    roots, kv_lens = draft_ahead_index(walk.on_path, walk.tokens, walk.bonus, slots, torch.cat([rows, starts]),
-                                       table, static, padded, L, 99)
+    prefix32 = torch.full((padded + 2,), -7, dtype=torch.int32, device=DEV)
+    kv_out = starts.clone()  # written in place: the tensor row_start copied its starts from
+    roots, kv_lens, tails = draft_ahead_index(walk.on_path, walk.tokens, walk.bonus, slots,
+                                              torch.cat([rows, kv_out]), table, static, padded, L, 99,
+                                              shift=1, kv_lens=kv_out, prefix32=prefix32)
     assert torch.equal(table, want_table)
     for got, ref in zip(static, want):
         assert torch.equal(got[:ref.numel()], ref)
         assert (got[ref.numel():] == -7).all()  # nothing past the padded batch
-    assert torch.equal(roots, want_roots) and torch.equal(kv_lens, want_lens)
+    assert torch.equal(roots, want_roots) and torch.equal(kv_lens, want_lens) and kv_lens is kv_out
+    assert torch.equal(tails, want_lens)  # kv_len after + 1 - shift, shift 1
+    want_prefix = torch.cat([starts, torch.zeros(padded - b, dtype=torch.int64, device=DEV)]).to(torch.int32)
+    assert torch.equal(prefix32[:padded], want_prefix) and (prefix32[padded:] == -7).all()
+    roots, kv_lens, tails = draft_ahead_index(walk.on_path, walk.tokens, walk.bonus, slots, torch.cat([rows, starts]),
+                                              table, static, padded, L, 99)  # shift 0, fresh outputs
+    assert torch.equal(kv_lens, want_lens) and torch.equal(tails, want_lens + 1)
 
 
 @pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])

@@ -183,6 +183,13 @@ def test_tree_select_is_the_torch_path(bsz, k, steps, n_sel):
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     assert ref[2].shape == (bsz, n_sel + 1, n_sel + 1) and ref[2].any(2).all()
+    # into the caller's buffers (a step graph's static trees), both paths
+    n = n_sel + 1
+    outs = [(torch.full((bsz, n), -9, device=DEV), torch.full((bsz, n), -9, device=DEV),
+             torch.zeros(bsz, n, n, dtype=torch.bool, device=DEV)) for _ in range(2)]
+    got_out, ref_out = _both(lambda: _select(roots, scores, tokens, parents, n_sel, steps, outs.pop()))
+    for a, b, want in zip(got_out, ref_out, ref):
+        assert torch.equal(a, want) and torch.equal(b, want)
 
 
 def test_tree_select_ties_go_to_the_lower_candidate():
