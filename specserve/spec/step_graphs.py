@@ -7,7 +7,8 @@ pass's inputs and scratch slots. At batch 1 that host work outlasts the GPU's (o
 H100 host, about 1.8 ms against 1.3 ms a step), so the GPU waits. Here the whole step is
 one graph per batch size:
 
-  table block <- verify slots; positions = kv_len + depth; VERIFY forward over the trees
+  table block <- verify slots; positions = kv_len + depth (both one launch:
+  verify_prologue.py); VERIFY forward over the trees
   drafted last step (logits, features); greedy walk; draft-ahead bookkeeping (the
   commit's table write, the extend's inputs); draft extend (root states); tree pass ->
   next trees; kv_len <- kv_len after the commit.
