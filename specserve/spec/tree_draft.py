@@ -135,19 +135,19 @@ class TreeDrafter:
         children's parents, -1, the first frontier, 0..k-1 per request, and each depth's
         offset from the tail start) once, outside any capture, so a captured pass reads
         them instead of launching fills."""
-        k = self.topk
-        self._starts = (torch.full((max_bs, k), -1, dtype=torch.int64, device=device),
-                        torch.arange(k, device=device).repeat(max_bs, 1),
-                        torch.arange(max(self.num_steps - 1, 1), device=device)[:, None])
+        self._starts = self._build_starts(max_bs, device)
+
+    def _build_starts(self, bsz: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.full((bsz, self.topk), -1, dtype=torch.int64, device=dev),
+                torch.arange(self.topk, device=dev).repeat(bsz, 1),
+                torch.arange(max(self.num_steps - 1, 1), device=dev)[:, None])
 
     def _start_constants(self, bsz: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """([B, k] parents of the root's children, [B, k] first frontier, [num_steps - 1, 1]
         depth offsets 0, 1, ...): read only."""
         if self._starts is not None and self._starts[0].shape[0] >= bsz and self._starts[0].device == dev:
             return self._starts[0][:bsz], self._starts[1][:bsz], self._starts[2]
-        return (torch.full((bsz, self.topk), -1, dtype=torch.int64, device=dev),
-                torch.arange(self.topk, device=dev).repeat(bsz, 1),
-                torch.arange(max(self.num_steps - 1, 1), device=dev)[:, None])
+        return self._build_starts(bsz, dev)
 
     @property
     def max_candidates(self) -> int:
