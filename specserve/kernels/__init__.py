@@ -70,12 +70,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return norm.rms_norm(x, weight, eps)
 
 
-def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor, eps: float,
+                  ids: torch.Tensor | None = None) -> torch.Tensor:
     """cat([RMSNorm(a; wa), RMSNorm(b; wb)], -1) for a, b [T, N] in one launch (norm.py):
-    EAGLE-3's midlayer input."""
+    EAGLE-3's midlayer input; with `ids` [T], a is the embedding table, gathered at ids."""
     from specserve.kernels import norm
 
-    return norm.rms_norm_pair(a, wa, b, wb, eps)
+    return norm.rms_norm_pair(a, wa, b, wb, eps, ids)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

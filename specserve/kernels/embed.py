@@ -4,7 +4,8 @@ torch's index_select kernel took 3.0-4.6 us for the few rows of a speculative st
 forwards (H100, SmolLM2; six a step: verify, draft extend, four drafting depths), and
 as a torch kernel it ends the programmatic-dependent-launch chain of the Triton kernels
 around it. One program per token copies its row; an id outside [0, V) gives a zero row
-(never a read out of bounds).
+(never a read out of bounds). EAGLE-3's drafting forwards launch none: their pair norm
+gathers the rows itself (`norm.rms_norm_pair`'s ids).
 """
 from __future__ import annotations
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
 from specserve.kernels.topk import k_best
 
 
@@ -29,7 +31,8 @@ def _frontier_kernel(score_ptr, logp_ptr, kid_ptr, frontier_ptr, size,
                      kid_score_ptr, parent_ptr, new_score_ptr, new_token_ptr, new_frontier_ptr,
                      states_ptr, new_states_ptr, H, tail_ptr, new_tail_ptr, D, next_slots_ptr,
                      K: tl.constexpr, KK: tl.constexpr, KB: tl.constexpr, HB: tl.constexpr, DB: tl.constexpr,
-                     MOVE: tl.constexpr, HAS_STATES: tl.constexpr):
+                     MOVE: tl.constexpr, HAS_STATES: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)  # the scores and children are the kernels before's
     b = tl.program_id(0)
     c = tl.arange(0, KK)
     valid = c < K * K
@@ -99,5 +102,6 @@ def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, fr
         tail if move else frontier, new_tail if move else frontier, d, next_slots if move else frontier,
         K=k, KK=triton.next_power_of_2(k * k), KB=max(2, triton.next_power_of_2(k)),
         HB=min(1024, triton.next_power_of_2(h)),
-        DB=triton.next_power_of_2(d), MOVE=move, HAS_STATES=new_states is not None, num_warps=4)
+        DB=triton.next_power_of_2(d), MOVE=move, HAS_STATES=new_states is not None, num_warps=4,
+        **pdl_flags(dev))
     return kid_score, parents, new_score, new_token, new_frontier, new_states, new_tail

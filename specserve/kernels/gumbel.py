@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
+
 BLOCK = 4096
 
 
@@ -30,7 +33,8 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_kernel(seed_ptr, counter_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _gumbel_kernel(seed_ptr, counter_ptr, out_ptr, V, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)  # the counters may be the kernel before's
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     seed = tl.load(seed_ptr + row).to(tl.int64)
@@ -48,5 +52,6 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> tor
     out = torch.empty(rows, width, dtype=torch.float32, device=seeds.device)
     if rows and width:
         grid = (rows, triton.cdiv(width, BLOCK))
-        _gumbel_kernel[grid](seeds.contiguous(), counters.contiguous(), out, width, BLOCK=BLOCK)
+        _gumbel_kernel[grid](seeds.contiguous(), counters.contiguous(), out, width, BLOCK=BLOCK,
+                                   **pdl_flags(seeds.device))
     return out

@@ -20,13 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
+
 Trees = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # node tokens, node parents, ancestor masks (bool)
 CHUNK = 64  # candidates compared at a time when ranking (keeps the [BM, CHUNK] block in registers)
 
 
 @triton.jit
 def _select_kernel(roots_ptr, score_ptr, token_ptr, parent_ptr, node_of_ptr, out_tok_ptr, out_par_ptr, mask_ptr,
-                   M, N_SEL, MAX_DEPTH, BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr):
+                   M, N_SEL, MAX_DEPTH, BM: tl.constexpr, BN: tl.constexpr, CH: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)  # the depths' scores are the kernels before's
     b = tl.program_id(0)
     n = N_SEL + 1
     c = tl.arange(0, BM)
@@ -77,5 +82,6 @@ def tree_select(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor,
     out_tok, out_par, mask = out[0], out[1], out[2].view(torch.uint8)
     _select_kernel[(bsz,)](roots, scores.contiguous(), tokens.contiguous(), parents.contiguous(), node_of,
                            out_tok, out_par, mask, m, n_sel, max_depth, BM=bm,
-                           BN=max(triton.next_power_of_2(n), 16), CH=min(CHUNK, bm), num_warps=4 if bm <= 128 else 8)
+                           BN=max(triton.next_power_of_2(n), 16), CH=min(CHUNK, bm), num_warps=4 if bm <= 128 else 8,
+                           **pdl_flags(dev))
     return out

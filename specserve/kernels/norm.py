@@ -57,16 +57,23 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner, sx0, sx
 
 
 @triton.jit
-def _rms_norm_pair_kernel(a_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, sa, sb, N, eps,
-                          HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[t] = cat(norm(a[t]; wa), norm(b[t]; wb)): program (t, 0) the first half, (t, 1) the second."""
+def _rms_norm_pair_kernel(a_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, ids_ptr, sa, sb, N, V, eps,
+                          HALF: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t] = cat(norm(a[t]; wa), norm(b[t]; wb)): program (t, 0) the first half, (t, 1) the
+    second. GATHER: a is a table of V rows and the first half's row is a[ids[t]] (an id
+    outside [0, V) reads a zero row, as embed.py's gather does)."""
     wait_and_release(USE_PDL)
     t = tl.program_id(0)
     second = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     if second == 0:
-        x = tl.load(a_ptr + t * sa + cols, mask=mask, other=0.0).to(tl.float32)
+        a_row = t.to(tl.int64)
+        if GATHER:
+            a_row = tl.load(ids_ptr + t + cols * 0).to(tl.int64)  # the id, once per column
+            mask = mask & (a_row >= 0) & (a_row < V)
+        x = tl.load(a_ptr + a_row * sa + cols, mask=mask, other=0.0).to(tl.float32)
+        mask = cols < N
         w_ptr = wa_ptr
     else:
         x = tl.load(b_ptr + t * sb + cols, mask=mask, other=0.0).to(tl.float32)
@@ -124,16 +131,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor,
-                  eps: float) -> torch.Tensor:
-    """cat([rms_norm(a, wa), rms_norm(b, wb)], -1) for a, b [T, N] of one dtype, in one launch."""
-    assert a.dim() == b.dim() == 2 and a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape)
-    t, n = a.shape
+                  eps: float, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """cat([rms_norm(a, wa), rms_norm(b, wb)], -1) for a, b [T, N] of one dtype, in one launch;
+    with `ids` [T], a is a table [V, N] and the first half normalises a[ids] (an embedding
+    gathered by the same launch)."""
+    assert a.dim() == b.dim() == 2 and a.dtype == b.dtype, (a.shape, b.shape)
+    assert (a.shape if ids is None else (ids.shape[0], a.shape[1])) == b.shape, (a.shape, b.shape)
+    t, n = b.shape
     assert n <= MAX_N and wa.shape == wb.shape == (n,) and wa.dtype == wb.dtype, (wa.shape, wb.shape)
     a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
     out = torch.empty(t, 2 * n, dtype=_out_dtype(a.dtype, wa), device=a.device)
     if t:
-        _rms_norm_pair_kernel[(t, 2)](a, wa.contiguous(), b, wb.contiguous(), out, a.stride(0), b.stride(0), n, eps,
-                                      HALF=a.dtype in _HALF, BLOCK=triton.next_power_of_2(n),
+        _rms_norm_pair_kernel[(t, 2)](a, wa.contiguous(), b, wb.contiguous(), out, ids if ids is not None else out,
+                                      a.stride(0), b.stride(0), n, a.shape[0], eps, HALF=a.dtype in _HALF,
+                                      BLOCK=triton.next_power_of_2(n), GATHER=ids is not None,
                                       num_warps=_num_warps(n), **pdl_flags(a.device))
     return out
 

@@ -21,15 +21,19 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
+
 MAX_V = 32768  # rows longer than this take the torch path
 CHUNK = 2048  # logits per program of the first stage
 
 
 @triton.jit
 def _chunk_kernel(x_ptr, m_ptr, s_ptr, vals_ptr, idx_ptr, V, stride_x, C,
-                  K: tl.constexpr, BLOCK: tl.constexpr):
+                  K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (r, c): chunk c of row r's max m, sum of exp(x - m), and its k best values
     and indices in descending order (ties: lower index first; -inf past the row's end)."""
+    wait_and_release(USE_PDL)  # the logits are the kernel before's
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -66,10 +70,11 @@ def k_best(x, cand, K: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _merge_kernel(m_ptr, s_ptr, cvals_ptr, cidx_ptr, map_ptr, vals_ptr, ids_ptr, C,
                   K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """Row r: the log-sum-exp from its chunks' (m, s), then the k best of its chunks' C*k
     candidates, laid out chunk-major so that the first of equal values has the lower index.
     Every load is issued up front and the winners' indices gathered in registers."""
+    wait_and_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
     m = tl.load(m_ptr + row * C + c, mask=c < C, other=float("-inf"))
@@ -114,9 +119,9 @@ def topk_logprobs(logits: torch.Tensor, k: int,
     cvals = torch.empty(r, chunks, k, dtype=torch.float32, device=dev)
     cidx = torch.empty(r, chunks, k, dtype=torch.int32, device=dev)
     _chunk_kernel[(r, chunks)](logits, m, s, cvals, cidx, v, logits.stride(0), chunks, K=k, BLOCK=block,
-                               num_warps=4)
+                               num_warps=4, **pdl_flags(dev))
     _merge_kernel[(r,)](m, s, cvals, cidx, token_map if token_map is not None else ids, vals, ids, chunks,
                         K=k, HAS_MAP=token_map is not None, BLOCK_C=max(2, triton.next_power_of_2(chunks)),
                         BLOCK=max(16, triton.next_power_of_2(chunks * k)), BLOCK_K=max(2, triton.next_power_of_2(k)),
-                        num_warps=4)
+                        num_warps=4, **pdl_flags(dev))
     return vals, ids

@@ -23,13 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
+
 MAX_N = 64  # nodes per tree held in one program
 CHUNK = 4096  # logits per program of the argmax: a verify's 32 x 49152 run on 384 programs
 
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, C, BLOCK: tl.constexpr):
+def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, C, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (r, c): the max of row r's chunk c and its first index, into [r, c]."""
+    wait_and_release(USE_PDL)  # the logits are the kernel before's
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -41,7 +45,8 @@ def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, C, BLOCK: tl.con
 
 @triton.jit
 def _walk_kernel(tok_ptr, par_ptr, valid_ptr, mask_ptr, val_ptr, idx_ptr, out_ptr, N, C,
-                 BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+                 BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     live = i < N
@@ -91,9 +96,10 @@ def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor
         chunks = triton.cdiv(v, CHUNK)
         val = torch.empty(bsz * n, chunks, dtype=torch.float32, device=x.device)
         idx = torch.empty(bsz * n, chunks, dtype=torch.int64, device=x.device)
-        _argmax_chunks_kernel[(bsz * n, chunks)](x, val, idx, v, x.stride(0), chunks, BLOCK=CHUNK, num_warps=4)
+        _argmax_chunks_kernel[(bsz * n, chunks)](x, val, idx, v, x.stride(0), chunks, BLOCK=CHUNK, num_warps=4,
+                                                 **pdl_flags(x.device))
         _walk_kernel[(bsz,)](tokens.contiguous(), parents.contiguous(), valid.contiguous(),
                              mask.contiguous().view(torch.uint8), val, idx, out, n, chunks,
                              BLOCK=max(16, triton.next_power_of_2(n)),
-                             BLOCK_C=max(2, triton.next_power_of_2(chunks)))
+                             BLOCK_C=max(2, triton.next_power_of_2(chunks)), **pdl_flags(x.device))
     return out

@@ -36,15 +36,18 @@ class Eagle3MidLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before_residual = norm_before_residual
 
-    def forward(self, embeds: torch.Tensor, h: torch.Tensor, fb: ForwardBatch,
+    def forward(self, ids: torch.Tensor, embed: nn.Embedding, h: torch.Tensor, fb: ForwardBatch,
                 rope: RopeAt) -> torch.Tensor:
-        if kernels.use_fused(h) and embeds.dtype == h.dtype:  # both norms (one eps) and the cat: one launch
-            x = kernels.rms_norm_pair(embeds, self.input_layernorm.weight, h, self.hidden_norm.weight,
-                                      self.hidden_norm.eps)
+        """The layer over tokens `ids` [T] (embedded by `embed`, the target's) and hidden h [T, H]."""
+        table = embed.weight
+        if kernels.use_fused(h) and table.dtype == h.dtype and not torch.is_grad_enabled():
+            # the embedding gather, both norms (one eps) and the cat: one launch
+            x = kernels.rms_norm_pair(table, self.input_layernorm.weight, h, self.hidden_norm.weight,
+                                      self.hidden_norm.eps, ids=ids)
             hn = x[:, h.shape[-1]:]
         else:
             hn = self.hidden_norm(h)
-            x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)
+            x = torch.cat([self.input_layernorm(embed(ids)), hn], dim=-1)
         residual = hn if self.norm_before_residual else h
         if kernels.use_gemv(x) and fb.attn_backend.pooled_kv and self.self_attn.few_tokens_ready:
             # a few rows (a drafting depth): the residual adds ride on o_proj's and
@@ -81,7 +84,7 @@ class LlamaForCausalLMEagle3(DraftModel):
                 hidden = kernels.gemv(hidden, self.fc.out_in_weight)
             else:
                 hidden = self.fc(hidden)
-        out = self.midlayer(self.embed_tokens(fb.input_ids), hidden, fb, self.rotary.at(fb.positions))
+        out = self.midlayer(fb.input_ids, self.embed_tokens, hidden, fb, self.rotary.at(fb.positions))
         return self.norm(out), out
 
     def finalize(self, device: torch.device, dtype: torch.dtype) -> None:

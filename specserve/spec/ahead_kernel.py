@@ -29,12 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
+
 
 @triton.jit
 def _ahead_kernel(OnPath, Tok, Bonus, Slots, RowStart, Table, stride_table,
                   Ids, Pos, OutSlots, FeatRows, Rows, Last, Dst, Roots, KvLens, Tails, Prefix32,
                   n_real, scratch_row, shift, N, L, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_PREFIX: tl.constexpr):
+                  HAS_PREFIX: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)  # the walk is the kernel before's
     p = tl.program_id(0)
     col = tl.arange(0, BLOCK_L)
     in_l = col < L
@@ -108,5 +112,6 @@ def draft_ahead_index(on_path: torch.Tensor, tokens: torch.Tensor, bonus: torch.
     _ahead_kernel[(padded_bs,)](on_path, tokens, bonus, slots, row_start, table, table.stride(0), *static,
                                 roots, kv_lens, tails, prefix32 if prefix32 is not None else tails,
                                 b, scratch_row, shift, n, L, BLOCK_L=triton.next_power_of_2(L),
-                                BLOCK_N=triton.next_power_of_2(n), HAS_PREFIX=prefix32 is not None, num_warps=1)
+                                BLOCK_N=triton.next_power_of_2(n), HAS_PREFIX=prefix32 is not None, num_warps=1,
+                                **pdl_flags(on_path.device))
     return roots, kv_lens, tails

@@ -22,11 +22,14 @@ import triton.language as tl
 
 from specserve import kernels
 from specserve.cache.req_table import ReqToTokenTable
+from specserve.kernels import pdl_flags
+from specserve.kernels.pdl import wait_and_release
 
 
 @triton.jit
 def _prologue_kernel(Rows, KvLen, Offsets, Slots, Mask, Table, stride_table, Pos, Prefix32, pad_row,
-                     N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PREFIX: tl.constexpr):
+                     N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PREFIX: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)  # kv_len and the trees are the previous step's writes
     p = tl.program_id(0)
     row = tl.load(Rows + p)
     is_pad = row == pad_row
@@ -57,7 +60,8 @@ def verify_prologue(rows: torch.Tensor, kv_len: torch.Tensor, offsets: torch.Ten
     positions = torch.empty(b * n, dtype=torch.int64, device=slots.device)
     _prologue_kernel[(b,)](rows, kv_len, offsets, slots, mask.view(torch.uint8), table.table, table.table.stride(0),
                            positions, prefix32 if prefix32 is not None else kv_len, pad_row, N=n,
-                           BLOCK_N=triton.next_power_of_2(n), HAS_PREFIX=prefix32 is not None, num_warps=1)
+                           BLOCK_N=triton.next_power_of_2(n), HAS_PREFIX=prefix32 is not None, num_warps=1,
+                           **pdl_flags(slots.device))
     return positions
 
 

@@ -72,12 +72,17 @@ def test_rms_norm_on_strided_heads(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,n", [(1, 64), (6, 576), (3, 1000)])
-def test_rms_norm_pair_is_two_norms_and_a_cat(tokens, n, dtype):
+@pytest.mark.parametrize("gather", [False, True])
+def test_rms_norm_pair_is_two_norms_and_a_cat(tokens, n, dtype, gather):
     """EAGLE-3's midlayer input, cat(norm(embeds), norm(hidden)), in one launch; the
-    hidden may be a row slice of a wider tensor."""
-    a, ma, mb = torch.randn(tokens, n, device=DEV).to(dtype), _norm(n, dtype), _norm(n, dtype)
+    hidden may be a row slice of a wider tensor. `gather`: the launch reads the embeddings
+    from the table at the ids itself (an id past the table reads zeros, as the gather does)."""
+    ma, mb = _norm(n, dtype), _norm(n, dtype)
     b = torch.randn(tokens, 2 * n, device=DEV).to(dtype)[:, n:]
-    got = kernels.rms_norm_pair(a, ma.weight, b, mb.weight, ma.eps)
+    table = torch.randn(7, n, device=DEV).to(dtype)
+    ids = torch.tensor([3, 0, 6, 9, 3, 1][:tokens], device=DEV)
+    a = torch.cat([table, torch.zeros(3, n, device=DEV, dtype=dtype)])[ids] if gather else table[:tokens]
+    got = kernels.rms_norm_pair(table if gather else a, ma.weight, b, mb.weight, ma.eps, ids=ids if gather else None)
     with kernels.fused_kernels(False), torch.no_grad():
         _close(got, torch.cat([ma(a), mb(b)], dim=-1))
 
