@@ -57,13 +57,13 @@ class GreedyWalk:
     """A greedy walk's outcome on the device, before its read-back: what a proposer needs
     to start the next step's drafting (EAGLE's draft_ahead)."""
 
-    on_path: torch.Tensor  # [B, N] bool: the accepted nodes (ancestors-or-self of the deepest)
+    on_path: torch.Tensor  # [B, N] nonzero at the accepted nodes (ancestors-or-self of the deepest)
     tokens: torch.Tensor  # [B, N] the trees' tokens
     bonus: torch.Tensor  # [B] the target's token after the deepest accepted node
 
     def paths(self, length: int) -> DevicePaths:
         """The paths padded to `length` (> the trees' depth), with torch ops on the device."""
-        return device_paths(self.on_path, self.tokens, self.bonus, length)
+        return device_paths(self.on_path.bool(), self.tokens, self.bonus, length)
 
 
 # Called with the walk on the device, before the host reads it back
@@ -147,7 +147,7 @@ def walk_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None) ->
     n = tok.shape[1]
     packed = kernels.greedy_walk(tok, par, valid, mask, logits) if kernels.use_fused(logits) else None
     if packed is not None:  # kernels/walk.py: the argmax and the same walk in two launches
-        on_path, bonus = packed[:, :n] != 0, packed[:, 2 * n:].contiguous()  # drafting ahead reads bonus[:, 0] flat
+        on_path, bonus = packed[:, :n], packed[:, 2 * n:]  # views: the readers take nonzero and strides
     else:
         on_path, bonus = _walk_torch(tok, par, valid, mask, logits.argmax(-1))  # [G, N]: no copy of the logits
         packed = torch.cat([on_path.to(torch.int64), tok, bonus], dim=1)

@@ -34,7 +34,7 @@ from specserve.kernels.pdl import wait_and_release
 
 
 @triton.jit
-def _ahead_kernel(OnPath, Tok, Bonus, Slots, RowStart, Table, stride_table,
+def _ahead_kernel(OnPath, stride_on, Tok, Bonus, stride_bonus, Slots, RowStart, Table, stride_table,
                   Ids, Pos, OutSlots, FeatRows, Rows, Last, Dst, Roots, KvLens, Tails, Prefix32,
                   n_real, scratch_row, shift, N, L, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_PREFIX: tl.constexpr, USE_PDL: tl.constexpr):
@@ -56,12 +56,12 @@ def _ahead_kernel(OnPath, Tok, Bonus, Slots, RowStart, Table, stride_table,
         return
     node = tl.arange(0, BLOCK_N)
     in_n = node < N
-    on = tl.load(OnPath + p * N + node, mask=in_n, other=0).to(tl.int32)
+    on = (tl.load(OnPath + p * stride_on + node, mask=in_n, other=0) != 0).to(tl.int32)
     rank = tl.cumsum(on, axis=0) - on  # [BLOCK_N]: path position of each on-path node
     lens = tl.sum(on, axis=0)
     slot = tl.load(Slots + p * N + node, mask=in_n, other=0)
     tok = tl.load(Tok + p * N + node, mask=in_n, other=0)
-    bonus = tl.load(Bonus + p)
+    bonus = tl.load(Bonus + p * stride_bonus)
     row = tl.load(RowStart + p)
     start = tl.load(RowStart + n_real + p)
     # [BLOCK_L, BLOCK_N]: node i is path node r (at), or path node r + 1 (after)
@@ -94,7 +94,8 @@ def draft_ahead_index(on_path: torch.Tensor, tokens: torch.Tensor, bonus: torch.
                       prefix32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fill the draft-extend graph's static inputs and the table from a greedy walk.
 
-    on_path [B, N] bool, tokens [B, N] and slots [B, N] int64, bonus [B] int64; row_start
+    on_path [B, N] nonzero on the path (bool, or the walk's packed int64 columns: rows may
+    be strided), tokens [B, N] and slots [B, N] int64, bonus [B] int64 (any stride); row_start
     [2B] int64 = the requests' table rows, then their kv_len before the verify; static =
     the extend graph's [ids, positions, slots, feature rows] (each >= padded_bs * L) and
     [rows, last, root-state rows] (each >= padded_bs). Returns (roots, kv_lens, tails) [B]
@@ -103,13 +104,13 @@ def draft_ahead_index(on_path: torch.Tensor, tokens: torch.Tensor, bonus: torch.
     gets the extend's prefix lengths (kv_len before; 0 for padding requests)."""
     b, n = on_path.shape
     assert tokens.shape == slots.shape == (b, n) and bonus.shape == (b,) and row_start.shape == (2 * b,)
-    assert all(t.is_contiguous() for t in (on_path, tokens, slots, bonus, row_start)) and table.stride(1) == 1
+    assert all(t.is_contiguous() for t in (tokens, slots, row_start)) and table.stride(1) == on_path.stride(1) == 1
     assert prefix32 is None or (prefix32.dtype == torch.int32 and prefix32.numel() >= padded_bs)
     roots = torch.empty(b, dtype=torch.int64, device=on_path.device)
     kv_lens = torch.empty_like(roots) if kv_lens is None else kv_lens
     tails = torch.empty_like(roots)
     assert kv_lens.shape == (b,) and kv_lens.is_contiguous()
-    _ahead_kernel[(padded_bs,)](on_path, tokens, bonus, slots, row_start, table, table.stride(0), *static,
+    _ahead_kernel[(padded_bs,)](on_path, on_path.stride(0), tokens, bonus, bonus.stride(0), slots, row_start, table, table.stride(0), *static,
                                 roots, kv_lens, tails, prefix32 if prefix32 is not None else tails,
                                 b, scratch_row, shift, n, L, BLOCK_L=triton.next_power_of_2(L),
                                 BLOCK_N=triton.next_power_of_2(n), HAS_PREFIX=prefix32 is not None, num_warps=1,

@@ -27,8 +27,10 @@ from tests.unit.test_eagle_engine import tiny  # noqa: E402,F401  (the fixture)
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _walk(b: int, n: int, seed: int) -> GreedyWalk:
-    """A greedy walk over random trees (4-token vocabulary: paths of every length occur)."""
+def _walk(b: int, n: int, seed: int, packed: bool = False) -> GreedyWalk:
+    """A greedy walk over random trees (4-token vocabulary: paths of every length occur);
+    `packed`: on_path and bonus as the fused walk hands them over, strided int64 views of
+    its packed rows [B, 2N + 1]."""
     g = torch.Generator().manual_seed(seed)
     parents = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
                            for _ in range(b)])
@@ -36,6 +38,9 @@ def _walk(b: int, n: int, seed: int) -> GreedyWalk:
     seen = []
     accept(drafts, torch.randn(b, n, 4, generator=g), _sb(b, greedy=True), *_coins(b, n), before_read=seen.append)
     w = seen[0]
+    if packed:
+        rows = torch.cat([w.on_path.to(torch.int64), w.tokens, w.bonus[:, None]], dim=1).to(DEV)
+        return GreedyWalk(rows[:, :n], w.tokens.to(DEV), rows[:, 2 * n])
     return GreedyWalk(w.on_path.to(DEV), w.tokens.to(DEV), w.bonus.contiguous().to(DEV))
 
 
@@ -60,11 +65,12 @@ def _reference(walk: GreedyWalk, slots, rows, starts, L, padded, scratch_row, ta
     return index, p.tokens.gather(1, (p.lens - 1)[:, None])[:, 0], starts + p.lens
 
 
-@pytest.mark.parametrize("b,n,L,padded", [(1, 8, 6, 1), (3, 6, 4, 4), (5, 16, 6, 8), (2, 3, 6, 2)])
-def test_kernel_equals_the_torch_path(b, n, L, padded):
+@pytest.mark.parametrize("b,n,L,padded,packed", [(1, 8, 6, 1, True), (3, 6, 4, 4, False), (5, 16, 6, 8, True),
+                                                 (2, 3, 6, 2, False)])
+def test_kernel_equals_the_torch_path(b, n, L, padded, packed):
     from specserve.spec.ahead_kernel import draft_ahead_index
 
-    walk = _walk(b, n, seed=b * 100 + n)
+    walk = _walk(b, n, seed=b * 100 + n, packed=packed)
     slots = torch.randperm(200)[:b * n].view(b, n).to(DEV) + 1
     rows = torch.randperm(8)[:b].to(DEV)
     starts = torch.randint(0, 20, (b,)).to(DEV)
