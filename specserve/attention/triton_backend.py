@@ -159,6 +159,14 @@ class TritonBackend(AttentionBackend):
         vb = self._verify.get(n)
         return vb.prefix_lens if vb is not None else None
 
+    def verify_mask_buffer(self, n: int) -> torch.Tensor | None:
+        """The tree masks [max_bs, n, n] (bool view of the uint8 bytes) that graphs of n
+        new tokens per request read (None before init_cuda_graph_state(.., n) or when
+        causal): a caller that keeps its trees' masks here passes them as the batch's
+        custom masks, and no copy is launched."""
+        vb = self._verify.get(n)
+        return vb.mask.view(torch.bool).view(-1, n, n) if vb is not None and vb.mask is not None else None
+
     def init_prefill_graph_state(self, max_reqs: int = 1) -> None:
         """Static metadata for graphs of up to `max_reqs` requests' EXTEND
         (runner/prefill_graphs.py): each request's prefix, true extend length and first
@@ -189,7 +197,8 @@ class TritonBackend(AttentionBackend):
             if fb.custom_masks is not None and vb.mask is not None:  # capture runs with full masks (all ones)
                 masks = fb.custom_masks
                 flat = (masks if isinstance(masks, torch.Tensor) else torch.stack(list(masks))).reshape(-1)
-                vb.mask[:flat.numel()].copy_(flat, non_blocking=True)  # bool -> uint8 in the copy
+                if flat.data_ptr() != vb.mask.data_ptr():  # else its writer keeps them here
+                    vb.mask[:flat.numel()].copy_(flat, non_blocking=True)  # bool -> uint8 in the copy
             fb.attn_meta = TritonMeta(fb.req_rows, None, self._num_splits(fb), prefix, vb.extend_lens[:bs],
                                       vb.q_starts[:bs], vb.n,
                                       vb.mask, vb.mask_indptr[:bs] if vb.mask_indptr is not None else None)

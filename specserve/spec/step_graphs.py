@@ -95,7 +95,10 @@ class _Trees:
     trees drafted for the next step, over max_bs requests of n nodes, and the drafting
     pass's scratch slots [steps - 1, max_bs * k]."""
 
-    def __init__(self, drafter: TreeDrafter, n: int, max_bs: int, scratch: torch.Tensor) -> None:
+    def __init__(self, drafter: TreeDrafter, n: int, max_bs: int, scratch: torch.Tensor,
+                 mask_buffer: torch.Tensor | None = None) -> None:
+        """`mask_buffer`: the attention backend's own tree masks [>= max_bs, n, n], where the
+        masks are kept so that the verify reads them in place (no copy a step)."""
         self.drafter, self.n, dev = drafter, n, scratch.device
         # Trees start as stars (every node the root's child, token 0), as a padding request
         # that no real one ever left finds them: depth 1, so its walk commits at most 2
@@ -105,7 +108,11 @@ class _Trees:
         self.parents[:, 0] = -1
         star = torch.eye(n, dtype=torch.bool, device=dev)
         star[:, 0] = True
-        self.mask = star.expand(max_bs, n, n).clone()
+        if mask_buffer is not None and mask_buffer.shape[0] >= max_bs:
+            self.mask = mask_buffer[:max_bs]
+            self.mask.copy_(star.expand(max_bs, n, n))
+        else:
+            self.mask = star.expand(max_bs, n, n).clone()
         self.valid = torch.ones(max_bs, n, dtype=torch.bool, device=dev)
         width = drafter.topk * (drafter.num_steps - 1)
         self.scratch = scratch[:max_bs * width].view(drafter.num_steps - 1, max_bs * drafter.topk)
@@ -129,7 +136,11 @@ class StepGraphs:
             drafters.append((proposer.batch_tree, proposer.batch_nodes))
         # one reservation, shared: a step drafts one tree, and the main tree's is the larger
         scratch = kv.reserve(max_bs * proposer.scratch_per_req).to(dev)
-        self._trees = [_Trees(d, n, max_bs, scratch) for d, n in drafters]
+        if capture:  # the verify's graph metadata for the batch tree's N (the runner made the main tree's)
+            for _, n in drafters[1:]:
+                runner.attn_backend.init_cuda_graph_state(max_bs, n)
+        masks = getattr(runner.attn_backend, "verify_mask_buffer", None) if capture else None
+        self._trees = [_Trees(d, n, max_bs, scratch, masks(n) if masks is not None else None) for d, n in drafters]
         self._last = self._trees[0]  # the trees of the last replay
         n = max(t.n for t in self._trees)
         # per replay of size b: table rows io[:b], then verify slots io[b:b + b*N] (one copy)
@@ -143,9 +154,6 @@ class StepGraphs:
         # shrinking batch paid ~17 ms for them (H100). Each keeps its rows in place.
         for size in (1, max_bs):
             self.keep_rows(size, torch.arange(size, device=dev))
-        if capture:  # the verify's graph metadata for the batch tree's N (the runner made the main tree's)
-            for t in self._trees[1:]:
-                runner.attn_backend.init_cuda_graph_state(max_bs, t.n)
         # the verify's int32 prefix lengths, written by the prologue kernel (verify_prologue.py)
         self._prefix32 = self._prefix_buffers(runner, max_bs) if capture else {}
         keys = [(b, sampled) for b in self.sizes for sampled in (False, True)]
