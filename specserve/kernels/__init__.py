@@ -151,11 +151,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
          residual: torch.Tensor | None = None, gated: bool = False,
          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, K] @ weight [N, K].T with a fused pre-norm, residual add or SiLU-and-mul:
-    matvec.py for one token, skinny.py for a few."""
+    matvec.py for one token, skinny.py for a few, and for one token through a narrow
+    model's lm_head (`_narrow_head`)."""
     from specserve.kernels import matvec, skinny
 
-    kernel = matvec.gemv if x.numel() == x.shape[-1] else skinny.skinny
-    return kernel(x, weight, norm_weight=norm_weight, eps=eps, residual=residual, gated=gated, out_dtype=out_dtype)
+    if x.numel() == x.shape[-1] and not _narrow_head(weight, gated):
+        return matvec.gemv(x, weight, norm_weight=norm_weight, eps=eps, residual=residual, out_dtype=out_dtype,
+                           gated=gated)
+    x = x.reshape(-1, x.shape[-1])
+    return skinny.skinny(x, weight, norm_weight=norm_weight, eps=eps, residual=residual.reshape(x.shape[0], -1)
+                         if residual is not None else None, gated=gated, out_dtype=out_dtype)
+
+
+def _narrow_head(weight: torch.Tensor, gated: bool) -> bool:
+    """Whether a one-token product with `weight` takes skinny.py's tiles rather than the
+    GEMV: an lm_head (16384 rows or more) no wider than SKINNY_MAX_WIDTH. Two rows a GEMV
+    program left SmolLM2-sized heads at 1.7 TB/s (the EAGLE-3 draft's 16384 x 576: 11.1
+    us, H100) where skinny.py's 128-row tiles streamed the same weight for six tokens in 5.7."""
+    return (not gated and weight.shape[0] >= 16384 and weight.shape[1] <= SKINNY_MAX_WIDTH
+            and os.environ.get("SPECSERVE_SKINNY") != "0")
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

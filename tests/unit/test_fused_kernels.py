@@ -124,6 +124,29 @@ def test_gemv_is_the_unfused_chain(n, k, dtype, transposed):
     assert logits.dtype == torch.float32 and torch.equal(logits, kernels.gemv(x, w).float())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_token_narrow_head_takes_the_tiles(dtype, monkeypatch):
+    """One token through a narrow lm_head (16384 rows or more, K <= SKINNY_MAX_WIDTH) runs
+    on skinny.py's tiles, not the GEMV: the same logits, float32 the x-dtype ones widened;
+    fewer rows, a gated weight or SPECSERVE_SKINNY=0 keep the GEMV."""
+    from specserve.kernels import matvec, skinny
+
+    x = torch.randn(1, 64, device=DEV).to(dtype)
+    w = torch.randn(16384, 64, device=DEV).div(8).to(dtype)
+    calls = []
+    for mod, name in ((skinny, "skinny"), (matvec, "gemv")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    logits = kernels.gemv(x[0], w, out_dtype=torch.float32)
+    assert calls == ["skinny"] and logits.shape == (1, 16384)
+    half = kernels.gemv(x, w)
+    _close(half, F.linear(x, w))
+    assert torch.equal(logits, half.float())
+    assert not kernels._narrow_head(w[:16383], False) and not kernels._narrow_head(w, True)
+    monkeypatch.setenv("SPECSERVE_SKINNY", "0")
+    assert not kernels._narrow_head(w, False)
+
+
 def _random_forms(t: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Every fused form (`_check_fused_forms`) on random x [t, k], weights [n, k] and
     [2n, k], a residual and a norm; returns (x, the plain weight) for further checks."""
