@@ -219,26 +219,30 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, rope: Rope
     return qkv_rope.qkv_rope_store(x, weight, heads, rope, k_cache, v_cache, slots, norm_weight=norm_weight, eps=eps)
 
 
-def topk_logprobs(logits: torch.Tensor, k: int,
-                  token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def topk_logprobs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = None,
+                  into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(log-softmax values float32 [R, k], ids int64 [R, k]) of each row's k largest logits,
-    ids through `token_map` when given, in two launches (topk.py); None when the row is too
-    long for the kernel (the caller takes its torch path)."""
+    ids through `token_map` when given, also written to rows `into[0]` of into[1:] when
+    given, in two launches (topk.py); None when the row is too long for the kernel (the
+    caller takes its torch path)."""
     from specserve.kernels import topk
 
     if not topk.supports(logits.shape[-1], k):
         return None
-    return topk.topk_logprobs(logits, k, token_map)
+    return topk.topk_logprobs(logits, k, token_map, into)
 
 
 def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
-                  states: torch.Tensor | None, tail: torch.Tensor | None,
-                  next_slots: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+                  states: torch.Tensor | None, tail: torch.Tensor | None, next_slots: torch.Tensor | None,
+                  cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  first_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """One tree-drafting depth's scores, parents, next frontier, and moved branch states
-    and tails, in one launch (frontier.py; `spec.tree_draft._advance` is the reference)."""
+    and tails, in one launch, written into the pass's candidate buffers `cand` when given
+    (frontier.py; `spec.tree_draft._advance` is the reference)."""
     from specserve.kernels import frontier as f
 
-    return f.tree_frontier(score, logp, kid, frontier, size, states, tail, next_slots)
+    return f.tree_frontier(score, logp, kid, frontier, size, states, tail, next_slots, cand, first_tokens)
 
 
 def tree_select(roots: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,

@@ -26,6 +26,7 @@ from specserve.kernels.pdl import wait_and_release
 
 MAX_V = 32768  # rows longer than this take the torch path
 CHUNK = 2048  # logits per program of the first stage
+Into = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (dst rows [R], vals [rows, k], ids [rows, k])
 
 
 @triton.jit
@@ -68,12 +69,13 @@ def k_best(x, cand, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _merge_kernel(m_ptr, s_ptr, cvals_ptr, cidx_ptr, map_ptr, vals_ptr, ids_ptr, C,
+def _merge_kernel(m_ptr, s_ptr, cvals_ptr, cidx_ptr, map_ptr, vals_ptr, ids_ptr, dst_ptr, vals2_ptr, ids2_ptr, C,
                   K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                  BLOCK_K: tl.constexpr, INTO: tl.constexpr, USE_PDL: tl.constexpr):
     """Row r: the log-sum-exp from its chunks' (m, s), then the k best of its chunks' C*k
     candidates, laid out chunk-major so that the first of equal values has the lower index.
-    Every load is issued up front and the winners' indices gathered in registers."""
+    Every load is issued up front and the winners' indices gathered in registers. INTO:
+    the row's results also go to row dst[r] of vals2 / ids2 ([rows, K] each)."""
     wait_and_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_C)
@@ -89,21 +91,27 @@ def _merge_kernel(m_ptr, s_ptr, cvals_ptr, cidx_ptr, map_ptr, vals_ptr, ids_ptr,
     best_i = tl.sum(tl.where(cand[None, :] == pos[:, None], idx[None, :], 0), axis=1)  # [BLOCK_K]
     j = tl.arange(0, BLOCK_K)
     keep = j < K
-    tl.store(vals_ptr + row * K + j, best_v - lse, mask=keep)
+    vals = best_v - lse
+    ids = best_i.to(tl.int64)
     if HAS_MAP:
-        tl.store(ids_ptr + row * K + j, tl.load(map_ptr + best_i, mask=keep, other=0).to(tl.int64), mask=keep)
-    else:
-        tl.store(ids_ptr + row * K + j, best_i.to(tl.int64), mask=keep)
+        ids = tl.load(map_ptr + best_i, mask=keep, other=0).to(tl.int64)
+    tl.store(vals_ptr + row * K + j, vals, mask=keep)
+    tl.store(ids_ptr + row * K + j, ids, mask=keep)
+    if INTO:
+        there = tl.load(dst_ptr + row).to(tl.int64) * K
+        tl.store(vals2_ptr + there + j, vals, mask=keep)
+        tl.store(ids2_ptr + there + j, ids, mask=keep)
 
 
 def supports(v: int, k: int) -> bool:
     return v <= MAX_V and 0 < k <= min(v, 32)
 
 
-def topk_logprobs(logits: torch.Tensor, k: int,
-                  token_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = None,
+                  into: Into | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities float32 [R, k], ids int64 [R, k]) of each row's k best entries of
-    logits [R, V] (V <= MAX_V), ids mapped through `token_map` [V] when given."""
+    logits [R, V] (V <= MAX_V), ids mapped through `token_map` [V] when given; with `into`
+    = (dst [R], vals2 [rows, k] float32, ids2 [rows, k] int64) row r's also go to row dst[r]."""
     r, v = logits.shape
     assert supports(v, k), (v, k)
     if logits.stride(-1) != 1:
@@ -120,8 +128,11 @@ def topk_logprobs(logits: torch.Tensor, k: int,
     cidx = torch.empty(r, chunks, k, dtype=torch.int32, device=dev)
     _chunk_kernel[(r, chunks)](logits, m, s, cvals, cidx, v, logits.stride(0), chunks, K=k, BLOCK=block,
                                num_warps=4, **pdl_flags(dev))
-    _merge_kernel[(r,)](m, s, cvals, cidx, token_map if token_map is not None else ids, vals, ids, chunks,
-                        K=k, HAS_MAP=token_map is not None, BLOCK_C=max(2, triton.next_power_of_2(chunks)),
+    if into is not None:
+        assert into[0].shape == (r,) and all(t.is_contiguous() and t.shape[1] == k for t in into[1:]), "rows of k"
+        assert into[1].dtype == torch.float32 and into[2].dtype == torch.int64
+    _merge_kernel[(r,)](m, s, cvals, cidx, token_map if token_map is not None else ids, vals, ids,
+                        *(into if into is not None else (ids, vals, ids)), chunks, K=k, INTO=into is not None, HAS_MAP=token_map is not None, BLOCK_C=max(2, triton.next_power_of_2(chunks)),
                         BLOCK=max(16, triton.next_power_of_2(chunks * k)), BLOCK_K=max(2, triton.next_power_of_2(k)),
                         num_warps=4, **pdl_flags(dev))
     return vals, ids

@@ -202,8 +202,12 @@ class DraftExtendGraphs:
             h_logits, h_next = self.model(fb)[0], None
         else:
             h_logits, h_next = self.model(fb, self.features[:t])
-        last = self.last[:bs]
-        logp, ids = top_children(self.model.compute_logits(h_logits[last]), self.topk, self.token_map)
-        state = (logp, ids, h_next[last] if h_next is not None else None)
-        self.roots.write(self.dst[:bs], *state)
-        return state
+        from specserve.spec.draft_rows import root_rows  # imports triton: not at module import
+
+        dst = self.dst[:bs]
+        # the last rows' normed and raw states; the raw one also lands in roots.hidden[dst]
+        x_last, hidden = root_rows(h_logits, h_next, self.last[:bs], dst, self.roots.hidden)
+        # the root states' children, also into their table rows (as RootStates.write would)
+        logp, ids = top_children(self.model.compute_logits(x_last), self.topk, self.token_map,
+                                 into=(dst, self.roots.logp, self.roots.ids))
+        return logp, ids, hidden

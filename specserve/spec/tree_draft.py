@@ -59,6 +59,7 @@ class TreeStep:
 
 # step(frontier, states [R, H] or None) -> (logits [R, V_draft], next states [R, H] or None)
 Trees = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # node tokens, node parents, ancestor masks
+Candidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a pass's scores, tokens, parents [B, M]
 DraftStep = Callable[[TreeStep, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
 
 
@@ -87,16 +88,23 @@ def frontier_batch(frame: TreeStep, req_to_token: torch.Tensor, kv_pool, backend
     return fb
 
 
-def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities, target token ids), each [R, k], of the k best draft tokens."""
+def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None,
+                 into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities, target token ids), each [R, k], of the k best draft tokens; with
+    `into` = (rows [R], logp buffer, ids buffer) also written to those rows of the buffers
+    (RootStates: in the same launch on CUDA)."""
     if kernels.use_fused(logits):
-        fused = kernels.topk_logprobs(logits, k, token_map)  # one launch instead of ~15
+        fused = kernels.topk_logprobs(logits, k, token_map, into)  # one launch instead of ~15
         if fused is not None:
             return fused
     best, idx = row_topk(logits, k)
     logp = best.float() - logits.float().logsumexp(-1, keepdim=True)  # no [R, V] log_softmax written
     if token_map is not None:  # draft vocabulary (EAGLE-3 d2t, FR-Spec) -> target ids
         idx = token_map[idx]
+    if into is not None:
+        into[1].index_copy_(0, into[0], logp)
+        into[2].index_copy_(0, into[0], idx)
     return logp, idx
 
 
@@ -128,25 +136,21 @@ class TreeDrafter:
         self.kv, self.step, self.topk, self.num_steps = kv, step, topk, num_steps
         self.shift, self.token_map = shift, token_map
         self.graphs = None  # a TreeDraftGraphs, set by a proposer that captured one
-        self._starts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # see precompute
+        self._starts: torch.Tensor | None = None  # see precompute
 
     def precompute(self, max_bs: int, device: torch.device) -> None:
-        """Build the constants a pass of up to max_bs requests starts from (the root
-        children's parents, -1, the first frontier, 0..k-1 per request, and each depth's
-        offset from the tail start) once, outside any capture, so a captured pass reads
-        them instead of launching fills."""
+        """Build the constant a pass of up to max_bs requests starts from (the first
+        frontier, 0..k-1 per request) once, outside any capture, so a captured pass reads
+        it instead of launching a fill."""
         self._starts = self._build_starts(max_bs, device)
 
-    def _build_starts(self, bsz: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (torch.full((bsz, self.topk), -1, dtype=torch.int64, device=dev),
-                torch.arange(self.topk, device=dev).repeat(bsz, 1),
-                torch.arange(max(self.num_steps - 1, 1), device=dev)[:, None])
+    def _build_starts(self, bsz: int, dev: torch.device) -> torch.Tensor:
+        return torch.arange(self.topk, device=dev).repeat(bsz, 1)
 
-    def _start_constants(self, bsz: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """([B, k] parents of the root's children, [B, k] first frontier, [num_steps - 1, 1]
-        depth offsets 0, 1, ...): read only."""
-        if self._starts is not None and self._starts[0].shape[0] >= bsz and self._starts[0].device == dev:
-            return self._starts[0][:bsz], self._starts[1][:bsz], self._starts[2]
+    def _first_frontier(self, bsz: int, dev: torch.device) -> torch.Tensor:
+        """[B, k] the first frontier's candidate indices, 0..k-1 per request: read only."""
+        if self._starts is not None and self._starts.shape[0] >= bsz and self._starts.device == dev:
+            return self._starts[:bsz]
         return self._build_starts(bsz, dev)
 
     @property
@@ -204,14 +208,19 @@ class TreeDrafter:
     def expand(self, x: TreeInputs, step: DraftStep, num_nodes: int, out: Trees | None = None) -> Trees:
         """(tokens, parents) [B, N] and ancestor masks [B, N, N] of the trees (N = 1 +
         num_selected), with device ops only; written into `out` when given."""
+        from specserve.spec.draft_rows import fan_out  # imports triton: not at module import
+
         k = self.topk
         bsz, dev = x.first_logp.shape[0], x.first_logp.device
         score, token = x.first_logp, x.first_ids
-        root_parents, frontier, depth_offsets = self._start_constants(bsz, dev)  # frontier: [B, k] candidates
-        scores, tokens, parents = [score], [token], [root_parents]
-        states = x.states.repeat_interleave(k, dim=0) if x.states is not None else None  # [B*k, H]
-        rows, tail_start = x.rows.repeat_interleave(k), x.tail_start.repeat_interleave(k)
-        positions = tail_start + depth_offsets  # [num_steps - 1, B*k]: depth d's at row d - 1 (one launch)
+        frontier = self._first_frontier(bsz, dev)  # [B, k] candidate indices
+        cand = _candidates(bsz, self.max_candidates, dev)  # every depth writes its columns
+        if self.num_steps == 1:  # no depth writes the root's children
+            for buf, first in zip(cand, (score, token, -1)):
+                buf[:, :k] = first
+        # per branch b*k + j: table rows, tail starts, depth d's positions at row d - 1 ([num_steps - 1,
+        # B*k]) and the depth-1 input states [B*k, H]: one launch on CUDA
+        rows, tail_start, positions, states = fan_out(x.rows, x.tail_start, x.states, k, max(self.num_steps - 1, 1))
         host_start = [s for s in x.host_tail_start for _ in range(k)] if x.host_tail_start is not None else None
         # [B*k, depth]: ancestors' slots, then the node's own (no scratch: one step, no forward)
         tail = x.scratch[0][:, None] if self.num_steps > 1 else None
@@ -222,38 +231,49 @@ class TreeDrafter:
             logits, out_states = step(frame, states)
             logp, kid = top_children(logits, k, self.token_map)  # [B*k, k]
             next_slots = x.scratch[depth] if depth + 1 < self.num_steps else None  # None: no later forward
-            kid_score, par, score, token, frontier, states, tail = _advance(score, logp, kid, frontier, size,
-                                                                            out_states, tail, next_slots)
-            scores.append(kid_score)
-            tokens.append(kid.view(bsz, k * k))
-            parents.append(par)
+            score, token, frontier, states, tail = _advance(score, logp, kid, frontier, size, out_states, tail,
+                                                            next_slots, cand, token if depth == 1 else None)
             size += k * k
-        return _select(x.roots, torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
-                       self.num_selected(num_nodes), self.num_steps, out)
+        return _select(x.roots, *cand, self.num_selected(num_nodes), self.num_steps, out)
+
+
+def _candidates(bsz: int, m: int, dev: torch.device) -> Candidates:
+    """A pass's candidate buffers [B, M]: path scores (float32), tokens and parents (int64,
+    candidate indices, -1 for the root's children), filled depth by depth."""
+    return (torch.empty(bsz, m, dtype=torch.float32, device=dev), torch.empty(bsz, m, dtype=torch.int64, device=dev),
+            torch.empty(bsz, m, dtype=torch.int64, device=dev))
 
 
 def _advance(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
-             states: torch.Tensor | None, tail: torch.Tensor, next_slots: torch.Tensor | None) -> tuple:
-    """One depth's bookkeeping after its draft forward: the k*k children's path scores
-    [B, k*k] and parents [B, k*k], the next frontier's scores, tokens and candidate indices
-    [B, k] each, and (unless next_slots is None: the last depth) each chosen child's branch
-    state [B*k, H] and tail [B*k, depth + 1] (its parent branch's, then its next slot).
-    One launch on CUDA (kernels/frontier.py); these torch ops are its reference."""
+             states: torch.Tensor | None, tail: torch.Tensor, next_slots: torch.Tensor | None, cand: Candidates,
+             first_tokens: torch.Tensor | None) -> tuple:
+    """One depth's bookkeeping after its draft forward: the k*k children's path scores,
+    tokens and parents into columns size.. of the candidate buffers `cand` (and at the
+    first depth, `first_tokens` given, the root's children into columns 0..k-1: score,
+    first_tokens, -1); returns the next frontier's scores, tokens and candidate indices
+    [B, k] each, and (unless next_slots is None: the last depth) each chosen child's
+    branch state [B*k, H] and tail [B*k, depth + 1] (its parent branch's, then its next
+    slot). One launch on CUDA (kernels/frontier.py); these torch ops are its reference."""
     if kernels.use_fused(score):
-        return kernels.tree_frontier(score, logp, kid, frontier, size, states,
-                                     tail if next_slots is not None else None, next_slots)
+        return kernels.tree_frontier(score, logp, kid, frontier, size, states, tail if next_slots is not None else None,
+                                     next_slots, cand, first_tokens)[2:]
     bsz, k = score.shape
     kid_score = (score[:, :, None] + logp.view(bsz, k, k)).view(bsz, k * k)
     parents = frontier[:, :, None].expand(bsz, k, k).reshape(bsz, k * k)
+    for buf, value in zip(cand, (kid_score, kid.view(bsz, k * k), parents)):
+        buf[:, size:size + k * k] = value
+    if first_tokens is not None:
+        for buf, value in zip(cand, (score, first_tokens, -1)):
+            buf[:, :k] = value
     new_score, pick = kid_score.topk(k, dim=1)  # the next frontier: [B, k] of the k*k
     new_token = kid.view(bsz, k * k).gather(1, pick)
     if next_slots is None:
-        return kid_score, parents, new_score, new_token, size + pick, None, None
+        return new_score, new_token, size + pick, None, None
     # flat index (b*k + j) of the branch each new frontier node extends
     src = (torch.arange(bsz, device=score.device)[:, None] * k + pick // k).reshape(-1)
     states = states[src] if states is not None else None
     tail = torch.cat([tail[src], next_slots[:, None]], dim=1)
-    return kid_score, parents, new_score, new_token, size + pick, states, tail
+    return new_score, new_token, size + pick, states, tail
 
 
 def _full_trees(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor) -> Drafts:

@@ -41,6 +41,33 @@ def test_topk_logprobs_is_the_tree_drafters_torch_path(rows, vocab, k, mapped, d
         torch.testing.assert_close(logits.float().gather(1, pos), logits.float().gather(1, where[ids0]))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_topk_logprobs_into_root_state_rows(rows):
+    """With `into` the same results also land in rows dst of the two buffers (RootStates'
+    logp and ids), every other row untouched, on both paths."""
+    from specserve.spec.tree_draft import top_children
+
+    torch.manual_seed(rows)
+    logits, token_map = torch.randn(rows, 3000, device=DEV), torch.randperm(9000, device=DEV)[:3000]
+    dst = torch.randperm(7, device=DEV)[:rows]
+    start_vals, start_ids = torch.randn(7, 4, device=DEV), torch.randint(0, 99, (7, 4), device=DEV)
+    bufs = []
+
+    def run():
+        into = (dst, start_vals.clone(), start_ids.clone())
+        bufs.append(into[1:])
+        return top_children(logits, 4, token_map, into=into)
+
+    (logp, ids), (logp0, ids0) = _both(run)
+    assert torch.equal(ids, ids0)
+    torch.testing.assert_close(logp, logp0, rtol=1e-5, atol=1e-5)
+    other = torch.ones(7, dtype=torch.bool, device=DEV)
+    other[dst] = False
+    for (vals, idx), (want_v, want_i) in zip(bufs, ((logp, ids), (logp0, ids0))):
+        assert torch.equal(vals[dst], want_v) and torch.equal(idx[dst], want_i)
+        assert torch.equal(vals[other], start_vals[other]) and torch.equal(idx[other], start_ids[other])
+
+
 def test_topk_logprobs_leaves_long_rows_to_torch():
     assert kernels.topk_logprobs(torch.zeros(1, 40000, device=DEV), 4) is None
 
