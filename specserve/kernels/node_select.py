@@ -11,7 +11,7 @@ Here one program per request does all of it:
   node_tokens[0] = root, node_parents[0] = -1; a kept node's parent is its parent
   candidate's node, or the root (0) when that candidate was not kept (a tie lost)
   mask[i, j] iff j is i or an ancestor of i: walk each row's parent chain, at most
-  max_depth steps (a candidate's depth is at most the pass's number of steps), in registers.
+  max_depth steps (a candidate's depth is at most the pass's number of steps).
 Ties go to the lower candidate index (torch.topk leaves their order unspecified).
 """
 from __future__ import annotations
@@ -53,17 +53,13 @@ def _select_kernel(roots_ptr, score_ptr, token_ptr, parent_ptr, node_of_ptr, out
     tl.store(out_par_ptr + b * n + node, par_node.to(tl.int64), mask=kept)
     tl.store(out_tok_ptr + b * n, tl.load(roots_ptr + b))
     tl.store(out_par_ptr + b * n, -1)
-    # the parent chains walked in registers: node i's parent from its candidate (-1 for the
-    # root and past n), then max_depth gathers of it ([BN, BN] compares, no memory round trip;
-    # a load per step put max_depth L2 round trips in series: ~10 us a pass on an H100)
+    tl.debug_barrier()  # the parents just stored are walked below
     i = tl.arange(0, BN)
     live = i < n
-    mine = kept[None, :] & (node[None, :] == i[:, None])  # [BN, BM]: candidate c is node i
-    par_of = tl.max(tl.where(mine, par_node[None, :], -1), axis=1)
     cur = i
     reach = i[None, :] == i[:, None]
     for _ in range(MAX_DEPTH):
-        cur = tl.max(tl.where(cur[:, None] == i[None, :], par_of[None, :], -1), axis=1)  # par_of[cur]; -1 stays
+        cur = tl.load(out_par_ptr + b * n + cur, mask=live & (cur >= 0), other=-1).to(tl.int32)
         reach = reach | (i[None, :] == cur[:, None])  # -1 matches no column
     tl.store(mask_ptr + b * n * n + i[:, None] * n + i[None, :], reach.to(tl.uint8),
              mask=live[:, None] & live[None, :])
