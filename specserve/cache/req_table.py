@@ -71,6 +71,9 @@ class ReqToTokenTable:
     def mirror(self, rows: list[int], starts: list[int], slots: list[list[int]]) -> None:
         """The host twin of a write the device made itself (`write_many`'s arguments)."""
         lens = [len(s) for s in slots]
+        if len(rows) == 1 and lens[0]:  # one row (batch 1): one slice write, not four tensor ops
+            self.host[rows[0], starts[0]:starts[0] + lens[0]] = torch.as_tensor(slots[0], dtype=torch.int64)
+            return
         if sum(lens):
             r, c, flat = self._flat_cells(rows, starts, slots, lens)
             self.host[r, c] = flat

@@ -24,7 +24,7 @@ import torch
 
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
-from specserve.runner.h2d import h2d_many
+from specserve.runner.h2d import h2d_many, ready_event
 from specserve.runner.sampler import SampleOutput
 
 
@@ -45,8 +45,7 @@ class InFlight:
         host = SampleOutput(**{f.name: _to_host(getattr(so, f.name)) for f in fields(so)})
         ready = None
         if so.next_ids.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
+            ready = ready_event(so.next_ids.device)
         return InFlight(reqs, so.next_ids, host, slots, ready)
 
     def wait(self) -> SampleOutput:

@@ -1,4 +1,5 @@
-"""Host -> device index copies that never wait for the GPU.
+"""Host -> device index copies that never wait for the GPU, and the event a device -> host
+read waits on (`ready_event`).
 
 Indexing a CUDA tensor with a CPU index (or `.to(device)` without non_blocking) makes
 PyTorch synchronise the stream after the copy, so every such op stalls the host until
@@ -33,3 +34,14 @@ def _flat(p, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(p, dtype=dtype)
     p = p if p.dtype == dtype else p.to(dtype)
     return p if p.dim() == 1 else p.reshape(-1)
+
+
+def ready_event(device: torch.device) -> torch.cuda.Event:
+    """An event recorded now on `device`'s current stream: it fires once the work queued so
+    far (a non_blocking copy to the host) is done. torch's `Event.record()` with no stream
+    resolves the current device through a chain of Python helpers; with the device's index
+    the stream lookup is one call (under cProfile, 66 us of a ~1 ms speculative step at
+    batch 1, H100 host)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device.index if device.index is not None else torch.cuda.current_device()))
+    return event

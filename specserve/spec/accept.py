@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from specserve import kernels
+from specserve.runner.h2d import ready_event
 from specserve.runner.sampler import SamplingBatch, filter_logits, gumbel_noise, temperatures
 from specserve.spec.drafts import Drafts
 
@@ -228,8 +229,7 @@ def _read_after(packed: torch.Tensor, work: Callable[[], None]) -> PendingAccept
         work()
         return PendingAccept(packed, None, n)
     host = packed.to("cpu", non_blocking=True)  # lands in pinned memory: queued, not waited on
-    ready = torch.cuda.Event()
-    ready.record()
+    ready = ready_event(packed.device)
     work()
     return PendingAccept(host, ready, n)
 

@@ -70,6 +70,9 @@ def pad_rows(packed: torch.Tensor, counts: list[int], n: int) -> torch.Tensor:
     return out
 
 
+SMALL_COMMIT = 128  # slots a step's commit reads as a Python list (`commit_kv`)
+
+
 def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: list[list[int]],
               kept: list[int], write_table: bool = True) -> list[list[int]]:
     """Keep the KV of paths[b][:kept[b]] at positions kv_len.. of each request's row, free
@@ -82,22 +85,31 @@ def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: 
     few more for a request that finished inside its path (past its kv_len: never read);
     the host twin is written here (req_table.py)."""
     # Python touches the kept nodes alone (a few a request); the dropped rest (at batch 64
-    # with 32-node trees ~1900 slots a step) are picked by one mask op
-    flat = torch.cat(slots)
+    # with 32-node trees ~1900 slots a step) are picked by one mask op. A few dozen slots
+    # (batch 1) are read once as a list instead: each CPU tensor op is a few us of a
+    # step the host already bounds (~1 ms a step at batch 1, H100 host)
+    flat = torch.cat(slots) if len(slots) > 1 else slots[0]
     keep_at, start = [], 0
     for s, path, k in zip(slots, paths, kept):
         keep_at += [start + i for i in path[:k]]
         start += s.numel()
-    kept_slots = flat[keep_at].tolist()
+    if flat.numel() <= SMALL_COMMIT:
+        values = flat.tolist()
+        kept_slots = [values[i] for i in keep_at]
+        keep_set = set(keep_at)
+        dropped = torch.tensor([v for i, v in enumerate(values) if i not in keep_set], dtype=torch.int64)
+    else:
+        kept_slots = flat[keep_at].tolist()
+        mask = torch.ones(flat.numel(), dtype=torch.bool)
+        mask[keep_at] = False
+        dropped = flat[mask]
     keep_all, start = [], 0
     for k in kept:
         keep_all.append(kept_slots[start:start + k])
         start += k
     rows, starts = [r.row for r in reqs], [r.kv_len for r in reqs]
     (kv.table.write_many if write_table else kv.table.mirror)(rows, starts, keep_all)
-    dropped = torch.ones(flat.numel(), dtype=torch.bool)
-    dropped[keep_at] = False
-    kv.allocator.free(flat[dropped])
+    kv.allocator.free(dropped)
     for req, k in zip(reqs, kept):
         req.kv_len += k
     return keep_all
