@@ -236,11 +236,11 @@ def topk_logprobs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None =
 
 def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
                   states: torch.Tensor | None, tail: torch.Tensor | None, next_slots: torch.Tensor | None,
-                  cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                   first_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """One tree-drafting depth's scores, parents, next frontier, and moved branch states
-    and tails, in one launch, written into the pass's candidate buffers `cand` when given
-    (frontier.py; `spec.tree_draft._advance` is the reference)."""
+    """One tree-drafting depth's children into the pass's candidate buffers `cand`, its next
+    frontier and moved branch states and tails, in one launch (frontier.py;
+    `spec.tree_draft._advance` is the reference)."""
     from specserve.kernels import frontier as f
 
     return f.tree_frontier(score, logp, kid, frontier, size, states, tail, next_slots, cand, first_tokens)

@@ -64,7 +64,7 @@ class SpecGovernor:
         # verify commits 1 to 6 tokens): a mean of 8 was noisy enough (+-18%) to settle on
         # plain decoding when speculation was 1.2x faster.
         self.window, self.token_window = window, max(window, token_window)
-        self._samples: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # (bucket, speculated) -> (tokens, s)
+        self._samples: dict[tuple[int, bool], deque[float]] = {}  # (bucket, speculated) -> tokens per request
         # the tokens of each deque, summed as samples come and go: a mean over the window a
         # step (statistics.fmean) took ~77 us of a ~1 ms speculative step under cProfile
         self._token_sum: dict[tuple[int, bool], float] = {}
@@ -186,8 +186,8 @@ class SpecGovernor:
         # as requests finish, so the two modes' samples may come from different sizes; per
         # batch, a mode sampled at 16 requests would outscore one sampled at 9.
         if len(samples) == samples.maxlen:
-            self._token_sum[key] -= samples[0][0]  # leaves the window with this append
-        samples.append((tokens / bs, seconds))
+            self._token_sum[key] -= samples[0]  # leaves the window with this append
+        samples.append(tokens / bs)
         times.append(seconds)
         self._token_sum[key] = self._token_sum.get(key, 0.0) + tokens / bs
         # Mean tokens (acceptance varies step to step; the mean is what a step yields) over

@@ -216,8 +216,7 @@ class TreeDrafter:
         frontier = self._first_frontier(bsz, dev)  # [B, k] candidate indices
         cand = _candidates(bsz, self.max_candidates, dev)  # every depth writes its columns
         if self.num_steps == 1:  # no depth writes the root's children
-            for buf, first in zip(cand, (score, token, -1)):
-                buf[:, :k] = first
+            _write_first(cand, score, token)
         # per branch b*k + j: table rows, tail starts, depth d's positions at row d - 1 ([num_steps - 1,
         # B*k]) and the depth-1 input states [B*k, H]: one launch on CUDA
         rows, tail_start, positions, states = fan_out(x.rows, x.tail_start, x.states, k, max(self.num_steps - 1, 1))
@@ -244,6 +243,14 @@ def _candidates(bsz: int, m: int, dev: torch.device) -> Candidates:
             torch.empty(bsz, m, dtype=torch.int64, device=dev))
 
 
+def _write_first(cand: Candidates, score: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Columns 0..k-1 of the candidate buffers: the root's children (score, tokens [B, k],
+    parent -1), with torch ops (the frontier kernel writes them at the first depth)."""
+    k = score.shape[1]
+    for buf, value in zip(cand, (score, tokens, -1)):
+        buf[:, :k] = value
+
+
 def _advance(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
              states: torch.Tensor | None, tail: torch.Tensor, next_slots: torch.Tensor | None, cand: Candidates,
              first_tokens: torch.Tensor | None) -> tuple:
@@ -256,15 +263,14 @@ def _advance(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontie
     slot). One launch on CUDA (kernels/frontier.py); these torch ops are its reference."""
     if kernels.use_fused(score):
         return kernels.tree_frontier(score, logp, kid, frontier, size, states, tail if next_slots is not None else None,
-                                     next_slots, cand, first_tokens)[2:]
+                                     next_slots, cand, first_tokens)
     bsz, k = score.shape
     kid_score = (score[:, :, None] + logp.view(bsz, k, k)).view(bsz, k * k)
     parents = frontier[:, :, None].expand(bsz, k, k).reshape(bsz, k * k)
     for buf, value in zip(cand, (kid_score, kid.view(bsz, k * k), parents)):
         buf[:, size:size + k * k] = value
     if first_tokens is not None:
-        for buf, value in zip(cand, (score, first_tokens, -1)):
-            buf[:, :k] = value
+        _write_first(cand, score, first_tokens)
     new_score, pick = kid_score.topk(k, dim=1)  # the next frontier: [B, k] of the k*k
     new_token = kid.view(bsz, k * k).gather(1, pick)
     if next_slots is None:
