@@ -16,3 +16,16 @@ def wait_and_release(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(base, n, LINES: tl.constexpr, STEP: tl.constexpr):
+    """Ask L2 for elements base[0:n), one `prefetch.global.L2` per STEP elements (a
+    128-byte line), LINES of them per round across the program's threads. Nothing waits
+    for them: a kernel issues them before its PDL wait for the tiles its loop reads after it."""
+    offs = tl.arange(0, LINES) * STEP
+    for o in range(0, n, LINES * STEP):
+        at = o + offs
+        ptrs = tl.where(at < n, base + at, base)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)

@@ -188,6 +188,47 @@ def test_skinny_config_fits_the_device(monkeypatch):
         assert stages * ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes <= budget, (n, k, w_bytes)
 
 
+def test_l2_prefetch_only_for_a_looped_contiguous_layer(monkeypatch):
+    """The programs ask L2 for their later K tiles only where their loop reads them after
+    the PDL wait: SmolLM2's gate_up at 32 tokens (bf16: 64 elements a 128-byte line; fp32:
+    32), not its one-tile o_proj, its split down_proj, its lm_head, a TMA launch or a
+    weight whose rows are not contiguous."""
+    from specserve.kernels import skinny
+
+    monkeypatch.setattr(skinny, "_device_limits", lambda device: (227 * 1024 - 8 * 1024, 132))
+
+    def rule(n: int, k: int, gated: bool = False, norm: bool = False, w_bytes: int = 2, strides=None,
+             tma: bool = False) -> int:
+        cfg = skinny._config(n, k, gated, norm, w_bytes, 32, DEV)
+        return skinny.prefetch_rule((2 * n if gated else n, k), strides or (k, 1), w_bytes, cfg, k, tma)
+
+    assert rule(1536, 576, gated=True, norm=True) == 64
+    assert rule(1536, 576, gated=True, norm=True, w_bytes=4) == 32
+    assert rule(576, 576) == 0  # one tile, fetched before the wait
+    assert rule(576, 1536) == 0  # split K: each part one tile
+    assert rule(49152, 576) == 0  # an lm_head
+    assert rule(1536, 576, gated=True, norm=True, tma=True) == 0
+    assert rule(1536, 576, gated=True, norm=True, strides=(1152, 1)) == 0  # a view of every other row
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the L2 prefetch is inline PTX: CUDA only")
+def test_l2_prefetch_leaves_the_products_bit_identical(monkeypatch):
+    """A gated, normed 32-token product (the verify's gate_up) with and without the
+    prefetch: hints only, so the outputs are equal bit for bit."""
+    from specserve.kernels import skinny
+
+    x = torch.randn(32, 576, device=DEV).to(torch.bfloat16)
+    wg = torch.randn(3072, 576, device=DEV).div(24).to(torch.bfloat16)
+    norm = _norm(576, torch.bfloat16)
+    cfg = skinny._config(1536, 576, True, True, 2, 32, DEV)
+    assert skinny.prefetch_step(wg, cfg, 576) == 64
+    with kernels.fused_kernels(True):
+        on = kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True)
+        monkeypatch.setattr(skinny, "L2_PREFETCH", False)
+        off = kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True)
+    assert torch.equal(on, off)
+
+
 def test_few_token_path_takes_narrow_models_or_tma(monkeypatch):
     """One token always; 2-32 tokens up to 2048 wide (Llama-8B's 4096-wide verify was
     faster on cuBLAS than with pointer loads), at any width where TMA streams the weights
