@@ -350,7 +350,7 @@ def prefetch_step(weight: torch.Tensor, cfg: Config, k: int, tma: bool = False) 
     fetch theirs before it or pipeline them), from a contiguous weight, and not for an
     lm_head (16384 rows or more), whose programs outnumber what runs at once. SmolLM2's
     verify gate_up at 32 tokens: 5.1 -> 4.4 us on the step's critical path, the EAGLE-3
-    step graph 940 -> 918 us; its 49152-row lm_head took 23.5 -> 25.4 with it, the draft's
+    step graph 940 -> 913-916 us; its 49152-row lm_head took 23.5 -> 25.4 with it, the draft's
     6.1 -> 6.9 (H100, PDL). qkv_rope.py's loop (the qkv at 32 tokens) gained nothing."""
     wanted = weight.is_cuda and L2_PREFETCH  # the interpreter runs no inline asm
     return prefetch_rule(tuple(weight.shape), tuple(weight.stride()), weight.element_size(), cfg, k, tma) if wanted else 0
