@@ -8,7 +8,8 @@ batch size of `--batch-sizes`. Methods: our plain engine, then EAGLE-2 (`--eagle
 `generate` on the same prompt ids (unless `--no-hf`). One method at a time holds the device:
 each engine is created, warmed up (reversed prompts, as `spec_compare.warm_up`), timed and
 released before the next, and a fresh one is built for every batch size so NGRAM never learns
-the answers of an earlier run.
+the answers of an earlier run. `--rounds R` times each of our engines R times on the same
+prompts and reports its middle round (transformers runs once).
 
 Every row reports tokens/s, the accept length (from `meta_info.spec_verify_ct`), the speedup
 over our plain engine at the same batch size and how many questions got token-identical
@@ -98,9 +99,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per engine (default: the engine's)")
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="time each of our engines this many times on the same prompts and report its middle "
+                        "round (plain decoding at batch 1 is bound by the host, whose speed drifts)")
     p.add_argument("--output", default="bench_mtbench.jsonl")
     p.add_argument("--plot", default="bench_mtbench.png")
     return p
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 # ---- prompts ---------------------------------------------------------------------------------
@@ -250,9 +261,17 @@ def _measure_ours(args: argparse.Namespace, method: Method, bs: int, tok: Tokeni
     engine = start_engine(args, method)
     try:
         runtime = Runtime(engine.scheduler.runner.device, engine.scheduler.runner.dtype)
-        return run_turns(ours(engine, args.max_new_tokens, bs, args.temperature), tok, questions, args.turns), runtime
+        generate = ours(engine, args.max_new_tokens, bs, args.temperature)
+        rounds = [run_turns(generate, tok, questions, args.turns) for _ in range(args.rounds)]
+        return middle_round(rounds), runtime
     finally:
         release(engine)
+
+
+def middle_round(rounds: list[Answers]) -> Answers:
+    """The round of median tokens/s (the slower middle one of an even count). Greedy and
+    seeded runs give every round the same tokens, so only the time differs."""
+    return sorted(rounds, key=lambda a: a.tokens / a.seconds, reverse=True)[len(rounds) // 2]
 
 
 def _measure_hf(args: argparse.Namespace, bs: int, tok: Tokenizer, questions: list[list[str]],
@@ -308,7 +327,7 @@ def make_row(args: argparse.Namespace, method: Method, bs: int, answers: Answers
             "tokens": answers.tokens,
             "seconds": answers.seconds, "tok_s": tok_s, "accept_length": accept_length(method, answers),
             "speedup": tok_s / (plain.tokens / plain.seconds), "identical_outputs": identical(answers, plain),
-            "spec_args": args.spec_args if method.algorithm else ""}
+            "spec_args": args.spec_args if method.algorithm else "", "rounds": 1 if method.hf else args.rounds}
 
 
 COLUMNS = (("bs", 4), ("tok/s", 10), ("accept len", 11), ("speedup", 8), ("identical", 10))

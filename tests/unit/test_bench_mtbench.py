@@ -91,6 +91,21 @@ def test_rows_for_every_method_and_batch_size(one_turn):
     assert all(r["draft"] and r["spec_args"].startswith("speculative_num_steps=2") for r in eagle3)
 
 
+def test_rounds_report_the_middle_one(tiny, tmp_path):
+    """`--rounds 3` times each engine three times and keeps the round of median tokens/s;
+    the outputs are those of every round (greedy)."""
+    argv = _argv(tiny, tmp_path, "--no-hf", "--num-questions", "2", "--max-new-tokens", "4", "--batch-sizes", "1",
+                 "--rounds", "3", "--ngram")
+    assert mtbench.main(argv) == 0
+    rows = _rows(tmp_path)
+    assert [r["rounds"] for r in rows] == [3, 3] and all(r["identical_outputs"] == 2 for r in rows)
+    answers = [mtbench.Answers(seconds, [[[1, 2, 3]]], 0) for seconds in (3.0, 1.0, 2.0, 4.0)]
+    assert mtbench.middle_round(answers[:3]).seconds == 2.0
+    assert mtbench.middle_round(answers).seconds == 3.0  # the slower of the two middle rounds
+    with pytest.raises(SystemExit):
+        mtbench._parser().parse_args(["--rounds", "0"])
+
+
 def test_table_summary_and_plot(one_turn, capsys):
     rows = _rows(one_turn)
     width = max(len(r["method"]) for r in rows)
