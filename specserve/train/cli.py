@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--val-size", type=int, default=None,
                    help="sequences held out for validation (default: 2%%, at most 64)")
     g.add_argument("--resume", action="store_true", help="continue the run in --output")
+    g.add_argument("--init-from", default=None,
+                   help="start from this head (a directory in the published layout, e.g. a shipped head): its "
+                        "weights, its draft vocabulary (--draft-vocab-size is not used) and its default trees")
     g.add_argument("--time-limit", type=float, default=None,
                    help="seconds for this invocation, regeneration included: then save and stop "
                         "(continue with --resume; --max-steps may change on resume)")
@@ -116,6 +119,11 @@ def _positive(value: str) -> int:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.draft_vocab_size is not None and args.algorithm != "EAGLE3":
         raise ValueError("--draft-vocab-size applies to EAGLE3 only (EAGLE-2 heads use the target's vocabulary)")
+    if args.init_from is not None:
+        if args.draft_vocab_size is not None:
+            raise ValueError("--draft-vocab-size and --init-from: the starting head's vocabulary is kept")
+        if not (Path(args.init_from) / "config.json").is_file():
+            raise ValueError(f"--init-from {args.init_from}: no head there (config.json)")
     if not 0 <= args.warmup_ratio < 1:
         raise ValueError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
     if args.lr <= 0 or args.temperature < 0 or args.grad_clip <= 0:
@@ -139,7 +147,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         batch_tokens=args.batch_tokens, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
         save_dtype=args.save_dtype, tokenizer_path=args.tokenizer_path, shard_size=args.shard_size,
         save_every=args.save_every, val_size=args.val_size, resume=args.resume, seed=args.seed,
-        engine_args=engine_args, time_limit=args.time_limit)
+        engine_args=engine_args, time_limit=args.time_limit, init_from=args.init_from)
 
 
 def summary(result: TrainResult, algorithm: str) -> str:

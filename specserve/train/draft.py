@@ -23,6 +23,7 @@ step (SpecForge PR 245, EAGLE issue 247): inference never hides a committed posi
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -214,6 +215,43 @@ def _split_fused(name: str, t: torch.Tensor, cfg: LlamaConfig) -> list[tuple[str
         gate, up = t.split([cfg.intermediate_size, cfg.intermediate_size])
         return [(name.replace("gate_up_proj", "gate_proj"), gate), (name.replace("gate_up_proj", "up_proj"), up)]
     return [(name, t)]
+
+
+def read_head(path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """A head in the published layout (`save_head`'s, or any checkpoint the loader reads
+    under HF names): its tensors by checkpoint name, and with EAGLE-3's d2t its draft
+    vocabulary's target ids [N] (i + d2t[i]), else None."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"--init-from {path}: no .safetensors checkpoint there")
+    tensors = {k: v for f in files for k, v in load_file(f).items()}
+    d2t = tensors.get("d2t")
+    ids = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.long() if d2t is not None else None
+    return tensors, ids
+
+
+def specserve_keys(path: Path) -> dict:
+    """The specserve_* settings of a head's config.json (its default trees)."""
+    config = json.loads((path / "config.json").read_text())
+    return {k: v for k, v in config.items() if k.startswith("specserve_")}
+
+
+def load_trainable(params: dict[str, nn.Parameter], tensors: dict[str, torch.Tensor], cfg: LlamaConfig,
+                   path: Path) -> None:
+    """Every trainable parameter from a head's checkpoint tensors (`read_head`): q/k/v and
+    gate/up fused back as llama.py loads them (`_split_fused`'s inverse)."""
+    with torch.no_grad():
+        for name, p in params.items():
+            names = [ckpt for ckpt, _ in _split_fused(name, p, cfg)]
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise ValueError(f"--init-from {path}: the checkpoint has no {missing[0]}")
+            value = torch.cat([tensors[n] for n in names]) if len(names) > 1 else tensors[names[0]]
+            if value.shape != p.shape:
+                raise ValueError(f"--init-from {path}: {name} is {tuple(value.shape)}, this head's is {tuple(p.shape)}")
+            p.copy_(value.to(p.dtype))
 
 
 def save_head(path: Path, draft: DraftModel, vocab: DraftVocab | None, config: dict, dtype: torch.dtype) -> Path:

@@ -19,6 +19,8 @@ next batch; its steps equal an uninterrupted run's (the tests check this on CPU)
 during regeneration no new shard starts (RegenIncomplete), during training the loop saves
 and returns, so a run on a time-limited machine ends at a checkpoint and continues with
 `resume`. `max_steps` may change on resume (the cosine follows the new total).
+`init_from` starts the head from a published one (weights, draft vocabulary, specserve_*
+config keys) instead of a fresh initialisation; a resumed run restores its own state.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ STATE, LOG, VAL_LOG = "train_state.pt", "train_log.jsonl", "val_log.jsonl"
 # Settings a resumed run must share with the run it continues.
 _RESUME_KEYS = ("model", "algorithm", "dataset", "num_prompts", "max_new_tokens", "max_seq_len",
                 "draft_vocab_size", "ttt_steps", "batch_tokens", "batch_size", "val_size", "seed",
-                "extra_temperatures")
+                "extra_temperatures", "init_from")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class TrainConfig:
     seed: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)  # extra Engine flags for regeneration
     time_limit: float | None = None  # seconds for this invocation; then save and stop (None: no limit)
+    init_from: str | None = None  # a head in the published layout to start from (its weights and vocabulary)
 
 
 @dataclass
@@ -162,10 +165,14 @@ class _Run:
         saved = torch.load(out / STATE, weights_only=True) if resumed else None
         if saved is not None:
             _check_same_run(saved["config"], cfg)
-        self.vocab, self.coverage = self._vocab(target.config.vocab_size, eos, saved)
+        # a resumed run restores its own parameters: the head it started from is read only at the start
+        init = heads.read_head(Path(cfg.init_from)) if cfg.init_from and saved is None else None
+        self.vocab, self.coverage = self._vocab(target.config.vocab_size, eos, saved, init)
         aux = heads.default_aux_layers(target.config.num_layers) if self.eagle3 else ()
         self.save_dtype = DTYPES[cfg.save_dtype]
         self.head_cfg = heads.head_config(hf, cfg.algorithm, self.vocab, aux, self.save_dtype)
+        if cfg.init_from:  # the head's own settings (its default trees) go on into the new one
+            self.head_cfg |= heads.specserve_keys(Path(cfg.init_from))
         self.draft = heads.build_draft(self.head_cfg, cfg.algorithm, target, self.vocab, aux,
                                        cfg.max_seq_len + cfg.ttt_steps + 1, cfg.seed)
         self.teacher = Teacher(target, "aux" if self.eagle3 else "final", aux,
@@ -173,6 +180,8 @@ class _Run:
         self.objective = Objective(self.draft, cfg.step_decay, feature_loss=not self.eagle3,
                                    ce_weight=1.0 if self.eagle3 else 0.1)
         self.params = heads.trainable(self.draft)
+        if init is not None:
+            heads.load_trainable(self.params, init[0], self.draft.config, Path(cfg.init_from))
         self.train_seqs, self.val_seqs = split_validation(seqs, cfg.val_size, cfg.seed)
         self.lengths = [s.ids.numel() for s in self.train_seqs]
         self.total = cfg.max_steps or sum(len(self._plan(e)) for e in range(cfg.epochs))
@@ -191,12 +200,17 @@ class _Run:
                     if self.vocab is not None else "")
 
     # -- setup --------------------------------------------------------------------------------
-    def _vocab(self, target_vocab: int, eos: list[int], saved: dict | None) -> tuple[DraftVocab | None, float | None]:
+    def _vocab(self, target_vocab: int, eos: list[int], saved: dict | None,
+               init: tuple[dict, torch.Tensor | None] | None) -> tuple[DraftVocab | None, float | None]:
         if not self.eagle3:
             return None, None
         counts = answer_token_counts(self.seqs, target_vocab)
         if saved is not None:
             vocab = DraftVocab(saved["vocab_ids"], target_vocab)
+        elif init is not None:  # the starting head's vocabulary, not one chosen from these answers
+            if init[1] is None:
+                raise ValueError(f"--init-from {self.cfg.init_from}: not an EAGLE-3 head with a draft vocabulary")
+            vocab = DraftVocab(init[1], target_vocab)
         else:
             vocab = build_draft_vocab(counts, self.cfg.draft_vocab_size, eos)
         return vocab, vocab.coverage(counts)

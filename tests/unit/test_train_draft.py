@@ -381,6 +381,37 @@ def test_time_limit_during_regeneration_keeps_shards_and_resume_goes_on(tiny, tm
     assert "after 1 steps" in capsys.readouterr().out and len(load_sequences(out)) == 8
 
 
+def test_init_from_a_head_starts_from_its_weights_vocabulary_and_trees(tiny, eagle3_run, tmp_path, monkeypatch):
+    """`--init-from` a trained head: before any step the written head is that head (every
+    tensor, the draft vocabulary, its specserve_* config keys), and training goes on from
+    its loss, not a fresh head's."""
+    start = tmp_path / "start"
+    shutil.copytree(eagle3_run[0], start, ignore=shutil.ignore_patterns("shards", "*.pt", "*.jsonl", "regen.json"))
+    config = json.loads((start / "config.json").read_text())
+    (start / "config.json").write_text(json.dumps(config | {"specserve_default_tree": [2, 2, 3]}))
+    monkeypatch.setattr(trainer, "_engine", lambda *a: pytest.fail("answers exist: no engine needed"))
+    out = _copy_answers(eagle3_run[0], tmp_path / "tuned")
+    first = train_draft(_config(tiny, out, max_steps=3, time_limit=1e-9, init_from=str(start)))
+    assert first.steps == 0
+    written, wanted = read_tensors(out), read_tensors(start)
+    assert written.keys() == wanted.keys()
+    for name, tensor in wanted.items():
+        assert torch.equal(written[name], tensor), name
+    assert json.loads((out / "config.json").read_text())["specserve_default_tree"] == [2, 2, 3]
+    train_draft(_config(tiny, out, max_steps=3, init_from=str(start), resume=True))
+    fresh = _log(eagle3_run[0])[0]["loss"]
+    assert _log(out)[0]["loss"] < 0.5 * fresh, (_log(out)[0]["loss"], fresh)
+
+
+def test_init_from_refuses_another_vocabulary_size_or_a_missing_head(tiny, tmp_path):
+    _, target, data = tiny
+    base = ["--model", str(target), "--output", str(tmp_path / "o"), "--dataset", str(data)]
+    with pytest.raises(ValueError, match="vocabulary is kept"):
+        config_from_args(build_parser().parse_args(base + ["--init-from", str(tmp_path), "--draft-vocab-size", "64"]))
+    with pytest.raises(ValueError, match="no head there"):
+        config_from_args(build_parser().parse_args(base + ["--init-from", str(tmp_path / "none")]))
+
+
 def test_other_settings_in_the_same_output_are_refused(tiny, eagle3_run, tmp_path):
     out = _copy_answers(eagle3_run[0], tmp_path / "other")
     with pytest.raises(ValueError, match="max_new_tokens"):
