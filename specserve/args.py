@@ -68,6 +68,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def positive_int(value: str) -> int:
+    """An argparse type: an integer of at least 1 (the train-draft and bench command lines)."""
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return n
+
+
 def _dtype(value: str) -> str:
     value = value.lower()
     return _DTYPE_ALIASES.get(value, value)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from specserve.args import positive_int
 from specserve.bench.prompts import MT_BENCH
 from specserve.bench.report import report
 from specserve.bench.spec_compare import _spec_kwargs, timed_run
@@ -99,19 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per engine (default: the engine's)")
-    p.add_argument("--rounds", type=_positive, default=1,
+    p.add_argument("--rounds", type=positive_int, default=1,
                    help="time each of our engines this many times on the same prompts and report its middle "
                         "round (plain decoding at batch 1 is bound by the host, whose speed drifts)")
     p.add_argument("--output", default="bench_mtbench.jsonl")
     p.add_argument("--plot", default="bench_mtbench.png")
     return p
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 # ---- prompts ---------------------------------------------------------------------------------

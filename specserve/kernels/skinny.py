@@ -34,7 +34,6 @@ tokens from 1.183x a decode step (cuBLAS) to 1.139x (bench limit, H100, graph re
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -44,7 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from specserve.kernels import SKINNY_MAX_TOKENS as MAX_TOKENS
 from specserve.kernels import SKINNY_MAX_WIDTH, pdl_flags, tma_enabled
-from specserve.kernels.pdl import prefetch_l2, wait_and_release
+from specserve.kernels.pdl import prefetch_l2, prefetch_step, wait_and_release
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -337,34 +336,11 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
         norm_weight if norm else x, part, counts, t, n, k, x.stride(0), weight.stride(0), weight.stride(1),
         out.stride(0), residual.stride(0) if residual is not None else 0, eps, RES=residual is not None, GATED=gated,
         BLOCK_N=cfg.block_n, num_warps=4, num_stages=cfg.stages, SPLIT_K=cfg.split, TMA=tma,
-        PREFETCH=prefetch_step(weight, cfg, k, tma),
+        PREFETCH=prefetch_step(weight, cfg.block_k, cfg.split, tma),
         **product_flags(x, norm, k, block_t, cfg.block_k, cfg.split, tma), **pdl_flags(x.device))
     return out
 
 
-def prefetch_step(weight: torch.Tensor, cfg: Config, k: int, tma: bool = False) -> int:
-    """The PREFETCH constexpr of a launch: elements per 128-byte line when its programs
-    ask L2 for the rest of their rows before the PDL wait (`prefetch_l2`), else 0.
-
-    Only where a program's loop reads K tiles after the wait (one tile, a split K and TMA
-    fetch theirs before it or pipeline them), from a contiguous weight, and not for an
-    lm_head (16384 rows or more), whose programs outnumber what runs at once. SmolLM2's
-    verify gate_up at 32 tokens: 5.1 -> 4.4 us on the step's critical path, the EAGLE-3
-    step graph 940 -> 913-916 us; its 49152-row lm_head took 23.5 -> 25.4 with it, the draft's
-    6.1 -> 6.9 (H100, PDL). qkv_rope.py's loop (the qkv at 32 tokens) gained nothing."""
-    wanted = weight.is_cuda and L2_PREFETCH  # the interpreter runs no inline asm
-    return prefetch_rule(tuple(weight.shape), tuple(weight.stride()), weight.element_size(), cfg, k, tma) if wanted else 0
-
-
-def prefetch_rule(shape: tuple[int, int], strides: tuple[int, int], w_bytes: int, cfg: Config, k: int,
-                  tma: bool) -> int:
-    """`prefetch_step` for a weight of `shape`, `strides` and element size, on any device."""
-    looped = not tma and cfg.split == 1 and cfg.block_k < k
-    contiguous = strides == (k, 1)
-    return 128 // w_bytes if looped and contiguous and shape[0] < 16384 else 0
-
-
-L2_PREFETCH = os.environ.get("SPECSERVE_L2_PREFETCH", "1") != "0"  # SPECSERVE_L2_PREFETCH=0 turns it off
 TMA_OVERRIDE: bool | None = None  # tests: force the descriptor path on (the interpreter runs it) or off
 
 

