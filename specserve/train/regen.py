@@ -8,7 +8,7 @@ are answer-major: every prompt's first answer, then every prompt's second, ... T
 results are token-id shards in the output directory:
 
     <out>/regen.json           the settings the shards were made with (+ the EOS ids)
-    <out>/prompts.jsonl        the chosen prompts, in shard order
+    <out>/prompts.jsonl        the chosen prompts ({"messages", "ids"}), in shard order
     <out>/shards/00042.pt      {"tokens": int32 [sum n], "lengths": [B], "prompt_lens": [B]}
 
 A sequence is prompt ids + answer ids (EOS included when the answer ended on it); the loss
@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from specserve.train.data import load_prompts
+from specserve.train.data import Chat, load_chats
 
 META, PROMPTS, SHARDS = "regen.json", "prompts.jsonl", "shards"
 
@@ -49,6 +49,7 @@ class RegenConfig:
     seed: int = 0
     shard_size: int = 256
     extra_temperatures: tuple[float, ...] = ()  # one more answer per prompt at each of these
+    turns: str = "first"  # which user turns are prompts (data.py)
 
     @property
     def temperatures(self) -> tuple[float, ...]:
@@ -86,7 +87,7 @@ def regenerate(out: Path, cfg: RegenConfig, make_engine: EngineFactory, deadline
     engine = None
     if meta is None or not (out / PROMPTS).is_file():
         engine = make_engine()
-        prompts = choose_prompts(load_prompts(cfg.dataset), engine.tokenizer, cfg)
+        prompts = choose_prompts(load_chats(cfg.dataset, cfg.turns), engine.tokenizer, cfg)
         _write_jsonl(out / PROMPTS, prompts)
         meta = _as_json(cfg) | {"eos_ids": sorted(engine.tokenizer.eos_token_ids)}
         (out / META).write_text(json.dumps(meta, indent=2))
@@ -103,18 +104,18 @@ def regenerate(out: Path, cfg: RegenConfig, make_engine: EngineFactory, deadline
     return meta["eos_ids"]
 
 
-def choose_prompts(texts: list[str], tokenizer: Any, cfg: RegenConfig) -> list[dict]:
+def choose_prompts(chats: list[Chat], tokenizer: Any, cfg: RegenConfig) -> list[dict]:
     """Up to num_prompts prompts in a seeded random order, chat-templated, keeping those
     whose ids fit in half of max_seq_len (the other half is room for the answer)."""
-    order = list(range(len(texts)))
+    order = list(range(len(chats)))
     random.Random(cfg.seed).shuffle(order)
     chosen = []
     for i in order:
         if len(chosen) == cfg.num_prompts:
             break
-        ids = tokenizer.encode_chat([{"role": "user", "content": texts[i]}])
+        ids = tokenizer.encode_chat(chats[i])
         if 0 < len(ids) <= cfg.max_seq_len // 2:
-            chosen.append({"text": texts[i], "ids": ids})
+            chosen.append({"messages": chats[i], "ids": ids})
     if not chosen:
         raise ValueError(f"no prompt of {cfg.dataset!r} fits --max-seq-len {cfg.max_seq_len}")
     return chosen

@@ -55,7 +55,7 @@ STATE, LOG, VAL_LOG = "train_state.pt", "train_log.jsonl", "val_log.jsonl"
 # Settings a resumed run must share with the run it continues.
 _RESUME_KEYS = ("model", "algorithm", "dataset", "num_prompts", "max_new_tokens", "max_seq_len",
                 "draft_vocab_size", "ttt_steps", "batch_tokens", "batch_size", "val_size", "seed",
-                "extra_temperatures", "init_from")
+                "extra_temperatures", "init_from", "turns")
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class TrainConfig:
     max_seq_len: int = 2048
     temperature: float = 0.0
     extra_temperatures: tuple[float, ...] = ()  # one more sampled answer per prompt at each
+    turns: str = "first"  # "all": every user turn with its conversation before it (data.py)
     draft_vocab_size: int = 32000  # EAGLE3 only; capped at the target's vocabulary
     ttt_steps: int = 7
     step_decay: float = 0.8
@@ -143,7 +144,7 @@ def _check_resume(out: Path, cfg: TrainConfig) -> None:
 
 def _regen_config(cfg: TrainConfig) -> RegenConfig:
     return RegenConfig(cfg.model, cfg.dataset, cfg.num_prompts, cfg.max_new_tokens, cfg.max_seq_len,
-                       cfg.temperature, cfg.seed, cfg.shard_size, tuple(cfg.extra_temperatures))
+                       cfg.temperature, cfg.seed, cfg.shard_size, tuple(cfg.extra_temperatures), cfg.turns)
 
 
 def _engine(model_dir: Path, cfg: TrainConfig) -> Any:
@@ -191,6 +192,7 @@ class _Run:
         self.progress = _Progress()
         self.recent: list[tuple[float, list[float]]] = []
         self.val_acc: list[float] | None = None
+        self.evaluated_at: int | None = None  # the step val_log.jsonl last got a row for
         if saved is not None:
             self._restore(saved)
         logger.info("%s head: %.1fM trainable parameters, %d steps of <= %d tokens, %d sequences held out%s",
@@ -230,6 +232,8 @@ class _Run:
     def train(self, deadline: float = math.inf) -> TrainResult:
         """Steps until the run's total or `deadline` (time.monotonic()), then save."""
         p, start, tokens = self.progress, time.perf_counter(), 0
+        if p.step == 0 and self.cfg.init_from:
+            self.evaluate()  # the starting head's held-out accuracy: what fine-tuning has to beat
         bar = tqdm(total=self.total, initial=p.step, desc=f"train {self.cfg.algorithm}", unit="step",
                    mininterval=1.0)
         with open(self.out / LOG, "a") as log:
@@ -277,8 +281,9 @@ class _Run:
     @torch.no_grad()
     def evaluate(self) -> None:
         """Loss and acc_j on the held-out sequences (row-weighted means), logged to val_log.jsonl."""
-        if not self.val_seqs:
+        if not self.val_seqs or self.evaluated_at == self.progress.step:
             return
+        self.evaluated_at = self.progress.step
         lengths = [s.ids.numel() for s in self.val_seqs]
         loss_sum, rows, hits = 0.0, [0] * self.cfg.ttt_steps, [0.0] * self.cfg.ttt_steps
         for idx in plan_epoch(lengths, self.cfg.batch_tokens, self.cfg.batch_size, self.cfg.seed, -1):
@@ -314,6 +319,7 @@ class _Run:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.progress = _Progress(saved["step"], saved["epoch"], saved["batch"])
+        self.evaluated_at = saved["step"]  # every save is scored (save())
         self.recent = saved["recent"]
         _set_rng_state(saved["rng"])
         logger.info("resuming at step %d (epoch %d, batch %d)", saved["step"], saved["epoch"], saved["batch"])

@@ -33,13 +33,13 @@ from specserve.models.loader import load_model, read_hf_config
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.train import trainer
 from specserve.train.cli import build_parser, config_from_args
-from specserve.train.data import decode_truncated_array, load_prompts
+from specserve.train.data import decode_truncated_array, load_chats
 from specserve.train.draft import (EAGLE2, EAGLE3, build_draft, default_aux_layers, head_config, save_head,
                                    unroll)
 from specserve.train.features import Teacher
 from specserve.train.loss import answer_rows
 from specserve.train.batching import split_validation
-from specserve.train.regen import RegenConfig, load_sequences, regenerate
+from specserve.train.regen import RegenConfig, choose_prompts, load_sequences, regenerate
 from specserve.train.trainer import TrainConfig, train_draft
 from specserve.train.vocab import answer_token_counts, build_draft_vocab
 from tests.unit.model_utils import save_tiny_hf
@@ -391,14 +391,16 @@ def test_init_from_a_head_starts_from_its_weights_vocabulary_and_trees(tiny, eag
     (start / "config.json").write_text(json.dumps(config | {"specserve_default_tree": [2, 2, 3]}))
     monkeypatch.setattr(trainer, "_engine", lambda *a: pytest.fail("answers exist: no engine needed"))
     out = _copy_answers(eagle3_run[0], tmp_path / "tuned")
-    first = train_draft(_config(tiny, out, max_steps=3, time_limit=1e-9, init_from=str(start)))
+    first = train_draft(_config(tiny, out, max_steps=3, time_limit=1e-9, init_from=str(start), val_size=2))
     assert first.steps == 0
     written, wanted = read_tensors(out), read_tensors(start)
     assert written.keys() == wanted.keys()
     for name, tensor in wanted.items():
         assert torch.equal(written[name], tensor), name
     assert json.loads((out / "config.json").read_text())["specserve_default_tree"] == [2, 2, 3]
-    train_draft(_config(tiny, out, max_steps=3, init_from=str(start), resume=True))
+    train_draft(_config(tiny, out, max_steps=3, init_from=str(start), val_size=2, resume=True))
+    val = [json.loads(line)["step"] for line in (out / trainer.VAL_LOG).read_text().splitlines()]
+    assert val == [0, 3]  # the starting head is scored once, before its first step
     fresh = _log(eagle3_run[0])[0]["loss"]
     assert _log(out)[0]["loss"] < 0.5 * fresh, (_log(out)[0]["loss"], fresh)
 
@@ -445,16 +447,50 @@ def test_extra_temperatures_add_seeded_sampled_answers(tiny, eagle3_run, tmp_pat
     assert train_draft(_config(tiny, old, max_steps=1)).steps == 1
     with pytest.raises(ValueError, match="extra_temperatures"):
         regenerate(old, cfg, make)  # extra answers into a greedy-only directory
+    with pytest.raises(ValueError, match="turns: 'first' there, 'all' now"):
+        regenerate(old, RegenConfig(str(target), str(data), 8, 24, 128, turns="all"), make)
 
 
 # -- data and command line ---------------------------------------------------------------------
 
 def test_prompts_skip_benchmark_questions_and_duplicates(tiny):
     _, _, data = tiny
-    assert load_prompts(str(data)) == PROMPTS
+    assert load_chats(str(data)) == [[{"role": "user", "content": p}] for p in PROMPTS]
     truncated = '[{"a": 1}, {"b": [2, 3]},\n {"c": "cut here'
     assert decode_truncated_array(truncated) == [{"a": 1}, {"b": [2, 3]}]
     assert decode_truncated_array('[{"a": 1} ]') == [{"a": 1}]
+
+
+def test_all_turns_are_prompts_with_their_conversation_before_them(tiny, tmp_path):
+    """turns="all": one chat per user turn, the record's earlier turns (roles mapped, empty
+    ones left out) before it; a chat is dropped when any of its user turns holds an MT-bench
+    question, and "first" keeps the first user turns alone. Each chosen prompt's ids are
+    the chat template of its whole chat."""
+    _, target, _ = tiny
+    bench = json.loads(MT_BENCH.read_text().splitlines()[1])["turns"][0]
+    u, a = (lambda t: {"role": "user", "content": t}), (lambda t: {"role": "assistant", "content": t})
+    sharegpt = lambda *turns: {"conversations": [{"from": f, "value": v} for f, v in turns]}  # noqa: E731
+    rows = [sharegpt(("human", "say hello"), ("gpt", "hello"), ("human", "count to five"), ("gpt", "  "),
+                     ("human", "list three fruits")),
+            sharegpt(("gpt", "what is gravity"), ("human", "explain gravity simply"), ("tool", "x")),
+            sharegpt(("human", "name a famous painter"), ("gpt", "rain"), ("human", f"now: {bench}"),
+                     ("gpt", "five"), ("human", "write a haiku about rain")),
+            {"messages": [{"role": "user", "content": "say hello"}]}]  # the same chat as row 0's first
+    data = tmp_path / "turns.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chats = load_chats(str(data), "all")
+    assert chats == [[u("say hello")], [u("say hello"), a("hello"), u("count to five")],
+                     [u("say hello"), a("hello"), u("count to five"), u("list three fruits")],
+                     [a("what is gravity"), u("explain gravity simply")], [u("name a famous painter")]]
+    assert load_chats(str(data)) == [[u(p)] for p in ("say hello", "explain gravity simply",
+                                                      "name a famous painter")]
+    with pytest.raises(ValueError, match="turns must be one of"):
+        load_chats(str(data), "last")
+    tok = Engine(str(target), device="cpu", log_level="warning").tokenizer
+    chosen = choose_prompts(chats, tok, RegenConfig(str(target), str(data), 3, 8, 128, turns="all"))
+    assert len(chosen) == 3 and all(c["messages"] in chats for c in chosen)
+    assert all(c["ids"] == tok.encode_chat(c["messages"]) for c in chosen)
+    assert len({len(c["ids"]) for c in chosen}) > 1
 
 
 def test_cli(tiny, tmp_path, capsys):
@@ -473,7 +509,8 @@ def test_cli(tiny, tmp_path, capsys):
     assert "--time-limit must be positive" in capsys.readouterr().err
     args = ["--model", "m", "--output", "o", "--max-running-requests", "512", "--time-limit", "60"]
     cfg = config_from_args(build_parser().parse_args(args))
-    assert cfg.engine_args == {"max_running_requests": 512} and cfg.time_limit == 60
+    assert cfg.engine_args == {"max_running_requests": 512} and cfg.time_limit == 60 and cfg.turns == "first"
+    assert config_from_args(build_parser().parse_args(args + ["--turns", "all"])).turns == "all"
     assert config_from_args(build_parser().parse_args(args + ["--extra-temperatures", "0.7,1"])) \
         .extra_temperatures == (0.7, 1.0)
     with pytest.raises(SystemExit) as e:
