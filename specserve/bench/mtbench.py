@@ -4,7 +4,8 @@ The 80 MT-bench questions (first turn by default; `--turns 2` also runs the seco
 prompt holds each method's own first answer), chat-templated, greedy (or with `--temperature`
 sampled, question i seeded i, which speculative sampling reproduces token for token), at every
 batch size of `--batch-sizes`. Methods: our plain engine, then EAGLE-2 (`--eagle-draft`), EAGLE-3
-(`--eagle3-draft`) and NGRAM (`--ngram`) when asked for, then Hugging Face transformers
+(`--eagle3-draft`, repeatable: one row per head, to compare heads in one run) and NGRAM (`--ngram`)
+when asked for, then Hugging Face transformers
 `generate` on the same prompt ids (unless `--no-hf`). One method at a time holds the device:
 each engine is created, warmed up (reversed prompts, as `spec_compare.warm_up`), timed and
 released before the next, and a fresh one is built for every batch size so NGRAM never learns
@@ -85,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--tokenizer-path", default=None, help="tokenizer of another model source (as the server flag)")
     p.add_argument("--eagle-draft", default=None, help="EAGLE-2 draft head: adds the EAGLE-2 rows")
-    p.add_argument("--eagle3-draft", default=None, help="EAGLE-3 draft head: adds the EAGLE-3 rows")
+    p.add_argument("--eagle3-draft", action="append", default=None,
+                   help="EAGLE-3 draft head: adds the EAGLE-3 rows; repeat it to compare heads in one run "
+                        "(rows 'EAGLE-3 (<head directory name>)')")
     p.add_argument("--ngram", action="store_true", help="add the NGRAM rows")
     p.add_argument("--spec-args", default="",
                    help="extra flags of every speculative engine, e.g. 'speculative_num_steps=3,"
@@ -150,13 +153,22 @@ def methods_from_args(args: argparse.Namespace) -> list[Method]:
     methods = [Method(PLAIN)]
     if args.eagle_draft is not None:
         methods.append(Method("EAGLE-2", "EAGLE", args.eagle_draft))
-    if args.eagle3_draft is not None:
-        methods.append(Method("EAGLE-3", "EAGLE3", args.eagle3_draft))
+    methods += [Method(label, "EAGLE3", draft) for label, draft in eagle3_labels(args.eagle3_draft or [])]
     if args.ngram:
         methods.append(Method("NGRAM", "NGRAM"))
     if not args.no_hf:
         methods.append(Method(HF, hf=True))
     return methods
+
+
+def eagle3_labels(drafts: list[str]) -> list[tuple[str, str]]:
+    """(row label, head) per EAGLE-3 head: "EAGLE-3" for one head, else "EAGLE-3 (<name>)"
+    by directory name, with the position added where two names are equal."""
+    if len(drafts) == 1:
+        return [("EAGLE-3", drafts[0])]
+    names = [Path(d).name or d for d in drafts]
+    return [(f"EAGLE-3 ({n})" if names.count(n) == 1 else f"EAGLE-3 ({n} #{i + 1})", d)
+            for i, (n, d) in enumerate(zip(names, drafts))]
 
 
 def engine_kwargs(args: argparse.Namespace, method: Method) -> dict[str, Any]:

@@ -106,6 +106,22 @@ def test_rounds_report_the_middle_one(tiny, tmp_path):
         mtbench._parser().parse_args(["--rounds", "0"])
 
 
+def test_several_eagle3_heads_get_a_row_each(tiny, tmp_path):
+    """Repeating --eagle3-draft compares heads in one run: a row per head, named by its directory."""
+    other = save_eagle3(tmp_path / "other", tiny["target"], draft_vocab=64)
+    argv = _argv(tiny, tmp_path, "--eagle3-draft", str(tiny["eagle3"]), "--eagle3-draft", str(other), "--no-hf",
+                 "--num-questions", "2", "--max-new-tokens", "4", "--batch-sizes", "1",
+                 "--spec-args", "speculative_num_steps=2,speculative_eagle_topk=1,speculative_num_draft_tokens=3")
+    assert mtbench.main(argv) == 0
+    rows = _rows(tmp_path)
+    assert [(r["method"], r["draft"]) for r in rows] == [
+        ("plain", None), ("EAGLE-3 (eagle3)", str(tiny["eagle3"])), ("EAGLE-3 (other)", str(other))]
+    assert all(r["identical_outputs"] == 2 for r in rows)
+    assert mtbench.eagle3_labels(["a/head", "b/head", "c"]) == [
+        ("EAGLE-3 (head #1)", "a/head"), ("EAGLE-3 (head #2)", "b/head"), ("EAGLE-3 (c)", "c")]
+    assert mtbench.eagle3_labels(["a/head"]) == [("EAGLE-3", "a/head")]
+
+
 def test_table_summary_and_plot(one_turn, capsys):
     rows = _rows(one_turn)
     width = max(len(r["method"]) for r in rows)
