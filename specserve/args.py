@@ -136,6 +136,10 @@ def _add_scheduling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="read each decode step's tokens back before launching the next (by default, on "
                         "CUDA, the next plain step, or the next greedy EAGLE/EAGLE3/MTP step, is launched first)")
+    g.add_argument("--num-continuous-decode-steps", type=int, default=_S.num_continuous_decode_steps,
+                   help="decode steps run in a row before new requests are admitted again: more "
+                        "throughput when requests end often (fewer prefill steps between them), a "
+                        "longer time to first token (default: 1, admit at every step)")
 
 
 def _add_runtime(p: argparse.ArgumentParser) -> None:

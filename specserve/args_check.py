@@ -70,7 +70,8 @@ def _flag(section: str, name: str) -> str:
 _AT_LEAST_1 = (
     ("cache", "max_total_tokens"), ("cache", "page_size"), ("model", "context_length"),
     ("scheduler", "max_running_requests"), ("scheduler", "max_prefill_tokens"),
-    ("scheduler", "decode_log_interval"), ("runner", "cuda_graph_max_bs"),
+    ("scheduler", "decode_log_interval"), ("scheduler", "num_continuous_decode_steps"),
+    ("runner", "cuda_graph_max_bs"),
     ("runner", "torch_compile_max_bs"), ("runner", "tp_size"), ("spec", "num_steps"),
     ("spec", "eagle_topk"), ("spec", "num_draft_tokens"), ("spec", "ngram_capacity"),
     ("spec", "batch_tree_from"),

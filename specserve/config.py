@@ -44,6 +44,7 @@ class SchedulerConfig:
     random_seed: int | None = None
     decode_log_interval: int = 40
     disable_overlap_schedule: bool = False  # overlap decode steps' host work with the GPU (CUDA; spec/pipeline.py too)
+    num_continuous_decode_steps: int = 1  # decode steps between looks for new prefills (SGLang's flag)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,11 @@ class Scheduler:
         self.running: list[Req] = []
         self.stats = SchedulerStats()
         self._inflight: InFlight | None = None
+        # --num-continuous-decode-steps: decode steps still owed before the next look for
+        # prefills (0: look at this step). Batching admissions saves the prefill steps that
+        # would otherwise cut in whenever one request of a large batch ends.
+        self.decode_streak = max(1, cfg.scheduler.num_continuous_decode_steps)
+        self._decodes_owed = 0
 
     def _build_device_state(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
         """Model, KV memory, speculative worker and CUDA graphs: everything that allocates on the device."""
@@ -138,8 +143,10 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------
     def step(self) -> list[TokenOut]:
         outs: list[TokenOut] = []
-        batch = self._prefill_batch()  # may run while an overlapped (plain or speculative) step is in flight
+        look = self._decodes_owed == 0 or not self.running
+        batch = self._prefill_batch() if look else None  # may run while an overlapped step is in flight
         if batch is None:
+            self._decodes_owed = (self._decodes_owed or self.decode_streak) - 1
             if self.spec is not None and self.running and self.spec.choose(len(self.running)):
                 return outs + self._drain() + self._spec_step()
             outs += self._land_spec()

@@ -164,6 +164,7 @@ def test_argparse_errors_raise_config_error(argv: list[str]) -> None:
     (["--page-size", "0"], "--page-size must be >= 1, got 0"),
     (["--context-length", "0"], "--context-length must be >= 1, got 0"),
     (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs must be >= 1, got 0"),
+    (["--num-continuous-decode-steps", "0"], "--num-continuous-decode-steps must be >= 1, got 0"),
     (["--cuda-graph-max-prefill-tokens", "-1"],
      "--cuda-graph-max-prefill-tokens must be >= 0 (0: prefill eagerly), got -1"),
     (["--torch-compile-max-bs", "0"], "--torch-compile-max-bs must be >= 1, got 0"),

@@ -77,6 +77,34 @@ def test_chunked_prefill_no_cache_and_retraction_give_identical_output(engine_no
     _assert_clean(other)
 
 
+def test_continuous_decode_steps_batch_admissions(engine_no_leak, smollm2_dir):
+    """--num-continuous-decode-steps 4: a request that arrives while another decodes is
+    admitted after that look's 4 decode steps, not at the next step; both answers are those
+    of admitting at every step."""
+    ids = [_chat(engine_no_leak, p) for p in PROMPTS[:2]]
+    expected = [engine_no_leak.generate(input_ids=one, sampling_params=GREEDY)["output_ids"] for one in ids]
+    other = Engine(str(smollm2_dir), log_level="warning", num_continuous_decode_steps=4)
+    sched, got = other.scheduler, {"a": [], "b": []}
+
+    def step() -> None:
+        for out in sched.step():
+            got[out.rid] += out.token_ids
+
+    sched.add_request(GenerateReq("a", ids[0], SamplingParams(temperature=0, max_new_tokens=24)))
+    step()  # a's prefill
+    step()  # a's first decode step: a look found nothing waiting, three more decode steps are owed
+    sched.add_request(GenerateReq("b", ids[1], SamplingParams(temperature=0, max_new_tokens=24)))
+    for _ in range(3):
+        step()
+        assert len(sched.running) == 1 and len(sched.waiting) == 1
+    step()  # the next look: b's prefill
+    assert len(sched.running) == 2 and not sched.waiting
+    while sched.has_work:
+        step()
+    assert [got["a"], got["b"]] == expected
+    _assert_clean(other)
+
+
 def test_stop_strings_stop_ids_and_max_tokens(engine_no_leak):
     ids = _chat(engine_no_leak, QUESTION)
     r = engine_no_leak.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 64,

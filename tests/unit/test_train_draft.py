@@ -509,7 +509,10 @@ def test_cli(tiny, tmp_path, capsys):
     assert "--time-limit must be positive" in capsys.readouterr().err
     args = ["--model", "m", "--output", "o", "--max-running-requests", "512", "--time-limit", "60"]
     cfg = config_from_args(build_parser().parse_args(args))
-    assert cfg.engine_args == {"max_running_requests": 512} and cfg.time_limit == 60 and cfg.turns == "first"
+    assert cfg.engine_args == {"max_running_requests": 512, "cuda_graph_max_bs": 512,
+                               "num_continuous_decode_steps": 16} and cfg.time_limit == 60 and cfg.turns == "first"
+    assert config_from_args(build_parser().parse_args(args + ["--num-continuous-decode-steps", "1"])) \
+        .engine_args["num_continuous_decode_steps"] == 1
     assert config_from_args(build_parser().parse_args(args + ["--turns", "all"])).turns == "all"
     assert config_from_args(build_parser().parse_args(args + ["--extra-temperatures", "0.7,1"])) \
         .extra_temperatures == (0.7, 1.0)
