@@ -21,6 +21,8 @@ from specserve.bench.prompts import mt_bench_first_turns
 from specserve.bench.report import report
 from specserve.bench.repetitive import repetitive_prompts
 
+WARM_TOKENS = 8  # a warm-up answer's length: past the first token, a few decode (or speculative) steps
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench spec")
@@ -49,14 +51,16 @@ def add_run_args(p: argparse.ArgumentParser, num_prompts: int, max_new_tokens: i
     p.add_argument("--output", default=output)
 
 
-def warm_up(engine, prompts: list[list[int]], bs: int) -> None:
-    """Run every prompt *reversed*, batched as the timed run will be, 2 tokens each: Triton
-    kernels compile for the shapes they will meet (block sizes depend on lengths, and a
-    compile takes ~1 s), while a proposer that learns from traffic (NGRAM) never sees a
-    benchmark prompt or its answer before the timed run."""
+def warm_up(engine, prompts: list[list[int]], bs: int, temperature: float = 0.0) -> None:
+    """Run every prompt *reversed*, batched as the timed run will be, a few tokens each and
+    at the timed run's temperature: Triton kernels compile for the paths and shapes they
+    will meet (block sizes depend on lengths, sampling has kernels of its own, and a
+    compile takes ~1 s: a T=1.0 run warmed up greedily once compiled its sampling kernels
+    inside the timed run, 12.9 s against 9.4), while a proposer that learns from traffic
+    (NGRAM) never sees a benchmark prompt or its answer before the timed run."""
     for i in range(0, len(prompts), bs):
         engine.generate(input_ids=[p[::-1] for p in prompts[i:i + bs]],
-                        sampling_params={"temperature": 0, "max_new_tokens": 2})
+                        sampling_params={"temperature": temperature, "max_new_tokens": WARM_TOKENS, "seed": 0})
     engine.scheduler.kv.flush_cache()
 
 
@@ -65,7 +69,7 @@ def timed_run(engine, prompts: list[list[int]], max_new: int, bs: int,
     """Warm up, then (seconds, results) of generation in batches of bs, no cross-batch cache
     hits: greedy, or sampled at `temperature` with prompt i seeded i (seeded sampling is
     reproducible, and speculative sampling reproduces it token for token)."""
-    warm_up(engine, prompts, bs)
+    warm_up(engine, prompts, bs, temperature)
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), bs):
         params = [{"temperature": temperature, "max_new_tokens": max_new, "seed": j}

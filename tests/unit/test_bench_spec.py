@@ -22,3 +22,24 @@ def test_bench_spec_rounds_report_medians_and_the_first_round(tmp_path, smollm2_
     assert row["speedup"] == sorted(row["round_speedups"])[1]  # the median of three paired ratios
     assert row["identical_outputs"] == 2 and row["accept_length"] >= 1.0
     assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
+
+
+def test_the_warm_up_samples_at_the_timed_temperature() -> None:
+    """A sampled run warms its sampling kernels up: the warm-up answers (reversed prompts,
+    a few tokens) use the timed run's temperature, so no compile falls inside the timing."""
+    from types import SimpleNamespace
+
+    from specserve.bench.spec_compare import WARM_TOKENS, timed_run
+
+    calls = []
+
+    def generate(input_ids, sampling_params):
+        calls.append((input_ids, sampling_params))
+        return [{"output_ids": [7], "meta_info": {}} for _ in input_ids]
+
+    engine = SimpleNamespace(generate=generate, scheduler=SimpleNamespace(kv=SimpleNamespace(flush_cache=lambda: None)))
+    timed_run(engine, [[1, 2, 3]], max_new=16, bs=1, temperature=1.0)
+    (warm_ids, warm), (ids, timed) = calls
+    assert warm_ids == [[3, 2, 1]] and ids == [[1, 2, 3]]
+    assert warm["temperature"] == 1.0 and warm["max_new_tokens"] == WARM_TOKENS > 2
+    assert timed[0]["temperature"] == 1.0 and timed[0]["max_new_tokens"] == 16
