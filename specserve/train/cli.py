@@ -18,9 +18,9 @@ from specserve.train.trainer import TrainConfig, TrainResult, train_draft
 
 _ALGORITHMS = {"EAGLE3": "EAGLE3", "EAGLE": "EAGLE", "EAGLE2": "EAGLE"}  # EAGLE2 spells EAGLE-2
 _DEFAULT_DRAFT_VOCAB = 32000
-# Regeneration's decode steps between admissions. With 512 answers running, about two end at
-# each step; admitting their replacements at once made every third step a prefill (H200,
-# dummy SmolLM2 weights, 2048 prompts: 13.7k tok/s, against 25.6k with 16 steps between looks).
+# Regeneration's decode steps between admissions. With 512 answers running about two end at
+# each step, and admitting their replacements at once made a third of the steps prefills
+# (H200, dummy SmolLM2 weights, 2048 staggered answers: 634 of 1709 steps; 46 of 1151 with 16).
 REGEN_DECODE_STEPS = 16
 
 EXAMPLE = """example (the shipped SmolLM2-135M head's first run, on one H100: ~17 min to regenerate 41.8k answers,
@@ -31,12 +31,14 @@ at ~80k tok/s in 7.5 min, 17.4 GiB peak; held-out acc per TTT step 0.61 0.58 0.5
       --shard-size 1024 --max-running-requests 256 --draft-vocab-size 16384 --ttt-steps 5 \\
       --batch-tokens 16384 --max-steps 2400 --save-every 200
 (on a machine lent for a few minutes at a time add --time-limit SECONDS, rerun with --resume)
-then the shipped head's second run, on greedy answers to every turn (H200: 7 min to regenerate 19k
-answers, 5.4M tokens; 1800 steps in 5.4 min; held-out acc 0.815 0.792 0.783 0.769 0.754):
+then three more runs, each from the head before it (--init-from), on answers to every turn: the
+shipped head's fourth run (H200: 5 min 46 s for 26.5k answers at T=0.7, the greedy ones copied from
+the third run; 2400 steps in 7 min; held-out acc on greedy and T=0.7 answers 0.758 0.733 0.721 0.711
+0.699; the README gives every run's command):
   specserve train-draft --model smollm2-135m --algorithm EAGLE3 --output heads/smollm2-eagle3-ft \\
-      --init-from heads/smollm2-eagle3 --turns all --seed 1 --num-prompts 19000 --max-new-tokens 384 \\
-      --max-seq-len 1024 --shard-size 2048 --max-running-requests 512 --ttt-steps 5 \\
-      --batch-tokens 16384 --max-steps 1800 --save-every 300 --lr 5e-4
+      --init-from heads/r3 --turns all --seed 2 --num-prompts 27000 --max-new-tokens 384 \\
+      --max-seq-len 1536 --shard-size 4419 --extra-temperatures 0.7 --max-running-requests 512 \\
+      --ttt-steps 5 --batch-tokens 16384 --max-steps 2400 --save-every 300 --lr 3e-4
 then serve with:
   specserve serve --model smollm2-135m --speculative-algorithm EAGLE3 \\
       --speculative-draft-model-path heads/smollm2-eagle3-ft"""
