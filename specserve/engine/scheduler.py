@@ -54,7 +54,7 @@ class Scheduler:
         # --num-continuous-decode-steps: decode steps still owed before the next look for
         # prefills (0: look at this step). Batching admissions saves the prefill steps that
         # would otherwise cut in whenever one request of a large batch ends.
-        self.decode_streak = max(1, cfg.scheduler.num_continuous_decode_steps)
+        self.continuous_decode_steps = max(1, cfg.scheduler.num_continuous_decode_steps)
         self._decodes_owed = 0
 
     def _build_device_state(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
@@ -146,7 +146,7 @@ class Scheduler:
         look = self._decodes_owed == 0 or not self.running
         batch = self._prefill_batch() if look else None  # may run while an overlapped step is in flight
         if batch is None:
-            self._decodes_owed = (self._decodes_owed or self.decode_streak) - 1
+            self._decodes_owed = (self._decodes_owed or self.continuous_decode_steps) - 1
             if self.spec is not None and self.running and self.spec.choose(len(self.running)):
                 return outs + self._drain() + self._spec_step()
             outs += self._land_spec()
