@@ -8,7 +8,8 @@
   its final norm scaled up so its greedy choices are confident): regenerate answers with
   the Engine, train, and the written head loads, drafts losslessly, and is accepted far
   more often than a random head of the same layout.
-* The draft vocabulary / d2t / t2d, the prompt filters, resuming, and the CLI's errors.
+* The draft vocabulary / d2t / t2d, resuming, --init-from and --time-limit (the prompt
+  filters and the CLI's flags: test_train_cli.py).
 """
 from __future__ import annotations
 
@@ -18,12 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from specserve import Engine
 from specserve.attention.torch_ref import TorchRefBackend
-from specserve.bench.prompts import MT_BENCH
 from specserve.cache.kv_pool import KVPool
 from specserve.cache.req_table import ReqToTokenTable
 from specserve.cli import main as specserve_main
@@ -33,64 +31,24 @@ from specserve.models.loader import load_model, read_hf_config
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.train import trainer
 from specserve.train.cli import build_parser, config_from_args
-from specserve.train.data import decode_truncated_array, load_chats
 from specserve.train.draft import (EAGLE2, EAGLE3, build_draft, default_aux_layers, head_config, save_head,
                                    unroll)
 from specserve.train.features import Teacher
 from specserve.train.loss import answer_rows
 from specserve.train.batching import split_validation
-from specserve.train.regen import RegenConfig, choose_prompts, load_sequences, regenerate
+from specserve.train.regen import RegenConfig, load_sequences, regenerate
 from specserve.train.trainer import TrainConfig, train_draft
 from specserve.train.vocab import answer_token_counts, build_draft_vocab
-from tests.unit.model_utils import save_tiny_hf
+from tests.unit.train_utils import VOCAB, make_tiny
 
 CPU, F32 = torch.device("cpu"), torch.float32
-VOCAB = 512
-WORDS = ("what is the capital of france write a haiku about rain explain gravity simply list three fruits "
-         "how do i boil an egg name famous painter count to five say hello tell me story").split()
-PROMPTS = ["What is the capital of France?", "write a haiku about rain", "explain gravity simply",
-           "list three fruits", "how do I boil an egg", "name a famous painter", "count to five",
-           "say hello", "tell me a story about rain", "what is gravity"]
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
 SPEC = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
 
 
-# -- a tiny target with its own tokenizer -----------------------------------------------------
-
-def _word_tokenizer(path: Path) -> None:
-    """A WordLevel tokenizer of exactly VOCAB ids (ChatML specials, our words, fillers)."""
-    vocab = ["<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"] + list(dict.fromkeys(WORDS))
-    vocab += [f"w{i}" for i in range(VOCAB - len(vocab))]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-
-
-def _sharpen(path: Path, factor: float) -> None:
-    """Scale the final norm: logits x factor, so the random model's greedy choices are clear."""
-    t = read_tensors(path)
-    t["model.norm.weight"] = t["model.norm.weight"] * factor
-    save_file(t, path / "model.safetensors", metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_draft")
-    target = save_tiny_hf("llama", root / "target", vocab_size=VOCAB, max_position_embeddings=256,
-                          num_hidden_layers=4)
-    _sharpen(target, 30.0)
-    _word_tokenizer(target)
-    data = root / "prompts.jsonl"
-    bench = json.loads(MT_BENCH.read_text().splitlines()[0])["turns"][0]
-    rows = [{"prompt": p} for p in PROMPTS] + [
-        {"prompt": "  " + bench.upper().replace(" ", "   ") + " "},  # an MT-bench question: dropped
-        {"conversations": [{"from": "human", "value": f"please answer: {bench}"}]},  # contains one: dropped
-        {"messages": [{"role": "user", "content": PROMPTS[0].lower()}]},  # a duplicate: dropped
-    ]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root, target, data
+    return make_tiny(tmp_path_factory.mktemp("train_draft"))
 
 
 def _config(tiny, out: Path, algorithm: str = EAGLE3, **kw) -> TrainConfig:
@@ -449,73 +407,3 @@ def test_extra_temperatures_add_seeded_sampled_answers(tiny, eagle3_run, tmp_pat
         regenerate(old, cfg, make)  # extra answers into a greedy-only directory
     with pytest.raises(ValueError, match="turns: 'first' there, 'all' now"):
         regenerate(old, RegenConfig(str(target), str(data), 8, 24, 128, turns="all"), make)
-
-
-# -- data and command line ---------------------------------------------------------------------
-
-def test_prompts_skip_benchmark_questions_and_duplicates(tiny):
-    _, _, data = tiny
-    assert load_chats(str(data)) == [[{"role": "user", "content": p}] for p in PROMPTS]
-    truncated = '[{"a": 1}, {"b": [2, 3]},\n {"c": "cut here'
-    assert decode_truncated_array(truncated) == [{"a": 1}, {"b": [2, 3]}]
-    assert decode_truncated_array('[{"a": 1} ]') == [{"a": 1}]
-
-
-def test_all_turns_are_prompts_with_their_conversation_before_them(tiny, tmp_path):
-    """turns="all": one chat per user turn, the record's earlier turns (roles mapped, empty
-    ones left out) before it; a chat is dropped when any of its user turns holds an MT-bench
-    question, and "first" keeps the first user turns alone. Each chosen prompt's ids are
-    the chat template of its whole chat."""
-    _, target, _ = tiny
-    bench = json.loads(MT_BENCH.read_text().splitlines()[1])["turns"][0]
-    u, a = (lambda t: {"role": "user", "content": t}), (lambda t: {"role": "assistant", "content": t})
-    sharegpt = lambda *turns: {"conversations": [{"from": f, "value": v} for f, v in turns]}  # noqa: E731
-    rows = [sharegpt(("human", "say hello"), ("gpt", "hello"), ("human", "count to five"), ("gpt", "  "),
-                     ("human", "list three fruits")),
-            sharegpt(("gpt", "what is gravity"), ("human", "explain gravity simply"), ("tool", "x")),
-            sharegpt(("human", "name a famous painter"), ("gpt", "rain"), ("human", f"now: {bench}"),
-                     ("gpt", "five"), ("human", "write a haiku about rain")),
-            {"messages": [{"role": "user", "content": "say hello"}]}]  # the same chat as row 0's first
-    data = tmp_path / "turns.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    chats = load_chats(str(data), "all")
-    assert chats == [[u("say hello")], [u("say hello"), a("hello"), u("count to five")],
-                     [u("say hello"), a("hello"), u("count to five"), u("list three fruits")],
-                     [a("what is gravity"), u("explain gravity simply")], [u("name a famous painter")]]
-    assert load_chats(str(data)) == [[u(p)] for p in ("say hello", "explain gravity simply",
-                                                      "name a famous painter")]
-    with pytest.raises(ValueError, match="turns must be one of"):
-        load_chats(str(data), "last")
-    tok = Engine(str(target), device="cpu", log_level="warning").tokenizer
-    chosen = choose_prompts(chats, tok, RegenConfig(str(target), str(data), 3, 8, 128, turns="all"))
-    assert len(chosen) == 3 and all(c["messages"] in chats for c in chosen)
-    assert all(c["ids"] == tok.encode_chat(c["messages"]) for c in chosen)
-    assert len({len(c["ids"]) for c in chosen}) > 1
-
-
-def test_cli(tiny, tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        specserve_main(["train-draft", "--help"])
-    assert e.value.code == 0 and "--ttt-steps" in capsys.readouterr().out
-    base = ["train-draft", "--model", str(tiny[1]), "--output", str(tmp_path / "o")]
-    with pytest.raises(SystemExit) as e:
-        specserve_main(base + ["--algorithm", "MEDUSA"])
-    assert e.value.code == 2 and "unsupported algorithm 'MEDUSA'" in capsys.readouterr().err
-    assert specserve_main(base + ["--algorithm", "EAGLE", "--draft-vocab-size", "64"]) == 2
-    assert "EAGLE3 only" in capsys.readouterr().err
-    assert specserve_main(base + ["--resume", "--device", "cpu"]) == 2
-    assert "no train_state.pt" in capsys.readouterr().err
-    assert specserve_main(base + ["--time-limit", "0"]) == 2
-    assert "--time-limit must be positive" in capsys.readouterr().err
-    args = ["--model", "m", "--output", "o", "--max-running-requests", "512", "--time-limit", "60"]
-    cfg = config_from_args(build_parser().parse_args(args))
-    assert cfg.engine_args == {"max_running_requests": 512, "cuda_graph_max_bs": 512,
-                               "num_continuous_decode_steps": 16} and cfg.time_limit == 60 and cfg.turns == "first"
-    assert config_from_args(build_parser().parse_args(args + ["--num-continuous-decode-steps", "1"])) \
-        .engine_args["num_continuous_decode_steps"] == 1
-    assert config_from_args(build_parser().parse_args(args + ["--turns", "all"])).turns == "all"
-    assert config_from_args(build_parser().parse_args(args + ["--extra-temperatures", "0.7,1"])) \
-        .extra_temperatures == (0.7, 1.0)
-    with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(args + ["--extra-temperatures", "0,1"])
-    assert e.value.code == 2 and "must be in (0, 100]" in capsys.readouterr().err
