@@ -34,7 +34,7 @@ import torch
 from specserve.args import positive_int
 from specserve.bench.prompts import MT_BENCH
 from specserve.bench.report import report
-from specserve.bench.spec_compare import _spec_kwargs, timed_run
+from specserve.bench.spec_compare import WARM_TOKENS, _spec_kwargs, timed_run
 
 if TYPE_CHECKING:
     from specserve import Engine
@@ -243,10 +243,11 @@ def hf_batches(model: torch.nn.Module, prompts: list[list[int]], max_new: int, b
 
 
 def hf(model: torch.nn.Module, max_new: int, bs: int, eos: list[int], temperature: float = 0.0) -> Generate:
-    """transformers, warmed up like our engines (every prompt reversed, 2 tokens, same batching)."""
+    """transformers, warmed up like our engines (every prompt reversed, WARM_TOKENS tokens at the
+    timed temperature, same batching)."""
     def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], int]:
         with torch.inference_mode():
-            hf_batches(model, [p[::-1] for p in prompts], 2, bs, eos, temperature)
+            hf_batches(model, [p[::-1] for p in prompts], WARM_TOKENS, bs, eos, temperature)
             start = time.perf_counter()
             outs = hf_batches(model, prompts, max_new, bs, eos, temperature)
         return time.perf_counter() - start, outs, (0, 0)
