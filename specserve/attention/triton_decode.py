@@ -117,8 +117,9 @@ def _reduce_kernel(MidO, MidLse, Out, heads, stride_mb, stride_mh, stride_ms, st
                    stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     """out[b, h] = sum_s 2^lse_s o_s / sum_s 2^lse_s for BLOCK_H heads of row b (split 0
-    is never empty). An empty split (lse -inf) weighs 0 and its o, never written, is not
-    read."""
+    is never empty). An empty split (lse -inf) weighs 0; its o, never written, is loaded
+    with the others and dropped by a select (a load masked by lse would wait for lse's
+    load first: two L2 round trips in series, 35 times a step)."""
     wait_and_release(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -131,8 +132,8 @@ def _reduce_kernel(MidO, MidLse, Out, heads, stride_mb, stride_mh, stride_ms, st
     top = tl.where(mask_h, tl.max(lse, 1), 0.0)  # a head past `heads` has no split: keep its row finite
     w = tl.exp2(lse - top[:, None])  # empty splits weigh 0
     o = tl.load(MidO + b * stride_mb + h[:, None, None] * stride_mh + offs_s[None, :, None] * stride_ms
-                + offs_d[None, None, :], mask=(hs & (lse > float("-inf")))[:, :, None] & mask_d[None, None, :],
-                other=0.0)
+                + offs_d[None, None, :], mask=hs[:, :, None] & mask_d[None, None, :], other=0.0)
+    o = tl.where((lse > float("-inf"))[:, :, None], o, 0.0)  # an empty split's o is whatever was there
     out = tl.sum(w[:, :, None] * o, 1) / tl.where(mask_h, tl.sum(w, 1), 1.0)[:, None]
     tl.store(Out + b * stride_ob + h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=mask_h[:, None] & mask_d[None, :])

@@ -81,6 +81,25 @@ def test_decode_ragged_lengths(heads, kv_heads, dim, splits, dtype):
     _check([0, 70, 140, 9], [1, 1, 1, 1], heads, kv_heads, dim, dtype, mode=ForwardMode.DECODE, splits=splits)
 
 
+def test_split_merge_ignores_what_empty_splits_left():
+    # an empty split writes lse -inf and no o: the merge loads its o with the others' and
+    # must drop it, whatever the memory held (NaN here)
+    from specserve.attention.triton_decode import reduce_splits
+    g = torch.Generator().manual_seed(3)
+    rows, heads, splits, dim = 3, 6, 16, 24
+    mid = torch.randn(rows, heads, splits, dim, generator=g)
+    lse = torch.randn(rows, heads, splits, generator=g) * 4
+    live = torch.tensor([1, 5, 16])  # non-empty splits per row: the first ones
+    for r, n in enumerate(live.tolist()):
+        mid[r, :, n:] = float("nan")
+        lse[r, :, n:] = float("-inf")
+    w = torch.exp2(lse - lse.amax(-1, keepdim=True))
+    ref = (w[..., None] * torch.nan_to_num(mid)).sum(2) / w.sum(-1, keepdim=True)
+    out = torch.empty(rows, heads, dim, device=DEV)
+    reduce_splits(mid.to(DEV), lse.to(DEV), out, splits)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (4, 4, 32), (4, 2, 64), (2, 1, 24)])
 def test_extend_ragged_with_and_without_prefix(heads, kv_heads, dim, dtype):
