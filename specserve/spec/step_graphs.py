@@ -146,6 +146,7 @@ class StepGraphs:
         # per replay of size b: table rows io[:b], then verify slots io[b:b + b*N] (one copy)
         self.io = torch.zeros(max_bs * (n + 1), dtype=torch.int64, device=dev)
         self.kv_len = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # before the step; after, once replayed
+        self.row_start = torch.zeros(2 * max_bs, dtype=torch.int64, device=dev)  # [rows, kv_len before], the prologue's
         # sampled steps: per request temperature and greedy (0/1); seed and output-index offset
         self.floats = torch.ones(2, max_bs, dtype=torch.float32, device=dev)
         self.ints = torch.zeros(2, max_bs, dtype=torch.int64, device=dev)
@@ -256,8 +257,9 @@ class StepGraphs:
         prefix32 = self._prefix32.get(n)
         prefix32 = prefix32[:b] if prefix32 is not None else None
         # a padding request starts at position 0 and output index 0; the table block; positions
+        row_start = self.row_start[:2 * b]
         positions = verify_prologue(rows, kv_len, self.ints[1, :b], slots.view(b, n), drafts.tree_mask(), table,
-                                    self.pad_row, prefix32)
+                                    self.pad_row, prefix32, row_start)
         fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, slots, rows,
                                              prefix32 if prefix32 is not None else kv_len, drafts.tree_mask(),
                                              table.table)
@@ -267,9 +269,9 @@ class StepGraphs:
         if sampled:
             logits = gumbel_targets(logits, self._sampling(b, kv_len), drafts.depths())
         packed, walk = walk_greedy(drafts, logits, None)
-        # row_start copies kv_len before the commit; kv_len and the trees, read above by the
+        # row_start holds kv_len before the commit; kv_len and the trees, read above by the
         # verify and the walk, are the next replay's from here on (written in place)
-        self.proposer.draft_ahead_inline(walk, features.view(b, n, -1), slots.view(b, n), torch.cat([rows, kv_len]),
+        self.proposer.draft_ahead_inline(walk, features.view(b, n, -1), slots.view(b, n), row_start,
                                          t.scratch[:, :b * k], t.drafter, kv_len,
                                          (t.tokens[:b], t.parents[:b], t.mask[:b]))
         return packed
