@@ -85,6 +85,39 @@ def test_fast_speculation_stays_on_and_plain_is_probed_within_the_budget():
     assert gov.rates(64) == (None, None)  # another batch size is measured on its own
 
 
+def _switching(gov: SpecGovernor, steps: int) -> tuple[list[bool], float, int]:
+    """Batch 1, speculation chosen (3 tokens a 1 ms step) over plain steps (1 token in
+    0.5 ms); a switch into either mode costs what a steady model of steps does not see:
+    a plain run's warm-up steps take 0.8 ms, and a speculative run's first step 1.5 ms
+    and lands nothing (its tokens land with the second). Returns (modes, seconds, tokens)."""
+    modes, seconds, tokens = [], 0.0, 0
+    for _ in range(steps):
+        spec = gov.speculate(1)
+        modes.append(spec)
+        switched = _warm(modes)
+        run = next((i for i, m in enumerate(reversed(modes)) if m != spec), len(modes))
+        if spec:
+            cost, got = (1.5e-3, 0) if run == 1 and len(modes) > 1 else (1e-3, 3)
+        else:
+            cost, got = (0.8e-3 if switched else 0.5e-3), 1
+        gov.record(1, spec, got, cost, switched=switched)
+        seconds, tokens = seconds + cost, tokens + got
+    return modes, seconds, tokens
+
+
+def test_a_probe_is_priced_with_its_switches():
+    """A plain probe's three steps lose 0.5 ms against speculation, but with the switches
+    in and back the episode loses 2.6 ms (4.6 ms for 6 tokens that speculation commits
+    in 2). Priced by its steps alone, probes took 5% of the time (379 of them); priced by
+    their episodes, 1.0% (78), the budget, and plain is still probed."""
+    gov = SpecGovernor(True, probe_every=8)
+    modes, seconds, tokens = _switching(gov, 20000)
+    probes = _probe_starts(modes, mode=False)
+    lost = seconds - tokens / 3000.0  # beyond speculating all along at 3 tokens a ms
+    assert len(probes) >= 10 and lost / seconds < 0.013, (len(probes), lost / seconds)
+    assert gov._probe_cost[(1, True)] == pytest.approx(2.6e-3)
+
+
 def test_a_new_bucket_starts_with_its_nearest_measured_buckets_choice():
     gov = SpecGovernor(True, probe_every=8)
     assert gov.speculate(48)  # nothing measured anywhere: speculation first
@@ -280,9 +313,9 @@ def test_noisy_batch_one_acceptance_settles_on_the_faster_mode(spec_ms, want_spe
 
 def test_a_clearly_slower_mode_is_probed_rarely_but_a_close_call_often():
     """Speculation 1.4x slower (batch 64 on H100) is probed as 1% of the time pays for a
-    probe; 1.1x slower costs so little to probe that it is probed every probe_every steps
-    (its estimate must keep up)."""
-    for plain_rate, gap in ((1400.0, 121), (1100.0, 30)):
+    probe; 1.08x slower costs so little to probe that it is probed every probe_every steps
+    (32: a gap of 29 steps after a probe's 3; its estimate must keep up)."""
+    for plain_rate, gap in ((1400.0, 121), (1080.0, 29)):
         gov = SpecGovernor(True, probe_every=32)
         modes = _measure(gov, 64, spec_rate=1000.0, plain_rate=plain_rate, steps=600)
         starts = _probe_starts(modes)  # probes of 3 steps
