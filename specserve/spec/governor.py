@@ -24,8 +24,8 @@ ratios; with no measured bucket it measures speculation first (TRUSTED samples).
 loss is what its steps cost beyond the chosen mode's rate, but also the switches into the
 other mode and back (a pipeline drained and restarted, a draft extended over the plain
 steps), which a model of steady steps does not see: so each bucket measures its probes'
-whole episodes, switch-backs included (`_episode`), and prices the next by the larger of
-the two. At batch 1 (H100, SmolLM2 + EAGLE-3, MT-bench) the governor's probes had cost
+whole episodes, the drains at both switches and the steps back up to speed included
+(`_episode`), and prices the next by the larger of the two. At batch 1 (H100, SmolLM2 + EAGLE-3, MT-bench) the governor's probes had cost
 ~4% of EAGLE-3's speed, priced at a third of that (3767-3837 tok/s, 3923 off). The worker
 times a step from its start to the next step's start, so the engine's own per-step work
 (outputs, detokenization) is counted, not only the forward and read-back; it records a
@@ -168,8 +168,11 @@ class SpecGovernor:
     def _rank(self, b: int) -> int:
         return bisect.bisect_left(self._ladder, b)  # position on the ladder
 
-    def record(self, bs: int, speculated: bool, tokens: int, seconds: float, switched: bool = False) -> None:
-        """One step over `bs` requests committed `tokens` in `seconds`; `switched`: it is
+    def record(self, bs: int, speculated: bool, tokens: int, seconds: float, switched: bool = False,
+               drained: float = 0.0) -> None:
+        """One step over `bs` requests committed `tokens` in `seconds`; `drained`: seconds
+        the worker drained the other mode's queued work before it (a switch), charged to no
+        mode's rate but to the probe it belongs to; `switched`: it is
         one of the first WARM_STEPS of a run of its mode. Such a step is not a sample. The
         first pays for the switch (the other mode's queued work drained, no tree drafted
         ahead of a verify, no decode step overlapping a plain one): as a probe's only step
@@ -192,7 +195,7 @@ class SpecGovernor:
             self._since[b] = self._since.get(b, 0.0) + seconds
         if probe_step or (switched and b in self._episode):
             episode = self._episode.setdefault(b, [0.0, 0.0])
-            episode[0] += seconds
+            episode[0] += seconds + drained
             episode[1] += tokens / bs
         elif b in self._episode:  # the chosen mode's first steady step: the probe is over
             self._close_episode(b, speculated)
