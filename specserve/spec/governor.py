@@ -20,13 +20,7 @@ luck at batch 1) makes the next probe due `probe_every` steps on, so the window 
 A bucket not measured yet starts with the mode its nearest measured bucket prefers (batch
 sizes pass through many buckets as requests finish, and measuring the slower mode first in
 each is what exploration would otherwise cost), and prices its probes with that bucket's
-ratios; with no measured bucket it measures speculation first (TRUSTED samples). A probe's
-loss is what its steps cost beyond the chosen mode's rate, but also the switches into the
-other mode and back (a pipeline drained and restarted, a draft extended over the plain
-steps), which a model of steady steps does not see: so each bucket measures its probes'
-whole episodes, the drains at both switches and the steps back up to speed included
-(`_episode`), and prices the next by the larger of the two. At batch 1 (H100, SmolLM2 + EAGLE-3, MT-bench) the governor's probes had cost
-~4% of EAGLE-3's speed, priced at a third of that (3767-3837 tok/s, 3923 off). The worker
+ratios; with no measured bucket it measures speculation first (TRUSTED samples). The worker
 times a step from its start to the next step's start, so the engine's own per-step work
 (outputs, detokenization) is counted, not only the forward and read-back; it records a
 step once the next one has been decided, so `record` recognises the probe by its mode.
@@ -86,10 +80,6 @@ class SpecGovernor:
         self._eager: set[int] = set()  # buckets whose last probe beat the choice: the next is due soon
         self._probing: dict[int, bool] = {}  # bucket -> the choice a probe in flight tests
         self._probe_left: dict[int, int] = {}  # bucket -> steps of that probe still to run
-        # bucket -> [seconds, tokens per request] of the probe under way, from its first
-        # step through the chosen mode's warm-up steps after it
-        self._episode: dict[int, list[float]] = {}
-        self._probe_cost: dict[tuple[int, bool], float] = {}  # (bucket, chosen) -> measured seconds a probe lost
         self._ladder = capture_sizes(4096)
 
     def _bucket(self, bs: int) -> int:
@@ -160,7 +150,7 @@ class SpecGovernor:
         step = self._time[(b, other)] if ref == b else \
             self._time[(b, best)] * self._time[(ref, other)] / self._time[(ref, best)]
         slower = max(0.0, 1.0 - self._rate[(ref, other)] / self._rate[(ref, best)])
-        return max(self.probe_steps * step * slower, self._probe_cost.get((b, best), 0.0))
+        return self.probe_steps * step * slower
 
     def _trusted(self, b: int) -> bool:
         return all(len(self._samples.get((b, mode), ())) >= TRUSTED for mode in (True, False))
@@ -168,11 +158,8 @@ class SpecGovernor:
     def _rank(self, b: int) -> int:
         return bisect.bisect_left(self._ladder, b)  # position on the ladder
 
-    def record(self, bs: int, speculated: bool, tokens: int, seconds: float, switched: bool = False,
-               drained: float = 0.0) -> None:
-        """One step over `bs` requests committed `tokens` in `seconds`; `drained`: seconds
-        the worker drained the other mode's queued work before it (a switch), charged to no
-        mode's rate but to the probe it belongs to; `switched`: it is
+    def record(self, bs: int, speculated: bool, tokens: int, seconds: float, switched: bool = False) -> None:
+        """One step over `bs` requests committed `tokens` in `seconds`; `switched`: it is
         one of the first WARM_STEPS of a run of its mode. Such a step is not a sample. The
         first pays for the switch (the other mode's queued work drained, no tree drafted
         ahead of a verify, no decode step overlapping a plain one): as a probe's only step
@@ -193,12 +180,6 @@ class SpecGovernor:
         probe_step = b in self._probing and self._probing[b] != speculated
         if not probe_step:
             self._since[b] = self._since.get(b, 0.0) + seconds
-        if probe_step or (switched and b in self._episode):
-            episode = self._episode.setdefault(b, [0.0, 0.0])
-            episode[0] += seconds + drained
-            episode[1] += tokens / bs
-        elif b in self._episode:  # the chosen mode's first steady step: the probe is over
-            self._close_episode(b, speculated)
         if switched or tokens <= 0:
             return
         key = (b, speculated)
@@ -231,16 +212,6 @@ class SpecGovernor:
                 if self._rate[key] <= chosen:
                     self._eager.add(b)
 
-    def _close_episode(self, b: int, chosen: bool) -> None:
-        """A probe and its switch back are over: what they cost beyond the chosen mode's
-        rate for the tokens they committed (averaged with the last episode's)."""
-        seconds, tokens = self._episode.pop(b)
-        rate = self._rate.get((b, chosen))
-        if rate:
-            cost = max(0.0, seconds - tokens / rate)
-            last = self._probe_cost.get((b, chosen))
-            self._probe_cost[(b, chosen)] = cost if last is None else (last + cost) / 2
-
     def unmeasured(self, bs: int, speculated: bool) -> None:
         """A step that `speculate` decided will not be recorded (other work ran before the
         next step, so its cost is unknown). If it was a probe, the next step probes again:
@@ -248,7 +219,6 @@ class SpecGovernor:
         where each request's last step precedes the next one's prefill, the governor
         then stayed on plain decoding for good)."""
         b = self._bucket(bs)
-        self._episode.pop(b, None)  # its cost is not known either
         if self._probing.get(b, speculated) != speculated:
             self._probing.pop(b)
             self._probe_left.pop(b, None)

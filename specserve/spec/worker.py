@@ -70,12 +70,11 @@ class SpecWorker:
         adaptive = spec.adaptive == "on" or (spec.adaptive == "auto" and runner.device.type == "cuda")
         self.governor = SpecGovernor(adaptive)
         # the last step: (bs, speculated, tokens, start, switched: one of the first WARM_STEPS of its mode)
-        self._open: tuple[int, bool, int, float, bool, float] | None = None
+        self._open: tuple[int, bool, int, float, bool] | None = None
         self._start = 0.0  # when the step `choose` was asked about started
         self._last_mode: bool | None = None  # the mode of the last decode step
         self._run = 0  # decode steps in that mode since it was last chosen
         self._switched = False  # the step `choose` was asked about is one of its mode's first
-        self._paused = 0.0  # seconds of the drain `choose` ran before that step (a mode switch)
         self._drained = 0  # tokens a drain landed since the last step was opened (see `drain`)
         # Leave greedy EAGLE steps in flight (pipeline.py); the scheduler sets it on CUDA
         # once the verify graphs exist (tests force it on the CPU)
@@ -113,12 +112,9 @@ class SpecWorker:
         # mode costs in a run of them. Charged to it, the drain (a pipelined step's whole
         # next step) halved speculation's first rate at batch 1, and a fresh engine then
         # ran ~35 plain steps before its first probe (H100, SmolLM2 + EAGLE-3)
-        now = self.governor.clock()
-        self._close_last_step(now)
-        self._paused = 0.0
+        self._close_last_step(self.governor.clock())
         if drain:
             self._drain()
-            self._paused = self.governor.clock() - now
         self._start = self.governor.clock()
         self._run = self._run + 1 if self._last_mode == speculate else 1
         self._switched = self._run <= WARM_STEPS  # not yet a run's steady pace (governor.py)
@@ -138,7 +134,7 @@ class SpecWorker:
             assert self._inflight is None, "drain the step in flight first"
             landed, tokens = reqs, self._speculative_step(reqs)
         tokens, self._drained = tokens + self._drained, 0
-        self._open = (len(reqs), True, tokens, self._start, self._switched, self._paused)
+        self._open = (len(reqs), True, tokens, self._start, self._switched)
         return landed
 
     @property
@@ -272,7 +268,7 @@ class SpecWorker:
         self._drained = 0  # speculative tokens are no sample of a plain step
         for req in reqs:
             self._record(req, 1, drafted=False)
-        self._open = (len(reqs), False, len(reqs), self._start, self._switched, self._paused)
+        self._open = (len(reqs), False, len(reqs), self._start, self._switched)
 
     def _drain(self) -> None:
         """At a mode switch: GPU work a step queued after its read-back (EAGLE's draft
@@ -286,8 +282,8 @@ class SpecWorker:
         start: its forward and read-back, and the engine's work on its outputs (per token,
         so it weighs more on plain steps than the step alone shows)."""
         if self._open is not None:
-            bs, speculated, tokens, start, switched, paused = self._open
-            self.governor.record(bs, speculated, tokens, now - start, switched=switched, drained=paused)
+            bs, speculated, tokens, start, switched = self._open
+            self.governor.record(bs, speculated, tokens, now - start, switched=switched)
         self._open = None
 
     def _speculative_step(self, reqs: list[Req]) -> int:

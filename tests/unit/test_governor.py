@@ -85,41 +85,6 @@ def test_fast_speculation_stays_on_and_plain_is_probed_within_the_budget():
     assert gov.rates(64) == (None, None)  # another batch size is measured on its own
 
 
-def _switching(gov: SpecGovernor, steps: int) -> tuple[list[bool], float, int]:
-    """Batch 1, speculation chosen (3 tokens a 1 ms step) over plain steps (1 token in
-    0.5 ms); a switch into either mode costs what a steady model of steps does not see:
-    a drain of 0.3 ms before its first step, a plain run's warm-up steps take 0.8 ms, and
-    a speculative run's first step 1.5 ms and lands nothing (its tokens land with the
-    second). Returns (modes, seconds, tokens)."""
-    modes, seconds, tokens = [], 0.0, 0
-    for _ in range(steps):
-        spec = gov.speculate(1)
-        modes.append(spec)
-        switched = _warm(modes)
-        run = next((i for i, m in enumerate(reversed(modes)) if m != spec), len(modes))
-        drained = 0.3e-3 if run == 1 and len(modes) > 1 else 0.0
-        if spec:
-            cost, got = (1.5e-3, 0) if run == 1 and len(modes) > 1 else (1e-3, 3)
-        else:
-            cost, got = (0.8e-3 if switched else 0.5e-3), 1
-        gov.record(1, spec, got, cost, switched=switched, drained=drained)
-        seconds, tokens = seconds + cost + drained, tokens + got
-    return modes, seconds, tokens
-
-
-def test_a_probe_is_priced_with_its_switches():
-    """A plain probe's three steps lose 0.5 ms against speculation, but with the switches
-    in and back the episode loses 3.2 ms (5.2 ms, drains included, for 6 tokens that
-    speculation commits in 2). Priced by its steps alone, probes took 6% of the time;
-    priced by their episodes, about the 1% budget, and plain is still probed."""
-    gov = SpecGovernor(True, probe_every=8)
-    modes, seconds, tokens = _switching(gov, 20000)
-    probes = _probe_starts(modes, mode=False)
-    lost = seconds - tokens / 3000.0  # beyond speculating all along at 3 tokens a ms
-    assert len(probes) >= 10 and lost / seconds < 0.013, (len(probes), lost / seconds)
-    assert gov._probe_cost[(1, True)] == pytest.approx(3.2e-3)
-
-
 def test_a_new_bucket_starts_with_its_nearest_measured_buckets_choice():
     gov = SpecGovernor(True, probe_every=8)
     assert gov.speculate(48)  # nothing measured anywhere: speculation first
@@ -330,9 +295,9 @@ def test_noisy_batch_one_acceptance_settles_on_the_faster_mode(spec_ms, want_spe
 
 def test_a_clearly_slower_mode_is_probed_rarely_but_a_close_call_often():
     """Speculation 1.4x slower (batch 64 on H100) is probed as 1% of the time pays for a
-    probe; 1.08x slower costs so little to probe that it is probed every probe_every steps
-    (32: a gap of 29 steps after a probe's 3; its estimate must keep up)."""
-    for plain_rate, gap in ((1400.0, 121), (1080.0, 29)):
+    probe; 1.1x slower costs so little to probe that it is probed every probe_every steps
+    (its estimate must keep up)."""
+    for plain_rate, gap in ((1400.0, 121), (1100.0, 30)):
         gov = SpecGovernor(True, probe_every=32)
         modes = _measure(gov, 64, spec_rate=1000.0, plain_rate=plain_rate, steps=600)
         starts = _probe_starts(modes)  # probes of 3 steps
@@ -352,17 +317,16 @@ class _Clocked(_Alternating):
         self.now += 1e-3
         return self.now
 
-    def record(self, bs, speculated, tokens, seconds, switched=False, drained=0.0) -> None:
-        self.samples.append((speculated, seconds, switched, drained))
-        super().record(bs, speculated, tokens, seconds, switched, drained)
+    def record(self, bs, speculated, tokens, seconds, switched=False) -> None:
+        self.samples.append((speculated, seconds, switched))
+        super().record(bs, speculated, tokens, seconds, switched)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_drain_at_a_mode_switch_is_charged_to_no_step(tiny, smollm2_dir, overlap):
     """At a switch the worker drains the GPU work the last step left queued (a pipelined
     step's whole next step); closed after it, that step's time would count the drain and
-    halve its mode's first rate. Here a drain takes 1 s of the fake clock: no sample has
-    it, and the step after it reports it as drained (a probe's cost counts it)."""
+    halve its mode's first rate. Here a drain takes 1 s of the fake clock: no sample has it."""
     target, prompts, head = tiny
     engine = _engine(target, smollm2_dir, speculative_algorithm="EAGLE3", speculative_adaptive="on",
                      speculative_draft_model_path=str(head), speculative_num_steps=3,
@@ -380,9 +344,7 @@ def test_the_drain_at_a_mode_switch_is_charged_to_no_step(tiny, smollm2_dir, ove
     engine.generate(input_ids=prompts[0], sampling_params={"temperature": 0, "max_new_tokens": 24})
     switches = sum(a != b for a, b in zip(gov.modes, gov.modes[1:]))
     assert switches >= 4 and len(drains) == switches
-    assert {s for s, *_ in gov.samples} == {True, False}
-    assert max(seconds for _, seconds, *_ in gov.samples) < 0.5, gov.samples
-    drained = [d for *_, d in gov.samples if d]
-    assert len(drained) >= switches - 1 and all(1.0 <= d < 1.01 for d in drained), gov.samples
+    assert {s for s, _, _ in gov.samples} == {True, False}
+    assert max(seconds for _, seconds, _ in gov.samples) < 0.5, gov.samples
     engine.scheduler.kv.flush_cache()
     engine.scheduler.kv.assert_no_leak()

@@ -241,7 +241,7 @@ class _Recording(SpecGovernor):
     def speculate(self, bs: int) -> bool:
         return True
 
-    def record(self, bs, speculated, tokens, seconds, switched=False, drained=0.0) -> None:
+    def record(self, bs, speculated, tokens, seconds, switched=False) -> None:
         self.samples.append((bs, tokens))
 
 
