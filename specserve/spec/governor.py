@@ -48,9 +48,6 @@ TRUSTED = 3
 WARM_STEPS = 2
 # How many ladder ranks away a bucket's estimates may price a bucket that lacks a mode.
 NEAR = 2
-# A step over this many times its window's median is a pause of the host (a GC, a
-# compile), not a step's cost; the drains a batch of 64 pays every few steps are ~2x.
-PAUSE = 4.0
 
 
 class SpecGovernor:
@@ -201,16 +198,7 @@ class SpecGovernor:
             self._probing.pop(b)
             chosen = self._rate.get((b, not speculated))
             if chosen is not None and tokens / bs / seconds > chosen:
-                # The step beat the choice: its mode's older step times give way to it (a few
-                # slow steps, a host hiccup, had flipped the choice at batch 1, and a probe's
-                # one sample every probe_every steps took ~300 steps to push them out of the
-                # window). If that does not flip the choice, the next probe is due soon.
-                times.clear()
-                times.append(seconds)
-                self._time[key] = seconds
-                self._rate[key] = self._token_sum[key] / len(samples) / seconds
-                if self._rate[key] <= chosen:
-                    self._eager.add(b)
+                self._eager.add(b)  # the step beat the choice: probe again soon, so the window catches up
 
     def unmeasured(self, bs: int, speculated: bool) -> None:
         """A step that `speculate` decided will not be recorded (other work ran before the
@@ -240,19 +228,11 @@ class SpecGovernor:
 
 def _step_time(seconds: list[float]) -> float:
     """What a step costs: the mean of a window but its slowest step (one slow step, a
-    compile or a GC pause, is not the cost) and any over PAUSE times its median: two
-    pauses in one window flip batch 1 to plain decoding, whose probes of speculation are
-    then priced by the paused steps, so rarely run (one MT-bench round at batch 1 ran
-    ~370 plain steps where others ran 35-66, H100; pauses are the likely cause). The
-    median of fewer than 3. Not the median
+    compile or a GC pause, is not the cost), or the median of fewer than 3. Not the median
     of the window: a pipelined speculative step at batch 64 drains and restarts its
     pipeline whenever a request ends (every 2-3 steps, ~10 ms against ~5), and a median
     counted only the cheap steps, so speculation 0.77x as fast as plain decoding looked
     as fast and ran on 90% of the steps (H100, SmolLM2 + EAGLE-3)."""
     if len(seconds) < 3:
         return statistics.median(seconds)
-    typical = statistics.median(seconds)
-    kept = [s for s in seconds if s <= PAUSE * typical]  # the window's lower half at least
-    if len(kept) < 3:
-        return typical
-    return (sum(kept) - max(kept)) / (len(kept) - 1)
+    return (sum(seconds) - max(seconds)) / (len(seconds) - 1)
