@@ -18,9 +18,8 @@ The next speculative step over the same requests, or over those of them still ru
 (a request that step k ended is dropped from step k+1, below), with trees drafted ahead
 for them, launches first and then reads the step in flight back; its kv_lens and trees
 are the rows of the step in flight that it continues (`live_rows`). Anything else (a
-plain step, a request added, an abort of a request it carries, a retraction, or a step in
-flight that may end every request it carries by length: `may_end`) first drains it
-(`SpecWorker.drain`). At batch 64 a request ends every few steps; a drain
+plain step, a request added, an abort of a request it carries, a retraction) first
+drains it (`SpecWorker.drain`). At batch 64 a request ends every few steps; a drain
 there costs a whole step with nothing to overlap (H100, SmolLM2 + EAGLE-3: ~10 ms
 against ~5). A prefill may run while it is in flight: it touches only its own
 requests' rows and slots, and the batch it adds drains the step before speculating.
@@ -83,7 +82,8 @@ def eligible(reqs: list[Req], num_steps: int, context_length: int, sampled: bool
     no logprobs (the verify graph's logits are overwritten by the next step) and room in
     the context for two more steps' tokens (the host checks limits a step late; positions
     stay in range). A request near max_new_tokens may be left in flight: a step that ends
-    it by length drops it from the next one, as an EOS does (but see `likely_ends`)."""
+    it by length drops it from the next one, as an EOS does, and that wasted step costs
+    less than the unpipelined steps its last tokens would otherwise take."""
     room = 2 * (num_steps + 1)
     for req in reqs:
         p = req.params
@@ -94,19 +94,6 @@ def eligible(reqs: list[Req], num_steps: int, context_length: int, sampled: bool
         if req.seq_len + room >= context_length:
             return False
     return True
-
-
-def likely_ends(reqs: list[Req]) -> bool:
-    """Whether a step in flight over `reqs` (whose output_ids are the host's, from before
-    it) likely ends every one of them by length: each has no more tokens left than it has
-    committed a step on average (its accept length; at least 1, where it surely ends). A
-    step launched behind it would then be wasted whole, and the next request's prefill
-    would queue behind it on the GPU (a step graph of ~0.9 ms at batch 1, SmolLM2 +
-    EAGLE-3), where reading the step back first costs one turn of the host's; the next
-    step then launches as a run's first, from the trees drafted ahead. While some request
-    is sure to go on, the step behind is launched and ended requests are dropped from it."""
-    return bool(reqs) and all(r.max_new_tokens - len(r.output_ids) <= max(1.0, r.meta.get("spec_accept_length", 1.0))
-                              for r in reqs)
 
 
 def _temperature_only(p) -> bool:

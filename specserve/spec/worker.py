@@ -174,8 +174,6 @@ class SpecWorker:
                 or not pipeline.eligible(reqs, self.spec.num_steps, self.context_length, sampled):
             return False
         prev = self._inflight
-        if prev is not None and pipeline.likely_ends([r for i, r in enumerate(prev.reqs) if i not in prev.dropped]):
-            return False  # the step behind it would likely be wasted: read it back first
         # a run keeps its tree shape: a batch that shrinks across batch_from drains (batch_tree.py)
         return prev is None or (prev.live_rows(reqs) is not None and prev.graphed == self._graphed(len(reqs))
                                 and prev.nodes == self._nodes(len(reqs))

@@ -9,8 +9,7 @@ ahead) is the same. Checked here:
   * a perfect draft stays at full depth (a stale kv_len, position or prefix collapses it);
   * a stop token inside a step, an abort, a request arriving, and plain steps chosen by
     the governor, each while a step is in flight: outputs exact, no slot leaked;
-  * which steps may be left in flight (greedy, no logprobs, room before the context length),
-    and that none is launched behind a step likely to end every request it carries.
+  * which steps may be left in flight (greedy, no logprobs, room before the context length).
 """
 from __future__ import annotations
 
@@ -90,11 +89,9 @@ def test_pipelined_steps_are_token_identical(tiny, smollm2_dir, head, graphed, m
     assert [o["output_ids"] for o in outs] == [r[:p["max_new_tokens"]] for r, p in zip(ref + ref[:3], params + params[:3])]
     # most steps were left in flight and read back one step later; the batch shrank 4
     # times, and each next step went on from the rows of the step in flight, undrained
-    # (but once with a batch tree: from 6 requests to 3 the tree changes, a new run). Each
-    # run's last step, likely ending all it carried by length, was read back before
-    # another launched (pipeline.likely_ends): every step launched landed
-    assert counts["_launch"] >= 6 and counts["_land"] == counts["_launch"], counts
-    assert counts["drop"] >= 4 and counts.get("drain", 0) == 2 + (1 if flags else 0), counts
+    # (but once with a batch tree: from 6 requests to 3 the tree changes, a new run)
+    assert counts["_launch"] >= 6 and counts["_land"] >= counts["_launch"] - 2, counts
+    assert counts["drop"] >= 4 and counts.get("drain", 0) == (1 if flags else 0), counts
     if trees is not None:  # (batch, N): the batch tree's 3 nodes at 8 and 6 requests, the main's 6 below 4
         assert {(8, 3), (6, 3), (3, 6)} <= trees and all((n == 3) == (b >= 4) for b, n in trees), trees
         assert {o["meta_info"]["spec_accept_rate"] <= 1 for o in outs} == {True}
@@ -158,7 +155,7 @@ def test_a_perfect_draft_stays_perfect_when_pipelined(tmp_path, smollm2_dir, gra
     outs = run(eng, prompts(3, seed=2), params)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in run(plain, prompts(3, seed=2), params)]
     assert min(o["meta_info"]["spec_accept_length"] for o in outs) > 3.5
-    assert counts["_launch"] >= 5 and counts.get("drain", 0) == 1, counts  # before the last request's last step
+    assert counts["_launch"] >= 5 and counts.get("drain", 0) == 0, counts
 
 
 def test_a_stop_token_inside_a_step_drops_its_place_in_the_next(tiny, smollm2_dir, monkeypatch):
@@ -335,7 +332,6 @@ class _Req:
     def __init__(self, out: int, seq: int, **params) -> None:
         self.params = make_sampling_params({"temperature": 0, "max_new_tokens": 100, **params})
         self.max_new_tokens, self.output_ids, self.seq_len = 100, [0] * out, seq
-        self.meta: dict = {}
 
 
 def test_which_steps_may_be_left_in_flight():
@@ -349,18 +345,3 @@ def test_which_steps_may_be_left_in_flight():
         assert not pipeline.eligible([_Req(0, 10, temperature=1.0, **limit)], steps, ctx, sampled=True)
     assert not pipeline.eligible([_Req(0, 10, logprobs=True)], steps, ctx)  # its logits are overwritten
     assert not pipeline.eligible([_Req(0, 10, frequency_penalty=0.5)], steps, ctx)
-
-
-def test_a_step_likely_to_end_every_request_is_read_back_first():
-    # 100 tokens each; a request commits about its accept length a step (at least 1)
-    def req(out: int, accept: float | None = None) -> _Req:
-        r = _Req(out, 10)
-        if accept is not None:
-            r.meta["spec_accept_length"] = accept
-        return r
-    assert pipeline.likely_ends([req(99)])  # one token left: the step in flight surely ends it
-    assert not pipeline.likely_ends([req(98)])  # two left, no accept length yet
-    assert pipeline.likely_ends([req(97, 3.5), req(99)])
-    assert not pipeline.likely_ends([req(96, 3.5)])  # four left at 3.5 a step
-    assert not pipeline.likely_ends([req(97, 3.5), req(50, 3.5)])  # one goes on: launch, and drop the other
-    assert not pipeline.likely_ends([])
