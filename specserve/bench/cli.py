@@ -6,7 +6,8 @@ import sys
 BENCHES = {"compare": "specserve.bench.compare", "spec": "specserve.bench.spec_compare",
            "ngram-cost": "specserve.bench.ngram_cost", "limit": "specserve.bench.limit",
            "speculative": "specserve.bench.speculative", "serving": "specserve.bench.serving",
-           "mtbench": "specserve.bench.mtbench", "compile": "specserve.bench.compile"}
+           "mtbench": "specserve.bench.mtbench", "compile": "specserve.bench.compile",
+           "governor-sim": "specserve.bench.governor_sim"}
 
 
 def main(argv: list[str]) -> int:
