@@ -4,14 +4,25 @@ Speculation pays when accepted tokens per second beat plain decoding's tokens pe
 second, and both depend on the batch size (a verify of N tokens per request is almost
 free at batch 1 and costs ~N decode steps once the GPU is compute-bound) and on the
 traffic (how often drafts are accepted). So the governor measures instead of modelling:
-per batch-size bucket it keeps each mode's rate (mean tokens per request of its last 64
-steps over the mean seconds of its last 8 but the slowest: at batch 1 a verify commits 1
-to 6 tokens, so fewer steps give a noisy mean), runs the better mode, and probes the other
-one so the estimate follows the traffic. Probing is an exploration budget: a probe (three steps of the other
-mode, the last the sample: `record`)
-is due once its expected loss (the time its steps take beyond what the chosen mode would
-take for the same tokens) is at most EXPLORE_SHARE of the time the bucket ran since its
-last probe, and never sooner than `probe_every` steps after it. A close call costs little
+per batch-size bucket it keeps each mode's rate (its mean tokens per request over the
+mean seconds of its last 8 steps but the slowest), runs the better mode, and probes the
+other one so the estimate follows the traffic. The mean tokens weigh a sample by its age
+in the bucket's steps, of either mode (an effective window of 128 steps: at batch 1 a
+verify commits 1 to 7 tokens, so fewer give a noisy mean): a mode only probed keeps its
+samples from before it was turned down, and with a plain mean of its last 64, a stretch
+of text the head drafted badly stayed in it for up to 64 probes (batch 1 ran ~650 plain
+steps after such a stretch before speculating again; the likely cause of MT-bench rounds
+on an H100 that ran up to 2000). Probing is an exploration budget: a probe (three steps
+of the other mode, the last the sample: `record`) is due once its expected loss (the
+time its steps take beyond what the chosen mode would take for the same tokens, plus
+what the warm-up steps of both switches, into the other mode and back, take beyond their
+modes' steady steps, measured) is at most EXPLORE_SHARE of the time the bucket ran since
+its last probe, and never sooner than `probe_every` steps after it. Unpriced, the
+warm-ups (the first speculative step after plain ones drafts its tree cold) were part of
+why batch 1 ran 2-5% slower with the governor than without it (H100, SmolLM2 + EAGLE-3,
+MT-bench), against the 1% planned. The drain at a switch is left out: it waits mostly
+for the step in flight, whose tokens are output. `specserve bench governor-sim` compares
+policies on a simulated batch-1 round. A close call costs little
 to probe, so it is probed every `probe_every` steps and its estimate keeps up; a clearly
 slower mode is probed rarely: speculation 1.6x slower with 8 ms steps (batch 64, H100,
 SmolLM2 + EAGLE-3) every ~600 ms, where waits doubling from 32 steps had probed it 4 times
@@ -42,6 +53,10 @@ from specserve.runner.cuda_graph import capture_sizes
 # A probe's expected loss may be at most this share of the time its bucket ran since the
 # last probe: exploring costs the engine at most ~1% of its speed where one mode is settled.
 EXPLORE_SHARE = 0.01
+# A step over this many times its window's median is a host pause, not a step's cost.
+PAUSE = 3.0
+# Switches into a mode whose median prices its probes (one slow switch is not the cost).
+SWITCH_WINDOW = 5
 # Samples of each mode before a bucket's estimates price its probes.
 TRUSTED = 3
 # The first steps of a run of one mode are no sample of its pace (see `record`).
@@ -51,7 +66,7 @@ NEAR = 2
 
 
 class SpecGovernor:
-    def __init__(self, enabled: bool, probe_every: int = 32, window: int = 8, token_window: int = 64,
+    def __init__(self, enabled: bool, probe_every: int = 32, window: int = 8, token_window: int = 128,
                  probe_steps: int = WARM_STEPS + 1, explore_share: float = EXPLORE_SHARE,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.enabled, self.probe_every, self.clock = enabled, probe_every, clock
@@ -59,16 +74,21 @@ class SpecGovernor:
         # of the mode's steady cost (see `record`), so at least one more.
         assert probe_steps > WARM_STEPS, "a probe's first steps are warm-up steps: it needs one more"
         self.probe_steps, self.explore_share = probe_steps, explore_share
-        # A mode's rate: mean tokens of its last `token_window` steps over the step time of
-        # its last `window` (`_step_time`). Tokens per step are the noisier (at batch 1 a
-        # verify commits 1 to 6 tokens): a mean of 8 was noisy enough (+-18%) to settle on
-        # plain decoding when speculation was 1.2x faster.
-        self.window, self.token_window = window, max(window, token_window)
-        self._samples: dict[tuple[int, bool], deque[float]] = {}  # (bucket, speculated) -> tokens per request
-        # the tokens of each deque, summed as samples come and go: a mean over the window a
-        # step (statistics.fmean) took ~77 us of a ~1 ms speculative step under cProfile
-        self._token_sum: dict[tuple[int, bool], float] = {}
+        # A mode's rate: its mean tokens per step over the step time of its last `window`
+        # (`_step_time`). Tokens per step are the noisier (at batch 1 a verify commits 1 to
+        # 7 tokens): a mean of 8 was noisy enough (+-18%) to settle on plain decoding when
+        # speculation was 1.2x faster. The mean weighs a sample by decay ** (its age in the
+        # bucket's steps): an effective window of `token_window` samples while the mode runs.
+        self.window, self.decay = window, 1.0 - 2.0 / (max(window, token_window) + 1)
+        self._count: dict[tuple[int, bool], int] = {}  # (bucket, speculated) -> samples taken
+        # (bucket, speculated) -> (weighted sum of tokens per request, sum of weights, the
+        # bucket's step number when they were last updated)
+        self._tokens: dict[tuple[int, bool], tuple[float, float, int]] = {}
         self._times: dict[tuple[int, bool], deque[float]] = {}  # the last `window` step times
+        # (bucket, mode) -> the last SWITCH_WINDOW switches' costs into the mode (`_warm_up`),
+        # and a switch whose warm-up steps are still being recorded: [seconds so far, steps]
+        self._switches: dict[tuple[int, bool], deque[float]] = {}
+        self._warming: dict[tuple[int, bool], list] = {}
         self._rate: dict[tuple[int, bool], float] = {}  # tokens per request per second
         self._time: dict[tuple[int, bool], float] = {}  # seconds a step (`_step_time`)
         self._steps: dict[int, int] = {}
@@ -91,7 +111,7 @@ class SpecGovernor:
         self._steps[b] = n + 1
         best = self._best(b)
         if best is None:  # nothing measured nearby: speculation until TRUSTED samples, then plain
-            return len(self._samples.get((b, True), ())) < TRUSTED
+            return self._count.get((b, True), 0) < TRUSTED
         if b in self._probing:
             if self._probe_left.get(b, 0) > 0:  # the probe goes on
                 self._probe_left[b] -= 1
@@ -147,17 +167,24 @@ class SpecGovernor:
         step = self._time[(b, other)] if ref == b else \
             self._time[(b, best)] * self._time[(ref, other)] / self._time[(ref, best)]
         slower = max(0.0, 1.0 - self._rate[(ref, other)] / self._rate[(ref, best)])
-        return self.probe_steps * step * slower
+        return self.probe_steps * step * slower + self._switch_cost(b, ref, other) + self._switch_cost(b, ref, best)
+
+    def _switch_cost(self, b: int, ref: int, mode: bool) -> float:
+        """Seconds a switch into `mode` costs at bucket b (measured there, else at ref; 0
+        before any is measured)."""
+        costs = self._switches.get((b, mode)) or self._switches.get((ref, mode))
+        return statistics.median(costs) if costs else 0.0
 
     def _trusted(self, b: int) -> bool:
-        return all(len(self._samples.get((b, mode), ())) >= TRUSTED for mode in (True, False))
+        return all(self._count.get((b, mode), 0) >= TRUSTED for mode in (True, False))
 
     def _rank(self, b: int) -> int:
         return bisect.bisect_left(self._ladder, b)  # position on the ladder
 
     def record(self, bs: int, speculated: bool, tokens: int, seconds: float, switched: bool = False) -> None:
         """One step over `bs` requests committed `tokens` in `seconds`; `switched`: it is
-        one of the first WARM_STEPS of a run of its mode. Such a step is not a sample. The
+        one of the first WARM_STEPS of a run of its mode. Such a step is not a sample (what
+        it takes beyond the mode's steady step prices probes: `_warm_up`). The
         first pays for the switch (the other mode's queued work drained, no tree drafted
         ahead of a verify, no decode step overlapping a plain one): as a probe's only step
         it made a speculation 1.3x faster at batch 1 look no faster than plain decoding.
@@ -177,28 +204,48 @@ class SpecGovernor:
         probe_step = b in self._probing and self._probing[b] != speculated
         if not probe_step:
             self._since[b] = self._since.get(b, 0.0) + seconds
+        key = (b, speculated)
+        # a warm-up missing a step (one went unrecorded) is no sample of a switch's cost
+        self._warming.pop((b, not speculated), None)
+        if switched:
+            self._warm_up(key, seconds)
+        else:
+            self._warming.pop(key, None)
         if switched or tokens <= 0:
             return
-        key = (b, speculated)
-        samples = self._samples.setdefault(key, deque(maxlen=self.token_window))
         times = self._times.setdefault(key, deque(maxlen=self.window))
+        times.append(seconds)
+        self._count[key] = self._count.get(key, 0) + 1
         # Tokens per request: a bucket spans batch sizes (9..16 is one) and a batch shrinks
         # as requests finish, so the two modes' samples may come from different sizes; per
         # batch, a mode sampled at 16 requests would outscore one sampled at 9.
-        if len(samples) == samples.maxlen:
-            self._token_sum[key] -= samples[0]  # leaves the window with this append
-        samples.append(tokens / bs)
-        times.append(seconds)
-        self._token_sum[key] = self._token_sum.get(key, 0.0) + tokens / bs
+        step = self._steps.get(b, 0)
+        total, weight, last = self._tokens.get(key, (0.0, 0.0, step))
+        age = self.decay ** (step - last)
+        total, weight = total * age + tokens / bs, weight * age + 1.0
+        self._tokens[key] = (total, weight, step)
         # Mean tokens (acceptance varies step to step; the mean is what a step yields) over
         # the step time.
         self._time[key] = _step_time(list(times))
-        self._rate[key] = self._token_sum[key] / len(samples) / self._time[key]
+        self._rate[key] = total / weight / self._time[key]
         if probe_step and not self._probe_left.get(b):  # the probe's last step
             self._probing.pop(b)
             chosen = self._rate.get((b, not speculated))
             if chosen is not None and tokens / bs / seconds > chosen:
                 self._eager.add(b)  # the step beat the choice: probe again soon, so the window catches up
+
+    def _warm_up(self, key: tuple[int, bool], seconds: float) -> None:
+        """A warm-up step of a run of key's mode. A switch into the mode costs what its
+        WARM_STEPS take beyond the mode's steady step (not measured before the mode has one)."""
+        run, steady = self._warming.setdefault(key, [0.0, 0]), self._time.get(key)
+        if steady is None:
+            del self._warming[key]
+            return
+        run[0] += seconds - steady
+        run[1] += 1
+        if run[1] == WARM_STEPS:
+            del self._warming[key]
+            self._switches.setdefault(key, deque(maxlen=SWITCH_WINDOW)).append(max(0.0, run[0]))
 
     def unmeasured(self, bs: int, speculated: bool) -> None:
         """A step that `speculate` decided will not be recorded (other work ran before the
@@ -227,12 +274,16 @@ class SpecGovernor:
 
 
 def _step_time(seconds: list[float]) -> float:
-    """What a step costs: the mean of a window but its slowest step (one slow step, a
-    compile or a GC pause, is not the cost), or the median of fewer than 3. Not the median
-    of the window: a pipelined speculative step at batch 64 drains and restarts its
-    pipeline whenever a request ends (every 2-3 steps, ~10 ms against ~5), and a median
-    counted only the cheap steps, so speculation 0.77x as fast as plain decoding looked
-    as fast and ran on 90% of the steps (H100, SmolLM2 + EAGLE-3)."""
+    """What a step costs: the mean of a window but its slowest step and its host pauses
+    (steps over PAUSE x its median: a compile, a GC pause, is not the cost), or the median
+    of fewer than 3. Not the median of the window: a pipelined speculative step at batch
+    64 drains and restarts its pipeline whenever a request ends (every 2-3 steps, ~10 ms
+    against ~5), and a median counted only the cheap steps, so speculation 0.77x as fast
+    as plain decoding looked as fast and ran on 90% of the steps (H100, SmolLM2 + EAGLE-3).
+    Pauses matter most in a mode only probed: its window takes one sample a probe, so two
+    pauses in it (the slowest step aside) would stay for many probes."""
+    median = statistics.median(seconds)
     if len(seconds) < 3:
-        return statistics.median(seconds)
-    return (sum(seconds) - max(seconds)) / (len(seconds) - 1)
+        return median
+    kept = [s for s in seconds if s <= PAUSE * median]
+    return (sum(kept) - max(kept)) / (len(kept) - 1) if len(kept) >= 3 else statistics.median(kept)
