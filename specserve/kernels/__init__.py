@@ -3,13 +3,14 @@
 Owns the decision "fused kernel or torch path" (`use_fused`) and thin entry points that
 import the Triton modules on first call, so this package imports without triton. The
 kernels (`norm.py`, `activation.py`, `rope.py`, `matvec.py`, `skinny.py`, `embed.py`, `topk.py`,
-`frontier.py`, `node_select.py`, `gumbel.py`, `walk.py`) replace chains of small launches on CUDA: per
+`frontier.py`, `node_select.py`, `gumbel.py`, `argmax.py`, `walk.py`) replace chains of small launches on CUDA: per
 decoder layer, add+RMSNorm twice, RoPE with the KV-cache write once, SiLU*mul once (at
 one token the norms, the SiLU*mul and the residual adds ride on the linear layers' GEMVs
 instead: `matvec.py`); per tree-drafting depth, the children's top-k log-probabilities
 (`topk.py`) and the frontier's bookkeeping (`frontier.py`), per pass the kept nodes and
 their ancestor masks (`node_select.py`); per sampled step, the seeded Gumbel noise
-(`gumbel.py`); per verify, the greedy accept walk (`walk.py`).
+(`gumbel.py`), or the whole Gumbel-max draw without storing the noise (`argmax.py`); per
+verify, the greedy accept walk (`walk.py`), over seeded sampling's targets too.
 The model files call these only when `use_fused(tensor)` says so; everywhere else
 (CPU) they keep their exact torch path.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -265,14 +267,36 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> tor
     return gumbel.gumbel_noise(seeds, counters, width)
 
 
+@dataclass(frozen=True)
+class Tempered:
+    """Seeded sampling's view of logits rows (argmax.py): row r belongs to request
+    r // per_request (a verify's nodes share their request's params) and draws its
+    Gumbel noise under its own counter."""
+
+    temperature: torch.Tensor  # [Q] float32 (rows of greedy requests ignore it)
+    greedy: torch.Tensor  # [Q] bool: these requests' rows keep their logits
+    seeds: torch.Tensor  # [Q] int64
+    counters: torch.Tensor  # [R] int64: each row's output index, its noise key
+    per_request: int = 1
+
+
+def sampled_argmax(logits: torch.Tensor, tempered: Tempered) -> torch.Tensor:
+    """[R] int64: argmax of logits [R, V] / T + seeded Gumbel noise (greedy rows: of the
+    logits), the noise never stored, in two launches (argmax.py)."""
+    from specserve.kernels import argmax
+
+    return argmax.argmax(logits, tempered)
+
+
 def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor,
-                logits: torch.Tensor) -> torch.Tensor | None:
+                logits: torch.Tensor, tempered: Tempered | None = None) -> torch.Tensor | None:
     """The greedy accept walk of [B, N] trees (ancestor masks [B, N, N]) given the
     target's logits [B, N, V]: int64 [B, 2N + 1] rows [on_path, tokens, bonus] in two
-    launches (walk.py); None when the trees are too large for the kernel (the caller
-    takes its torch path)."""
+    launches (walk.py); with `tempered`, over seeded sampling's targets (an exact
+    sampled verify). None when the trees are too large for the kernel (the caller takes
+    its torch path)."""
     from specserve.kernels import walk
 
     if not walk.supports(tokens.shape[1]):
         return None
-    return walk.greedy_walk(tokens, parents, valid, mask, logits)
+    return walk.greedy_walk(tokens, parents, valid, mask, logits, tempered)

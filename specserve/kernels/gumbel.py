@@ -7,8 +7,9 @@ program owns BLOCK columns of one row and runs the same integer hash (uint32 val
 in int64, so every product stays below 2**63, as in torch: bit-exact) and the same float32
 steps, u = ((h >> 8) + 0.5) / 2**24 and g = -log(-log(u)). Triton's log may round the last
 bit differently from torch's, so the noise matches the torch path to ~1e-6, not bitwise;
-every sampled path on a GPU (plain decoding and speculative verification) draws it here,
-so they stay token-identical to each other under a seed.
+every sampled path on a GPU (plain decoding and speculative verification) draws it from
+`gumbel_at`, here or inside argmax.py's draw, so they stay token-identical to each other
+under a seed.
 """
 from __future__ import annotations
 
@@ -33,17 +34,25 @@ def _mix32(x):
 
 
 @triton.jit
+def gumbel_at(seed, counter, cols):
+    """The noise at columns `cols` of the row keyed (seed, counter), both int64 scalars:
+    the one formula every kernel that draws it shares (argmax.py adds it to logits
+    without storing it), so their draws agree bit for bit."""
+    h = _mix32((seed & 0xFFFFFFFF) ^ _mix32(seed >> 32))
+    h = _mix32(h ^ _mix32(counter & 0xFFFFFFFF))
+    h = _mix32(h ^ cols.to(tl.int64))
+    u = ((h >> 8).to(tl.float32) + 0.5) / 16777216.0
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def _gumbel_kernel(seed_ptr, counter_ptr, out_ptr, V, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_and_release(USE_PDL)  # the counters may be the kernel before's
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     seed = tl.load(seed_ptr + row).to(tl.int64)
     counter = tl.load(counter_ptr + row).to(tl.int64)
-    h = _mix32((seed & 0xFFFFFFFF) ^ _mix32(seed >> 32))
-    h = _mix32(h ^ _mix32(counter & 0xFFFFFFFF))
-    h = _mix32(h ^ cols.to(tl.int64))
-    u = ((h >> 8).to(tl.float32) + 0.5) / 16777216.0
-    tl.store(out_ptr + row.to(tl.int64) * V + cols, -tl.log(-tl.log(u)), mask=cols < V)
+    tl.store(out_ptr + row.to(tl.int64) * V + cols, gumbel_at(seed, counter, cols), mask=cols < V)
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:

@@ -10,9 +10,9 @@ registers): hits and sibling shadowing as [N, N] compares, acceptance (every anc
 hits) and the path (the deepest accepted node's ancestors) from the trees' ancestor masks,
 each one [N, N] reduction (parents come before children, so the deepest accepted node is
 the accepted node of largest index). The target's argmax comes in as each row's chunk
-maxima (`_argmax_chunks_kernel`, many programs), which the walk reduces: torch's argmax
-over a verify's 32 x 49152 logits took 13 us on an H100 with one block per row, and the
-walk's 2N rounds of propagation 9 us.
+maxima (argmax.py, many programs; for seeded sampling, of the tempered and perturbed
+logits), which the walk reduces: torch's argmax over a verify's 32 x 49152 logits took
+13 us on an H100 with one block per row, and the walk's 2N rounds of propagation 9 us.
 
 Output per request b, the row the host reads back: out[b] = [on_path (N), tokens (N), bonus]
 as int64, on_path[i] = 1 for the accepted path's nodes (root included).
@@ -23,24 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.kernels import pdl_flags
+from specserve.kernels import Tempered, pdl_flags
+from specserve.kernels.argmax import chunk_maxima, first_of_maxima
 from specserve.kernels.pdl import wait_and_release
 
 MAX_N = 64  # nodes per tree held in one program
-CHUNK = 4096  # logits per program of the argmax: a verify's 32 x 49152 run on 384 programs
-
-
-@triton.jit
-def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, C, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (r, c): the max of row r's chunk c and its first index, into [r, c]."""
-    wait_and_release(USE_PDL)  # the logits are the kernel before's
-    r = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    cols = c * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + r * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    best, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(val_ptr + r * C + c, best)
-    tl.store(idx_ptr + r * C + c, (c * BLOCK + i).to(tl.int64))
 
 
 @triton.jit
@@ -54,13 +41,7 @@ def _walk_kernel(tok_ptr, par_ptr, valid_ptr, mask_ptr, val_ptr, idx_ptr, out_pt
     par = tl.load(par_ptr + b * N + i, mask=live, other=-2)  # -1: the root; -2: no node
     valid = tl.load(valid_ptr + b * N + i, mask=live, other=0) != 0
     # the argmax at each node from its chunks' (max, first index): the first of the maxima
-    c = tl.arange(0, BLOCK_C)
-    part = (b * N + i)[:, None] * C + c[None, :]
-    pmask = live[:, None] & (c < C)[None, :]
-    pval = tl.load(val_ptr + part, mask=pmask, other=float("-inf"))
-    pidx = tl.load(idx_ptr + part, mask=pmask, other=2**62)
-    target = tl.min(tl.where(pval == tl.max(pval, axis=1)[:, None], pidx, 2**62), axis=1)
-    target = tl.where(target == 2**62, 0, target)  # NaN logits match no max: token 0, never an id past V
+    target = first_of_maxima(val_ptr, idx_ptr, b * N + i, C, live, BLOCK_C)
     at_parent = tl.sum(tl.where(par[:, None] == i[None, :], target[None, :], 0), axis=1)
     hit = ((tok == at_parent) & valid) | (i == 0)  # the root is given
     # an earlier sibling that hits shadows a later one: hits are unique per parent
@@ -83,9 +64,10 @@ def supports(num_nodes: int) -> bool:
 
 
 def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor,
-                logits: torch.Tensor) -> torch.Tensor:
+                logits: torch.Tensor, tempered: Tempered | None = None) -> torch.Tensor:
     """tokens, parents int64 [B, N], valid bool [B, N], ancestor masks bool [B, N, N] and
-    the target's logits [B, N, V] -> out int64 [B, 2N + 1] (module docstring)."""
+    the target's logits [B, N, V] -> out int64 [B, 2N + 1] (module docstring). With
+    `tempered` (per_request N), the targets are seeded sampling's (argmax.py)."""
     bsz, n = tokens.shape
     v = logits.shape[-1]
     out = torch.empty(bsz, 2 * n + 1, dtype=torch.int64, device=tokens.device)
@@ -93,11 +75,8 @@ def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor
         x = logits.reshape(bsz * n, v)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        chunks = triton.cdiv(v, CHUNK)
-        val = torch.empty(bsz * n, chunks, dtype=torch.float32, device=x.device)
-        idx = torch.empty(bsz * n, chunks, dtype=torch.int64, device=x.device)
-        _argmax_chunks_kernel[(bsz * n, chunks)](x, val, idx, v, x.stride(0), chunks, BLOCK=CHUNK, num_warps=4,
-                                                 **pdl_flags(x.device))
+        val, idx = chunk_maxima(x, tempered)
+        chunks = val.shape[1]
         _walk_kernel[(bsz,)](tokens.contiguous(), parents.contiguous(), valid.contiguous(),
                              mask.contiguous().view(torch.uint8), val, idx, out, n, chunks,
                              BLOCK=max(16, triton.next_power_of_2(n)),

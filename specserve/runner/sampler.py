@@ -136,12 +136,22 @@ def filter_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return scaled
 
 
+def tempered_only(sb: SamplingBatch, vocab: int) -> bool:
+    """Whether sampling `sb` needs nothing but each request's temperature (no filters, no
+    penalties): then a GPU draws it in one pass over the logits (kernels/argmax.py)."""
+    return not (sb.has_penalties or sb.needs_sort(vocab) or sb.needs_min_p)
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
     """logits [B, V] float32 -> next tokens (and logprobs if any request asked)."""
     if sb.has_penalties:
         logits = apply_penalties(logits, sb)
     if sb.all_greedy:
         next_ids = logits.argmax(-1)
+    elif kernels.use_fused(logits) and tempered_only(sb, logits.shape[-1]):
+        # the same draw as below (the same noise, division and first-index ties), with
+        # no [B, V] noise or scaled logits stored: two launches where the torch ops took ~8
+        next_ids = kernels.sampled_argmax(logits, kernels.Tempered(sb.temperature, sb.greedy, sb.seeds, sb.counters))
     else:
         scaled = filter_logits(logits, sb)
         sampled = (scaled + gumbel_noise(sb.seeds, sb.counters, logits.shape[-1])).argmax(-1)

@@ -28,7 +28,7 @@ import torch
 
 from specserve import kernels
 from specserve.runner.h2d import ready_event
-from specserve.runner.sampler import SamplingBatch, filter_logits, gumbel_noise, temperatures
+from specserve.runner.sampler import SamplingBatch, filter_logits, gumbel_noise, tempered_only, temperatures
 from specserve.spec.drafts import Drafts
 
 
@@ -126,11 +126,14 @@ def accept_greedy_later(drafts: Drafts, logits: torch.Tensor, before_read: Befor
     return _read_after(packed, lambda: before_read(walk))
 
 
-def walk_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None) -> tuple[torch.Tensor, GreedyWalk]:
+def walk_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
+                sampled: SamplingBatch | None = None) -> tuple[torch.Tensor, GreedyWalk]:
     """The greedy walk for `rows` (None: all) on the logits' device, read nothing back:
     (packed [G, 2N + 1] = on_path, node tokens, bonus; the walk's device tensors). The
     walk from the root at each node takes the first child (in node order) carrying the
-    target's argmax there.
+    target's argmax there. With `sampled` (every row), the targets are seeded sampling's
+    (`gumbel_targets`): the walk kernel forms them as it reads the logits where only
+    temperatures apply, and they are formed in torch first otherwise.
 
     Vectorised: a node *hits* when it is valid, carries the argmax at its parent and no
     earlier sibling hits; it is accepted when it and all its ancestors hit. Hits are
@@ -146,7 +149,18 @@ def walk_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None) ->
         logits = logits[idx.to(dev, non_blocking=True)]
     tok, par, valid, mask = pick(drafts.tokens), pick(drafts.parents), pick(drafts.valid), pick(drafts.tree_mask())
     n = tok.shape[1]
-    packed = kernels.greedy_walk(tok, par, valid, mask, logits) if kernels.use_fused(logits) else None
+    fused = kernels.use_fused(logits)
+    tempered = None
+    if sampled is not None:
+        assert idx is None, "a sampled walk takes every row"
+        if fused and tempered_only(sampled, logits.shape[-1]):
+            counters = sampled.counters[:, None] + drafts.depths().to(sampled.counters.device)  # [B, N]
+            tempered = kernels.Tempered(sampled.temperature, sampled.greedy, sampled.seeds, counters.reshape(-1), n)
+        else:
+            logits = gumbel_targets(logits, sampled, drafts.depths())
+    packed = kernels.greedy_walk(tok, par, valid, mask, logits, tempered) if fused else None
+    if packed is None and tempered is not None:  # trees too large for the kernel
+        logits = gumbel_targets(logits, sampled, drafts.depths())
     if packed is not None:  # kernels/walk.py: the argmax and the same walk in two launches
         on_path, bonus = packed[:, :n], packed[:, 2 * n:]  # views: the readers take nonzero and strides
     else:

@@ -44,7 +44,8 @@ Sampled steps (temperature alone: no top-k, top-p, min-p, penalties or logprobs)
 graphs of their own: the walk runs over `gumbel_targets`, the target logits plus the
 Gumbel noise plain sampling would draw at each node's output index, so they reproduce
 seeded plain sampling token for token as the unpipelined step does (worker.py
-`_accept`). The index is kv_len minus a per-request offset (kv_len - len(output_ids),
+`_accept`). On CUDA the walk's argmax kernel forms them as it reads the logits
+(kernels/argmax.py), where torch's ops wrote the noise and three [B, N, V] tensors. The index is kv_len minus a per-request offset (kv_len - len(output_ids),
 fixed for a request's life), so the graph derives it from the kv_len it carries.
 
 On a CPU (tests) the same body runs eagerly with host-built metadata (`capture` False).
@@ -61,7 +62,7 @@ from specserve.engine.request import Req
 from specserve.runner.cuda_graph import capture_each, capture_sizes
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import HostFlags, SamplingBatch
-from specserve.spec.accept import gumbel_targets, walk_greedy
+from specserve.spec.accept import walk_greedy
 from specserve.spec.drafts import Drafts
 from specserve.spec.proposer import Proposer
 from specserve.spec.tree_draft import TreeDrafter
@@ -266,9 +267,7 @@ class StepGraphs:
         # a greedy walk only argmaxes the logits: in the model's dtype (llama.py compute_logits)
         logits, features = self.runner.forward_inline(fb, static_meta=self.capture, argmax_only=not sampled)
         logits = logits.view(b, n, -1)
-        if sampled:
-            logits = gumbel_targets(logits, self._sampling(b, kv_len), drafts.depths())
-        packed, walk = walk_greedy(drafts, logits, None)
+        packed, walk = walk_greedy(drafts, logits, None, self._sampling(b, kv_len) if sampled else None)
         # row_start holds kv_len before the commit; kv_len and the trees, read above by the
         # verify and the walk, are the next replay's from here on (written in place)
         self.proposer.draft_ahead_inline(walk, features.view(b, n, -1), slots.view(b, n), row_start,

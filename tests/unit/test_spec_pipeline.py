@@ -140,6 +140,41 @@ def test_sampled_steps_in_step_graphs_reproduce_seeded_plain_sampling(tiny, smol
     assert counts["_launch_graphed"] >= 6, counts
 
 
+class _DrawsFused:
+    """specserve.kernels as seen by the sampler and the accept walk, with the fused side of
+    the switch on for them alone (on a CPU: the Triton interpreter)."""
+
+    def __getattr__(self, name: str):
+        from specserve import kernels
+
+        return getattr(kernels, name)
+
+    @staticmethod
+    def use_fused(t: torch.Tensor) -> bool:
+        return True
+
+
+def test_sampled_steps_draw_in_the_argmax_kernel_as_plain_sampling_does(tiny, smollm2_dir, monkeypatch):
+    """With the fused draw (kernels/argmax.py) in plain sampling and in the step graphs'
+    sampled walk, seeded outputs are still plain sampling's token for token: both form
+    logits / T + noise in the kernel the same way, greedy and sampled requests mixed.
+    (The random head's drafts rarely hit, so the nodes' depth keys are checked by
+    test_sampled_argmax.py's walk test.)"""
+    from specserve.runner import sampler
+    from specserve.spec import accept
+
+    monkeypatch.setattr(sampler, "kernels", _DrawsFused())
+    monkeypatch.setattr(accept, "kernels", _DrawsFused())
+    target, heads, ps, _ = tiny
+    params = [{"temperature": t, "seed": 21 + i, "max_new_tokens": 16} for i, t in enumerate((1.0, 0.0, 0.7))]
+    want = [o["output_ids"] for o in run(engine(target, smollm2_dir), ps[:3], params)]
+    counts: dict = {}
+    eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, counts)
+    count_calls(eng.scheduler.spec, "_launch_graphed", counts, monkeypatch)
+    assert [o["output_ids"] for o in run(eng, ps[:3], params)] == want
+    assert counts["_launch_graphed"] >= 3, counts
+
+
 @pytest.mark.parametrize("graphed", [True, "padded", False])
 def test_a_perfect_draft_stays_perfect_when_pipelined(tmp_path, smollm2_dir, graphed, monkeypatch):
     """Each pipelined verify runs at the kv_len, positions and attention prefix the step

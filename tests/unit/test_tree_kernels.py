@@ -157,10 +157,10 @@ def test_greedy_walk_kernel_is_the_accept_walk(n, rows, chunk, monkeypatch):
     """kernels/walk.py against _accept_greedy's torch path: the same paths, committed tokens
     and the same GreedyWalk handed to drafting ahead (on-path nodes, tokens, bonus). With
     2-logit chunks the argmax is reduced over 2 or 3 chunks by the walk."""
-    from specserve.kernels import walk
+    from specserve.kernels import argmax
     from specserve.spec.accept import _accept_greedy
 
-    monkeypatch.setattr(walk, "CHUNK", chunk)
+    monkeypatch.setattr(argmax, "CHUNK", chunk)
 
     deepest = 1
     for seed in range(6):
