@@ -41,8 +41,9 @@ if TYPE_CHECKING:
     from specserve.server.tokenizer import Tokenizer
 
 PLAIN, HF = "plain", "HF transformers"
-# prompts -> (seconds, output ids per prompt, (drafted verifies, accepted drafts) summed over prompts)
-Generate = Callable[[list[list[int]]], tuple[float, list[list[int]], tuple[int, int]]]
+# prompts -> (seconds, output ids per prompt, (drafted verifies, accepted drafts, steps run
+# without drafts) summed over prompts)
+Generate = Callable[[list[list[int]]], tuple[float, list[list[int]], tuple[int, int, int]]]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Answers:
     ids: list[list[list[int]]]  # [question][turn] -> output token ids
     verifies: int  # verifies that carried drafts
     accepted: int = 0  # drafts they accepted
+    plain_steps: int = 0  # steps the governor ran without drafts (a request's each)
 
     @property
     def tokens(self) -> int:
@@ -137,13 +139,13 @@ def turn_prompts(tok: Tokenizer, questions: list[list[str]], answers: list[list[
 def run_turns(generate: Generate, tok: Tokenizer, questions: list[list[str]], turns: int) -> Answers:
     """Every question turn by turn; turn t+1 is built from turn t's answers, then generated."""
     ids: list[list[list[int]]] = [[] for _ in questions]
-    seconds, verifies, accepted = 0.0, 0, 0
+    seconds, counts = 0.0, (0, 0, 0)
     for turn in range(turns):
-        s, outs, (v, a) = generate(turn_prompts(tok, questions, ids, turn))
-        seconds, verifies, accepted = seconds + s, verifies + v, accepted + a
+        s, outs, turn_counts = generate(turn_prompts(tok, questions, ids, turn))
+        seconds, counts = seconds + s, tuple(a + b for a, b in zip(counts, turn_counts))
         for answers, out in zip(ids, outs):
             answers.append(list(out))
-    return Answers(seconds, ids, verifies, accepted)
+    return Answers(seconds, ids, *counts)
 
 
 # ---- methods ---------------------------------------------------------------------------------
@@ -208,11 +210,11 @@ def free_device_memory() -> None:
 
 def ours(engine: Engine, max_new: int, bs: int, temperature: float = 0.0) -> Generate:
     """Our engine: warm-up on reversed prompts, then timed batches of bs (spec_compare.timed_run)."""
-    def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], int]:
+    def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], tuple[int, int, int]]:
         seconds, outs = timed_run(engine, prompts, max_new, bs, temperature)
-        verifies = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-        return seconds, [o["output_ids"] for o in outs], (
-            verifies, sum(o["meta_info"].get("spec_accept_token_num", 0) for o in outs))
+        meta = [o["meta_info"] for o in outs]
+        return seconds, [o["output_ids"] for o in outs], tuple(
+            sum(m.get(key, 0) for m in meta) for key in ("spec_verify_ct", "spec_accept_token_num", "spec_plain_ct"))
     return generate
 
 
@@ -245,12 +247,12 @@ def hf_batches(model: torch.nn.Module, prompts: list[list[int]], max_new: int, b
 def hf(model: torch.nn.Module, max_new: int, bs: int, eos: list[int], temperature: float = 0.0) -> Generate:
     """transformers, warmed up like our engines (every prompt reversed, WARM_TOKENS tokens at the
     timed temperature, same batching)."""
-    def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], int]:
+    def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], tuple[int, int, int]]:
         with torch.inference_mode():
             hf_batches(model, [p[::-1] for p in prompts], WARM_TOKENS, bs, eos, temperature)
             start = time.perf_counter()
             outs = hf_batches(model, prompts, max_new, bs, eos, temperature)
-        return time.perf_counter() - start, outs, (0, 0)
+        return time.perf_counter() - start, outs, (0, 0, 0)
     return generate
 
 
@@ -334,6 +336,7 @@ def make_row(args: argparse.Namespace, method: Method, bs: int, answers: Answers
             "tokens": answers.tokens,
             "seconds": answers.seconds, "tok_s": tok_s, "accept_length": accept_length(method, answers),
             "speedup": tok_s / (plain.tokens / plain.seconds), "identical_outputs": identical(answers, plain),
+            "plain_steps": answers.plain_steps,
             "spec_args": args.spec_args if method.algorithm else "", "rounds": 1 if method.hf else args.rounds}
 
 

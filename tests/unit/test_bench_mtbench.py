@@ -89,6 +89,8 @@ def test_rows_for_every_method_and_batch_size(one_turn):
     assert all(r["speedup"] == 1.0 and r["accept_length"] == 1.0 for r in plain.values())
     eagle3 = [r for r in rows if r["method"] == "EAGLE-3"]
     assert all(r["draft"] and r["spec_args"].startswith("speculative_num_steps=2") for r in eagle3)
+    # the governor is off on a CPU: every EAGLE-3 step drafted, and plain decoding has none to count
+    assert all(r["plain_steps"] == 0 for r in eagle3 + list(plain.values()))
 
 
 def test_rounds_report_the_middle_one(tiny, tmp_path):
@@ -185,10 +187,11 @@ def test_run_turns_feeds_each_answer_into_the_next_prompt(tiny):
     def fake(prompts):  # answer i of a turn: the token ids of "answer-<turn>-<i>"
         seen.append(prompts)
         return 0.5, [tok.encode(f" answer-{len(seen)}-{i}", add_special_tokens=False)
-                     for i in range(len(prompts))], (0, 0)
+                     for i in range(len(prompts))], (1, 2, 3)
 
     answers = mtbench.run_turns(fake, tok, questions, 2)
     assert answers.seconds == 1.0 and answers.requests == 6 and len(seen) == 2
+    assert (answers.verifies, answers.accepted, answers.plain_steps) == (2, 4, 6)  # summed over the turns
     for i, prompt in enumerate(seen[1]):
         assert f"answer-1-{i}" in tok.decode(prompt) and "answer-2" not in tok.decode(prompt)
     assert [tok.decode(a[1]) for a in answers.ids] == [f" answer-2-{i}" for i in range(3)]
