@@ -1,0 +1,59 @@
+"""Compile Triton kernels for a Hopper GPU (sm_90) on a machine without one: triton's own
+compiler and the ptxas it ships, no driver. Run as a script, without TRITON_INTERPRET
+(under the interpreter @triton.jit gives functions the compiler cannot take); prints one
+line per kernel, `ok <name>` or `FAIL <name>: <error>`, and exits 1 on any failure.
+The interpreter runs a kernel's Python, not its compilation, so a kernel can pass every
+CPU test and still fail to compile: this catches that before a GPU does."""
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from specserve.kernels import argmax, gumbel, walk
+
+HOPPER = GPUTarget("cuda", 90, 32)
+CHUNKS = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i64", "temp_ptr": "*fp32", "greedy_ptr": "*i1",
+          "seed_ptr": "*i64", "counter_ptr": "*i64", "V": "i32", "stride_x": "i32", "C": "i32", "PER_REQ": "i32"}
+# (name, kernel, signature of its runtime arguments, its constexprs, text its PTX must hold)
+KERNELS = [
+    (f"argmax chunks tempered={t} pdl={p}", argmax._chunks_kernel, CHUNKS,
+     {"BLOCK": 4096, "TEMPERED": t, "USE_PDL": p}, "div.rn.f32" if t else "")
+    for t in (True, False) for p in (True, False)
+] + [
+    ("argmax chunks bf16 logits", argmax._chunks_kernel, {**CHUNKS, "x_ptr": "*bf16"},
+     {"BLOCK": 4096, "TEMPERED": True, "USE_PDL": True}, "div.rn.f32"),
+    ("argmax pick", argmax._pick_kernel, {"val_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64", "R": "i32",
+                                          "C": "i32"}, {"BLOCK_R": 16, "BLOCK_C": 16, "USE_PDL": True}, ""),
+    ("greedy walk", walk._walk_kernel, {"tok_ptr": "*i64", "par_ptr": "*i64", "valid_ptr": "*i1", "mask_ptr": "*u8",
+                                        "val_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64", "N": "i32",
+                                        "C": "i32"}, {"BLOCK": 32, "BLOCK_C": 16, "USE_PDL": True}, ""),
+    ("gumbel noise", gumbel._gumbel_kernel, {"seed_ptr": "*i64", "counter_ptr": "*i64", "out_ptr": "*fp32",
+                                             "V": "i32"}, {"BLOCK": 4096, "USE_PDL": True}, ""),
+]
+
+
+def compile_for_hopper(fn, signature: dict, constexprs: dict) -> str:
+    """The PTX of `fn` specialised to `signature` and `constexprs`, for sm_90."""
+    full = {**signature, **{k: "constexpr" for k in constexprs}}
+    keys = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    return triton.compile(ASTSource(fn=fn, signature=full, constexprs=keys), target=HOPPER).asm["ptx"]
+
+
+def main() -> int:
+    failed = 0
+    for name, fn, signature, constexprs, must_hold in KERNELS:
+        try:
+            ptx = compile_for_hopper(fn, signature, constexprs)
+            assert must_hold in ptx, f"its PTX lacks {must_hold!r}"
+            print(f"ok {name}")
+        except Exception as e:  # report every kernel, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:1500]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
