@@ -282,8 +282,13 @@ def _step_time(seconds: list[float]) -> float:
     as plain decoding looked as fast and ran on 90% of the steps (H100, SmolLM2 + EAGLE-3).
     Pauses matter most in a mode only probed: its window takes one sample a probe, so two
     pauses in it (the slowest step aside) would stay for many probes."""
-    median = statistics.median(seconds)
     if len(seconds) < 3:
-        return median
-    kept = [s for s in seconds if s <= PAUSE * median]
-    return (sum(kept) - max(kept)) / (len(kept) - 1) if len(kept) >= 3 else statistics.median(kept)
+        return statistics.median(seconds)
+    slowest = max(seconds)
+    if slowest > PAUSE * min(seconds):  # else no step is over PAUSE x the median: skip sorting
+        median = statistics.median(seconds)
+        seconds = [s for s in seconds if s <= PAUSE * median]
+        if len(seconds) < 3:
+            return statistics.median(seconds)
+        slowest = max(seconds)
+    return (sum(seconds) - slowest) / (len(seconds) - 1)
