@@ -86,11 +86,12 @@ def chunk_maxima(logits: torch.Tensor, tempered: Tempered | None = None) -> tupl
     idx = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
     if rows:
         t = tempered
-        if t is not None:
+        if t is None:
+            params, per_request = (val, val, idx, idx), 1  # unread: TEMPERED is off
+        else:
             assert t.counters.numel() == rows and t.seeds.numel() * t.per_request == rows, "one key per row"
-        args = (t.temperature, t.greedy, t.seeds, t.counters, t.per_request) if t is not None else \
-            (val, val, idx, idx, 1)  # unread: TEMPERED is off
-        _chunks_kernel[(rows, chunks)](logits, val, idx, *args[:4], v, logits.stride(0), chunks, args[4],
+            params, per_request = (t.temperature, t.greedy, t.seeds, t.counters), t.per_request
+        _chunks_kernel[(rows, chunks)](logits, val, idx, *params, v, logits.stride(0), chunks, per_request,
                                        BLOCK=CHUNK, TEMPERED=t is not None, num_warps=4, **pdl_flags(logits.device))
     return val, idx
 
