@@ -40,7 +40,10 @@ _triton_ok: bool | None = None  # cached find_spec("triton")
 def triton_available() -> bool:
     global _triton_ok
     if _triton_ok is None:
-        _triton_ok = importlib.util.find_spec("triton") is not None
+        try:
+            _triton_ok = importlib.util.find_spec("triton") is not None
+        except (ImportError, ValueError):  # a finder that refuses it, or a broken half-import
+            _triton_ok = False
     return _triton_ok
 
 

@@ -215,7 +215,7 @@ class EagleProposer:
         per-node features, slots [B, N] their slots, row_start [2B] int64 on the device the
         requests' table rows, then their kv_lens before the verify (the host's may lag:
         spec/pipeline.py). Returns kv_len after the commit [B], on the device. On CUDA one
-        kernel does the bookkeeping (ahead_kernel.py)."""
+        kernel does the bookkeeping (kernels/ahead.py)."""
         b = len(reqs)
         roots, kv_lens, _, _ = self._commit_ahead(walk, features, slots, row_start, inline=False)
         self.roots.mark(reqs)
@@ -261,12 +261,12 @@ class EagleProposer:
             if kv_out is not None:
                 kv_lens = kv_out.copy_(kv_lens)
             return roots, kv_lens, kv_lens + 1 - shift, None
-        from specserve.spec import ahead_kernel
+        from specserve.kernels import ahead  # imports triton: CUDA only
 
         ext = self.extend_graphs
         padded = b if inline else ext.size_for(b)
         prefix32 = ext.prefix_buffer(padded)  # the extend's attention reads it: written by the kernel
-        roots, kv_lens, tails = ahead_kernel.draft_ahead_index(
+        roots, kv_lens, tails = ahead.draft_ahead_index(
             walk.on_path, walk.tokens, walk.bonus, slots, row_start, self.kv.table.table, ext.static_index(),
             padded, L, self.roots.scratch_row, shift, kv_out, prefix32)
         prefix = prefix32[:padded] if prefix32 is not None else starts

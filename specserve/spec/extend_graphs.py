@@ -37,6 +37,7 @@ import torch
 from specserve.cache.req_table import slots_at
 from specserve.runner.cuda_graph import capture_each, capture_sizes, pad_device_prefix
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.spec.draft_rows import root_rows
 from specserve.spec.root_states import RootState, RootStates
 from specserve.spec.tree_draft import top_children
 
@@ -145,7 +146,7 @@ class DraftExtendGraphs:
 
     def prefix_buffer(self, padded_bs: int) -> torch.Tensor | None:
         """The int32 prefix lengths [>= padded_bs] that the captured extend's attention
-        reads, for a caller that writes them itself (ahead_kernel.py) and then passes them
+        reads, for a caller that writes them itself (kernels/ahead.py) and then passes them
         as the prefix lengths: None when not captured or the backend has none."""
         get = getattr(self.backend, "verify_prefix_buffer", None) if self.capture else None
         buf = get(self.L) if get is not None else None
@@ -202,8 +203,6 @@ class DraftExtendGraphs:
             h_logits, h_next = self.model(fb)[0], None
         else:
             h_logits, h_next = self.model(fb, self.features[:t])
-        from specserve.spec.draft_rows import root_rows  # imports triton: not at module import
-
         dst = self.dst[:bs]
         # the last rows' normed and raw states; the raw one also lands in roots.hidden[dst]
         x_last, hidden = root_rows(h_logits, h_next, self.last[:bs], dst, self.roots.hidden)

@@ -40,6 +40,7 @@ from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.runner.h2d import h2d_many
+from specserve.spec.draft_rows import fan_out
 from specserve.spec.drafts import Drafts, ancestor_mask
 
 
@@ -208,8 +209,6 @@ class TreeDrafter:
     def expand(self, x: TreeInputs, step: DraftStep, num_nodes: int, out: Trees | None = None) -> Trees:
         """(tokens, parents) [B, N] and ancestor masks [B, N, N] of the trees (N = 1 +
         num_selected), with device ops only; written into `out` when given."""
-        from specserve.spec.draft_rows import fan_out  # imports triton: not at module import
-
         k = self.topk
         bsz, dev = x.first_logp.shape[0], x.first_logp.device
         score, token = x.first_logp, x.first_ids

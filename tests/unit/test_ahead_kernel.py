@@ -1,4 +1,4 @@
-"""EAGLE's draft-ahead kernel (spec/ahead_kernel.py) against its torch reference.
+"""EAGLE's draft-ahead kernel (kernels/ahead.py) against its torch reference.
 
 Unit level: random greedy walks, requests padded to a captured batch size; the kernel's
 table writes, extend inputs (padding included) and tree inputs equal the torch path's.
@@ -68,7 +68,7 @@ def _reference(walk: GreedyWalk, slots, rows, starts, L, padded, scratch_row, ta
 @pytest.mark.parametrize("b,n,L,padded,packed", [(1, 8, 6, 1, True), (3, 6, 4, 4, False), (5, 16, 6, 8, True),
                                                  (2, 3, 6, 2, False)])
 def test_kernel_equals_the_torch_path(b, n, L, padded, packed):
-    from specserve.spec.ahead_kernel import draft_ahead_index
+    from specserve.kernels.ahead import draft_ahead_index
 
     walk = _walk(b, n, seed=b * 100 + n, packed=packed)
     slots = torch.randperm(200)[:b * n].view(b, n).to(DEV) + 1
