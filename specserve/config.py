@@ -90,6 +90,9 @@ class SpecConfig:
     # auto (the head's own, when the tree flags are omitted) | off | "steps,topk,draft tokens"
     batch_tree: str = "auto"
     batch_tree_from: int = 2  # batch 1 keeps the main tree (spec/batch_tree.py)
+    # The draft's local directory, resolved from the flags and the target before any weights
+    # load (spec/factory.py `resolve_spec`): the explicit path, a shipped head or the target itself (MTP)
+    draft_dir: str | None = None
 
     @property
     def enabled(self) -> bool:

@@ -13,24 +13,24 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from specserve.config import Config
 from specserve.engine.messages import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
 from specserve.engine.process import engine_main
 from specserve.engine.protocol import ModelInfo
-from specserve.models.source import resolve_model_dir
-from specserve.server.tokenizer import load_tokenizer
+from specserve.server.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve")
 START_TIMEOUT_S = 1800.0
 
 
 class ProcessEngineClient:
-    def __init__(self, cfg: Config) -> None:
-        self.config = cfg
-        model_dir = resolve_model_dir(cfg.model.model_path, cfg.model.revision, cfg.model.load_format)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path, model_dir)
+    def __init__(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
+        """Start the engine process on a Config whose sources start-up has resolved
+        (preflight.py) and wait until it serves; RuntimeError if it fails to start."""
+        self.config, self.tokenizer = cfg, tokenizer
         ctx = mp.get_context("spawn")
         inbox_r, self._inbox = ctx.Pipe(duplex=False)
         self._outbox, outbox_w = ctx.Pipe(duplex=False)
@@ -39,7 +39,12 @@ class ProcessEngineClient:
         self._proc.start()
         inbox_r.close()
         outbox_w.close()
-        self.info: ModelInfo = self._wait_ready()
+        self._closing = False
+        try:
+            self.info: ModelInfo = self._wait_ready()
+        except BaseException:  # a failed start, or Ctrl-C / SIGTERM while loading: no orphan
+            self._stop_process(grace_s=0)
+            raise
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._controls: dict[int, asyncio.Future] = {}
@@ -64,13 +69,23 @@ class ProcessEngineClient:
         try:
             while True:
                 msg = self._outbox.recv()
-                if self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._dispatch, msg)
+                self._call_in_loop(self._dispatch, msg)
         except (EOFError, OSError):
             pass
         self._alive = False
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_all)
+        if not self._closing:
+            logger.error("the engine process exited (code %s)", self._proc.exitcode)
+        self._call_in_loop(self._fail_all)
+
+    def _call_in_loop(self, fn: Any, *args: Any) -> None:
+        """Run fn(*args) on the HTTP event loop, unless it is gone (shutdown)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # closed between the check and the call
+            pass
 
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, ControlOut):
@@ -132,10 +147,21 @@ class ProcessEngineClient:
         return self._alive and self._proc.is_alive()
 
     def shutdown(self) -> None:
+        """Stop the engine process and wait for it (at most ~10 s)."""
+        self._closing = True
         try:
             self._inbox.send(None)
         except (OSError, BrokenPipeError):
             pass
-        self._proc.join(timeout=5)
+        self._stop_process()
+
+    def _stop_process(self, grace_s: float = 5) -> None:
+        """Wait `grace_s` for the engine process to exit, then terminate it, then kill it."""
+        self._closing = True
+        self._proc.join(timeout=grace_s)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout=3)
         if self._proc.is_alive():
             self._proc.kill()
+            self._proc.join()

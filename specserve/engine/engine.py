@@ -17,8 +17,6 @@ from specserve.config import Config
 from specserve.engine.messages import GenerateReq, TokenOut
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
-from specserve.models.source import resolve_model_dir
-from specserve.server.tokenizer import load_tokenizer
 
 
 def kwargs_to_argv(model: str | None, kwargs: dict[str, Any]) -> list[str]:
@@ -46,11 +44,11 @@ def make_sampling_params(d: dict | SamplingParams | None) -> SamplingParams:
 
 class Engine:
     def __init__(self, model: str | None = None, *, config: Config | None = None, **kwargs: Any) -> None:
-        self.config = config or parse_config(kwargs_to_argv(model, kwargs))
-        model_dir = resolve_model_dir(self.config.model.model_path, self.config.model.revision,
-                                      self.config.model.load_format)
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer_path, model_dir)
-        self.scheduler = Scheduler(self.config, model_dir, self.tokenizer)
+        from specserve.preflight import resolve_sources
+
+        sources = resolve_sources(config or parse_config(kwargs_to_argv(model, kwargs)))
+        self.config, self.tokenizer = sources.config, sources.tokenizer
+        self.scheduler = Scheduler(self.config, sources.model_dir, self.tokenizer)
         self._ids = itertools.count()
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,

@@ -8,6 +8,7 @@ the error) instead of killing the process: no client can crash the server.
 from __future__ import annotations
 
 import logging
+import signal
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -24,6 +25,9 @@ def setup_logging(level: str) -> None:
 
 
 def engine_main(cfg: Config, model_dir: str, inbox: Connection, outbox: Connection) -> None:
+    # Ctrl-C reaches the whole process group; the front end decides when this process stops
+    # (it sends None, then waits), so SIGINT here would only print a second traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(cfg.server.log_level)
     try:
         from specserve.engine.scheduler import Scheduler

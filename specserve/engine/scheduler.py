@@ -68,14 +68,14 @@ class Scheduler:
         chunk = sc.chunked_prefill_size or (4096 if self.runner.device.type == "cuda" else 1024)
         self.chunk_budget = chunk if chunk > 0 else sc.max_prefill_tokens
         self.chunking = chunk > 0
-        tree_room = (cfg.spec.num_draft_tokens or 16) + 8  # verify writes N slots past kv_len
+        tree_room = (cfg.spec.num_draft_tokens or 0) + 8  # verify writes N slots past kv_len (resolved tree)
         rows = self.max_running + 8
         self.kv = KVManager(self.runner.num_slots, rows, self.context_length + tree_room,
                             self.runner.device, not cfg.cache.disable_radix_cache,
                             prefix_backoff=prefix_backoff(cfg.spec))
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.spec = make_spec_worker(cfg.spec, self.runner, self.kv, self.eos_ids, self.context_length,
-                                     self.runner.model.config.architecture, self.max_running)
+                                     self.max_running)
         self.runner.warm_up_kernels(self.kv.table.table)
         self.runner.capture_cuda_graphs(self.kv.table.table, self.max_running,
                                         self.spec.num_draft_tokens if self.spec is not None else 0)

@@ -48,9 +48,6 @@ from specserve.engine.batch import ScheduleBatch
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
 from specserve.models.draft_loader import load_draft
-from specserve.models.mtp import has_mtp_layers
-from specserve.models.shipped_heads import shipped_head
-from specserve.models.source import resolve_model_dir
 from specserve.models.token_map import load_token_map
 from specserve.runner.forward_batch import ForwardMode
 from specserve.runner.h2d import h2d
@@ -77,8 +74,10 @@ def extend_tokens(all_ids: list[int], start: int, end: int) -> list[int]:
 
 class EagleProposer:
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> None:
-        self.model = load_draft(_draft_dir(spec, runner), runner.model, spec.algorithm, runner.dtype,
-                                runner.device, _token_map(spec, runner))
+        draft = Path(spec.draft_dir)
+        logger.info("Drafting with %s", "the target's own MTP layers" if draft == runner.model_dir else draft)
+        self.model = load_draft(draft, runner.model, spec.algorithm, runner.dtype, runner.device,
+                                _token_map(spec, runner))
         runner.capture_features(self.model.feature_mode, self.model.aux_layers)
         c = self.model.config
         self.pool = KVPool(runner.num_slots, c.num_layers, c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
@@ -409,13 +408,13 @@ def _ahead_kernel_enabled(t: torch.Tensor) -> bool:
     return kernels.use_fused(t)
 
 
-def head_default_tree(spec: SpecConfig, runner: ModelRunner) -> SpecConfig:
+def head_default_tree(spec: SpecConfig) -> SpecConfig:
     """With no tree flags (--speculative-num-steps omitted), the tree the head's config names
     as the one it was tuned with (`specserve_default_tree`: [steps, topk, draft tokens]),
     ahead of SGLang's choice by architecture; and the batch tree (batch_tree.py) resolved:
     auto takes the head's `specserve_batch_tree` with the head's own tree, else off."""
     try:
-        config = json.loads((Path(_draft_dir(spec, runner)) / "config.json").read_text())
+        config = json.loads((Path(spec.draft_dir) / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
     tree, from_head = config.get("specserve_default_tree"), spec.num_steps is None
@@ -425,20 +424,6 @@ def head_default_tree(spec: SpecConfig, runner: ModelRunner) -> SpecConfig:
         spec = replace(spec, num_steps=steps, eagle_topk=topk, num_draft_tokens=n)
     batch = batch_tree.resolve(spec.batch_tree, config.get("specserve_batch_tree"), from_head and tree is not None)
     return replace(spec, batch_tree=batch)
-
-
-def _draft_dir(spec: SpecConfig, runner: ModelRunner):
-    if spec.draft_model_path is not None:
-        return resolve_model_dir(spec.draft_model_path, spec.draft_model_revision, spec.draft_load_format or "auto")
-    head = shipped_head(runner.model_dir, spec.algorithm)
-    if head is not None:
-        logger.info("Drafting with the %s head shipped for this model (%s)", spec.algorithm, head.name)
-        return head
-    if not has_mtp_layers(runner.model_dir):
-        raise ValueError(f"--speculative-algorithm {spec.algorithm} needs --speculative-draft-model-path: "
-                         f"the target model has no MTP layers to draft with")
-    logger.info("Drafting with the target's own MTP layers")
-    return runner.model_dir
 
 
 def _token_map(spec: SpecConfig, runner: ModelRunner) -> torch.Tensor | None:

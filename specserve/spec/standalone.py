@@ -35,7 +35,6 @@ from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Req
 from specserve.models.llama import LlamaConfig
 from specserve.models.loader import load_model, random_model, read_hf_config
-from specserve.models.source import resolve_model_dir
 from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.forward_batch import ForwardBatch, ForwardMode
 from specserve.runner.h2d import h2d, h2d_many
@@ -50,28 +49,16 @@ from specserve.spec.tree_graphs import TreeDraftGraphs
 Span = tuple[int, int]  # positions [start, end) a request's catch-up feeds
 
 
-def draft_dir(spec: SpecConfig) -> Path:
-    """The draft LLM's local Hugging Face directory (fetched or converted once)."""
-    return resolve_model_dir(spec.draft_model_path, spec.draft_model_revision, spec.draft_load_format or "auto")
-
-
 def kv_shape(spec: SpecConfig) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the draft's own KV pool, which has a slot for each
     of the target's: the runner sizes its KV budget with it before the draft loads."""
-    c = LlamaConfig.from_hf(read_hf_config(draft_dir(spec)))
+    c = LlamaConfig.from_hf(read_hf_config(Path(spec.draft_dir)))
     return c.num_layers, c.num_kv_heads, c.head_dim
 
 
 class StandaloneProposer:
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> None:
-        if spec.draft_model_quantization not in (None, "unquant"):
-            raise ValueError(f"--speculative-draft-model-quantization {spec.draft_model_quantization} "
-                             "is not supported yet (supported: unquant)")
-        path = draft_dir(spec)
-        draft_vocab = read_hf_config(path)["vocab_size"]
-        if draft_vocab != runner.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft_vocab}) differs from the target's "
-                             f"({runner.vocab_size}): STANDALONE needs a draft with the same tokenizer")
+        path = Path(spec.draft_dir)  # checked at start-up (spec/factory.py resolve_spec)
         load = random_model if spec.draft_load_format == "dummy" else load_model  # random weights: benchmarks
         self.model = load(path, runner.dtype, runner.device)
         c = self.model.config

@@ -1,7 +1,13 @@
-"""Start the real server as a subprocess on a free port and wait until /health answers."""
+"""Start the real server as a subprocess on a free port and wait until /health answers.
+
+Every server started here is stopped with SIGTERM at the end and must exit with status 0,
+print no traceback, and leave no process of its session behind (the engine process included).
+"""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,18 +33,56 @@ def launched_server(extra_args: list[str], log_path: Path) -> Iterator[str]:
     port = free_port()
     cmd = [sys.executable, "-m", "specserve.launch_server", "--port", str(port), "--log-level", "warning"]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd + extra_args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd + extra_args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log_path)
         yield url
     finally:
-        proc.terminate()
+        stop_and_check(proc, log_path, signal.SIGTERM)
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session `sid` (zombies whose parent is gone are not counted)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid, _pgrp, session = f.read().rsplit(")", 1)[1].split()[:4]
+        except OSError:
+            continue
+        if int(session) == sid and not (state == "Z" and int(ppid) == 1):
+            pids.append(int(entry))
+    return pids
+
+
+def stop_and_check(proc: subprocess.Popen, log_path: Path, sig: int, to_group: bool = False) -> None:
+    """Send `sig` to the server (or, as a terminal's Ctrl-C does, to its whole process
+    group) and check a clean exit: status 0, no traceback, no process of its session left."""
+    sid = proc.pid  # start_new_session: the server leads its session and process group
+    if to_group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(sid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        pytest.fail(f"the server did not exit within 60 s of {signal.Signals(sig).name}")
+    deadline = time.monotonic() + 10
+    while session_pids(sid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = session_pids(sid)
+    if left:
+        os.killpg(sid, signal.SIGKILL)
+    log = log_path.read_text(errors="replace")
+    assert not left, f"processes left after {signal.Signals(sig).name}: {left}"
+    assert code == 0, f"the server exited with {code} after {signal.Signals(sig).name}:\n{log[-3000:]}"
+    assert "Traceback" not in log, log[-3000:]
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
