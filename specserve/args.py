@@ -169,8 +169,10 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
                    "EAGLE; case-insensitive)")
     g.add_argument("--speculative-draft-model-path", "--speculative-draft-model",
                    dest="speculative_draft_model_path", default=_P.draft_model_path,
-                   help="draft model weights (required for EAGLE3 and STANDALONE; EAGLE may omit "
-                        "it for models with MTP layers)")
+                   help="the draft: an EAGLE-2 / EAGLE-3 head, or a draft LLM for STANDALONE (HF directory, "
+                        ".gguf, catalogue name or hub id). Required for STANDALONE; EAGLE3 may omit it for "
+                        "a catalogue model with a shipped head (smollm2-135m), EAGLE for a target with MTP "
+                        "layers (they are the draft)")
     g.add_argument("--speculative-draft-model-revision", default=_P.draft_model_revision,
                    help="draft model revision (default: None, \"main\" when a draft path is set)")
     g.add_argument("--speculative-draft-load-format", default=_P.draft_load_format,

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: specserve <command> [args]
+
+def usage() -> str:
+    from specserve.bench.cli import BENCHES
+
+    return f"""usage: specserve <command> [args]
 
 commands:
-  serve [flags]        start the OpenAI-compatible server (same flags as python -m specserve.launch_server)
-  bench <name> [...]   benchmarks: compare, spec, speculative, serving, limit, mtbench, ngram-cost
+  serve [flags]        start the OpenAI-compatible server (the flags of python -m specserve.launch_server)
+  bench <name> [...]   benchmarks: {", ".join(BENCHES)} (specserve bench --help)
   train-draft [...]    train an EAGLE-3 / EAGLE-2 draft head for a target (train-draft --help)
 """
 
@@ -15,7 +19,7 @@ commands:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "serve":
@@ -30,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.train.cli import main as train_draft
 
         return train_draft(rest)
-    print(f"error: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    print(f"error: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
     return 2
 
 

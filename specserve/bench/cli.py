@@ -1,20 +1,37 @@
-"""`specserve bench <name>`: dispatch to one benchmark."""
+"""`specserve bench <name>`: dispatch to one benchmark; `specserve bench --help` lists them."""
 from __future__ import annotations
 
+import importlib
 import sys
 
-BENCHES = {"compare": "specserve.bench.compare", "spec": "specserve.bench.spec_compare",
-           "ngram-cost": "specserve.bench.ngram_cost", "limit": "specserve.bench.limit",
-           "speculative": "specserve.bench.speculative", "serving": "specserve.bench.serving",
-           "mtbench": "specserve.bench.mtbench", "compile": "specserve.bench.compile",
-           "governor-sim": "specserve.bench.governor_sim"}
+# name -> (module, what it measures); each module's main(argv) has its own --help
+BENCHES: dict[str, tuple[str, str]] = {
+    "compare": ("specserve.bench.compare", "our engine against Hugging Face transformers generate"),
+    "spec": ("specserve.bench.spec_compare", "the same engine with and without speculation, in one run"),
+    "speculative": ("specserve.bench.speculative", "SGLang's bench_speculative sweep over tree shapes"),
+    "serving": ("specserve.bench.serving", "concurrent clients against the real HTTP server"),
+    "mtbench": ("specserve.bench.mtbench", "MT-bench: plain against EAGLE-2 / EAGLE-3 / NGRAM (+ HF)"),
+    "limit": ("specserve.bench.limit", "batch-1 decode against the GPU's memory bandwidth (8B shape)"),
+    "compile": ("specserve.bench.compile", "the engine with and without --enable-torch-compile"),
+    "ngram-cost": ("specserve.bench.ngram_cost", "the NGRAM proposer's CPU cost per decode step"),
+    "governor-sim": ("specserve.bench.governor_sim", "the speculation governor on a simulated batch-1 round"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHES))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in BENCHES.items()]
+    return ("usage: specserve bench <name> [args]   (specserve bench <name> --help for its flags)\n\n"
+            "benchmarks:\n" + "\n".join(lines))
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
     if not argv or argv[0] not in BENCHES:
-        names = ", ".join(BENCHES)
-        print(f"usage: specserve bench {{{names}}} [args]", file=sys.stderr)
+        if argv:
+            print(f"error: unknown benchmark {argv[0]!r}\n", file=sys.stderr)
+        print(usage(), file=sys.stderr)
         return 2
-    import importlib
-
-    return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+    return importlib.import_module(BENCHES[argv[0]][0]).main(argv[1:])

@@ -222,7 +222,7 @@ def test_bad_draft_fails_loudly(tiny, tmp_path):
 def test_registered_with_specserve_bench(capsys):
     from specserve.bench import cli
 
-    assert cli.BENCHES["mtbench"] == "specserve.bench.mtbench"
+    assert cli.BENCHES["mtbench"][0] == "specserve.bench.mtbench"
     assert cli.main([]) == 2
     assert "mtbench" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
