@@ -3,7 +3,7 @@
 `Engine` is the offline API; `python -m specserve.launch_server` (or `specserve serve`)
 starts the OpenAI-compatible server.
 """
-from specserve.engine.sampling_params import SamplingParams
+from specserve.core.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "SamplingParams", "__version__"]
@@ -11,7 +11,7 @@ __all__ = ["Engine", "SamplingParams", "__version__"]
 
 def __getattr__(name: str):
     if name == "Engine":  # lazy: importing the package must not import torch
-        from specserve.engine.engine import Engine
+        from specserve.offline import Engine
 
         return Engine
     raise AttributeError(name)

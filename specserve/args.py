@@ -15,30 +15,25 @@ import argparse
 import sys
 from typing import Any, Callable, Sequence
 
-from specserve import env
-from specserve.args_check import (  # re-exported: the public API is specserve.args
-    SPEC_ALGORITHMS,
-    CheckContext,
-    ConfigError,
-    check_config,
-    resolve_spec_defaults,
-)
-from specserve.config import (
+from specserve.core import env
+from specserve.args_check import CheckContext, check_config  # re-exported: the public API is specserve.args
+from specserve.core.config import (
     CacheConfig,
     Config,
+    ConfigError,
     ModelConfig,
     RunnerConfig,
     SchedulerConfig,
     ServerConfig,
     SpecConfig,
 )
+from specserve.spec import registry
 
 __all__ = ["ConfigError", "CheckContext", "build_parser", "parse_config", "check_config",
-           "resolve_spec_defaults", "check_implemented", "IMPLEMENTED_SPEC_ALGORITHMS",
-           "IMPLEMENTED_FLAGS"]
+           "check_implemented", "IMPLEMENTED_FLAGS"]
 
-# Implementation gates: the engine adds a name here in the same change that makes it work.
-IMPLEMENTED_SPEC_ALGORITHMS: frozenset[str] = frozenset({"NGRAM", "STANDALONE", "EAGLE", "EAGLE3"})
+# Implementation gates: a flag goes here in the same change that makes it work. (Every
+# registered speculative algorithm is implemented: spec/registry.py.)
 IMPLEMENTED_FLAGS: frozenset[str] = frozenset()
 _GATED_FLAGS: dict[str, Callable[[Config], bool]] = {
     "--enable-multi-layer-eagle": lambda c: c.spec.enable_multi_layer_eagle,
@@ -165,8 +160,7 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
 def _add_speculative(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Speculative decoding")
     g.add_argument("--speculative-algorithm", type=str.upper, default=_P.algorithm,
-                   choices=SPEC_ALGORITHMS, help="speculative algorithm (NEXTN is an alias of "
-                   "EAGLE; case-insensitive)")
+                   choices=registry.names(), help=_algorithms_help())
     g.add_argument("--speculative-draft-model-path", "--speculative-draft-model",
                    dest="speculative_draft_model_path", default=_P.draft_model_path,
                    help="the draft: an EAGLE-2 / EAGLE-3 head, or a draft LLM for STANDALONE (HF directory, "
@@ -193,6 +187,12 @@ def _add_speculative(p: argparse.ArgumentParser) -> None:
                    help="draft quantization, \"unquant\" for none (default: None, same as target)")
     g.add_argument("--enable-multi-layer-eagle", action="store_true",
                    help="enable multi-layer EAGLE")
+
+
+def _algorithms_help() -> str:
+    parts = [f"{a.name}{' (alias ' + ', '.join(a.aliases) + ')' if a.aliases else ''}: {a.summary}"
+             for a in registry.algorithms()]
+    return "speculative algorithm, case-insensitive; " + "; ".join(parts)
 
 
 def _add_draft_tree(g: argparse._ArgumentGroup) -> None:
@@ -305,12 +305,7 @@ def _to_config(values: dict[str, Any]) -> Config:
 
 
 def check_implemented(config: Config) -> Config:
-    """Refuse what the engine cannot run yet; the last rule `parse_config` applies."""
-    algo = config.spec.algorithm
-    if algo is not None and algo not in IMPLEMENTED_SPEC_ALGORITHMS:
-        done = ", ".join(sorted(IMPLEMENTED_SPEC_ALGORITHMS)) or "none"
-        raise ConfigError(f"speculative algorithm {algo} is not implemented yet in this version "
-                          f"of specserve (implemented: {done})")
+    """Refuse flags whose feature is not built yet; the last rule `parse_config` applies."""
     for flag, is_set in _GATED_FLAGS.items():
         if is_set(config) and flag not in IMPLEMENTED_FLAGS:
             raise ConfigError(f"{flag} is not implemented yet")
@@ -322,8 +317,8 @@ def parse_config(argv: list[str] | None = None, *, device_has_cuda: bool | None 
     """Parse, validate and auto-fill a command line (sys.argv[1:] when argv is None).
 
     `device_has_cuda` None means "ask torch if a rule needs to know"; `architecture` is the
-    target's HF `architectures[0]` if already known (else the engine calls
-    `resolve_spec_defaults` later).
+    target's HF `architectures[0]` if already known (else start-up resolves the algorithm's
+    defaults once it has read the model: spec/registry.py `plan`).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     values = vars(build_parser().parse_args(argv))

@@ -3,11 +3,12 @@
 This file owns every rule that turns what the user typed into a `Config` the engine can trust:
 range checks, "not supported yet" refusals, and the speculative-decoding rules of SGLang's
 `_handle_speculative_decoding` (internals note §2.2-2.4), including their error and warning
-wording. It knows nothing about argparse: `specserve/args.py` declares the flags, builds a
-`Config` and calls `check_config`; the engine calls `resolve_spec_defaults` once it knows the
-model's architecture. Each rule is a small function `(Config, CheckContext) -> Config`;
-`RULES` is their order. Errors are `ConfigError` with a one-line message; warnings go to the
-"specserve" logger.
+wording. The speculative rules read the chosen algorithm's registry entry
+(spec/registry.py: which flags apply to it, its own checks and defaults), never its name.
+It knows nothing about argparse: `specserve/args.py` declares the flags, builds a `Config`
+and calls `check_config`. Each rule is a small function `(Config, CheckContext) -> Config`;
+`RULES` is their order. Errors are `ConfigError` with a one-line message; warnings go to
+the "specserve" logger.
 """
 from __future__ import annotations
 
@@ -15,23 +16,14 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from specserve.config import Config, SpecConfig
-from specserve.models.shipped_heads import has_shipped_head
-from specserve.spec.batch_tree import AUTO, OFF, parse_tree
+from specserve.core.config import Config, ConfigError
+from specserve.spec import registry
+from specserve.spec.eagle.batch_tree import AUTO, OFF, parse_tree
 
 logger = logging.getLogger("specserve")
 
-SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
-TREE_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "STANDALONE"})  # steps/topk/N drafters
-NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # Quantization is planned as gpt-fast-style weight-only transforms in their own files (DESIGN 6).
 PLANNED_QUANTIZATIONS = ("int8 weight-only", "int4 weight-only")
-# SGLang's auto_choose_speculative_params picks (5, 4, 8) for these, (3, 1, 4) for the rest.
-WIDE_TREE_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM"})
-
-
-class ConfigError(ValueError):
-    """A command line or Config the engine must not start with; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -95,31 +87,6 @@ def check_ranges(cfg: Config, ctx: CheckContext) -> Config:
     return cfg
 
 
-def check_ngram_params(cfg: Config, ctx: CheckContext) -> Config:
-    """The NGRAM cache constructor's checks (internals §1.14), with our flag names."""
-    s = cfg.spec
-    lo_w, hi_w, branch = (s.ngram_min_match_window_size, s.ngram_max_match_window_size,
-                          s.ngram_branch_length)
-    lo_b, hi_b = s.ngram_min_bfs_breadth, s.ngram_max_bfs_breadth
-    f_lo_w, f_hi_w, f_branch, f_lo_b, f_hi_b = (_flag("spec", n) for n in (
-        "ngram_min_match_window_size", "ngram_max_match_window_size", "ngram_branch_length",
-        "ngram_min_bfs_breadth", "ngram_max_bfs_breadth"))
-    for failed, message in (
-        (branch <= 1, f"{f_branch} must be > 1, got {branch}"),
-        (lo_w <= 0, f"{f_lo_w} must be > 0, got {lo_w}"),
-        (lo_w > hi_w, f"{f_lo_w} ({lo_w}) must be <= {f_hi_w} ({hi_w})"),
-        (hi_w >= branch, f"{f_hi_w} ({hi_w}) must be < {f_branch} ({branch})"),
-        (lo_b <= 0, f"{f_lo_b} must be > 0, got {lo_b}"),
-        (lo_b > hi_b, f"{f_lo_b} ({lo_b}) must be <= {f_hi_b} ({hi_b})"),
-    ):
-        if failed:
-            raise ConfigError(message)
-    if s.ngram_match_type.upper() not in NGRAM_MATCH_TYPES:
-        raise ConfigError(f"--speculative-ngram-match-type must be BFS or PROB, "
-                          f"got {s.ngram_match_type}")
-    return _with_spec(cfg, ngram_match_type=s.ngram_match_type.upper())
-
-
 # ---- things specserve does not do (yet) ---------------------------------------------------
 
 def _check_quantization(flag: str, value: str | None, allowed: tuple[str | None, ...]) -> None:
@@ -152,17 +119,29 @@ def check_unsupported(cfg: Config, ctx: CheckContext) -> Config:
     return cfg
 
 
-# ---- speculative decoding, at parse time --------------------------------------------------
+
+# ---- speculative decoding -----------------------------------------------------------------
+# Each rule reads the chosen algorithm's registry entry (spec/registry.py), never its name.
+
+def _algo(cfg: Config) -> registry.Algorithm | None:
+    return registry.get(cfg.spec.algorithm) if cfg.spec.algorithm is not None else None
+
+
+def _those(has: Callable[[registry.Algorithm], bool]) -> str:
+    """The names of the algorithms that `has`, as 'A', 'A and B' or 'A, B and C'."""
+    found = [a.name for a in registry.algorithms() if has(a)]
+    return found[0] if len(found) == 1 else ", ".join(found[:-1]) + " and " + found[-1]
+
 
 def normalize_algorithm(cfg: Config, ctx: CheckContext) -> Config:
     algo = cfg.spec.algorithm
     if algo is None:
         return cfg
-    algo = algo.upper()
-    if algo not in SPEC_ALGORITHMS:
-        raise ConfigError(f"--speculative-algorithm must be one of "
-                          f"{', '.join(SPEC_ALGORITHMS)}, got {algo}")
-    return _with_spec(cfg, algorithm="EAGLE" if algo == "NEXTN" else algo)  # NEXTN is EAGLE's alias
+    try:
+        return _with_spec(cfg, algorithm=registry.canonical(algo))  # NEXTN is EAGLE's alias
+    except KeyError:
+        raise ConfigError(f"--speculative-algorithm must be one of {', '.join(registry.names())}, "
+                          f"got {algo.upper()}") from None
 
 
 def reject_stray_spec_flags(cfg: Config, ctx: CheckContext) -> Config:
@@ -174,14 +153,20 @@ def reject_stray_spec_flags(cfg: Config, ctx: CheckContext) -> Config:
     return cfg
 
 
+def check_algorithm_flags(cfg: Config, ctx: CheckContext) -> Config:
+    """The algorithm's own flag checks (NGRAM's window and breadth rules)."""
+    algo = _algo(cfg)
+    return replace(cfg, spec=algo.check_flags(cfg.spec)) if algo is not None else cfg
+
+
 def check_spec_v2(cfg: Config, ctx: CheckContext) -> Config:
     # Checked on the *typed* topk, before auto-tuning, exactly as SGLang does: an omitted topk
-    # that auto-resolves to 4 (Llama) is not caught here (resolve_spec_defaults warns instead).
-    s = cfg.spec
-    if not s.enable_spec_v2 or s.algorithm is None:
+    # that auto-resolves to 4 (Llama) is not caught here (spec/tree_rules.py warns instead).
+    algo, s = _algo(cfg), cfg.spec
+    if not s.enable_spec_v2 or algo is None:
         return cfg
-    if s.algorithm == "NGRAM":
-        raise ConfigError("Spec v2 does not support NGRAM speculative decoding; unset "
+    if not algo.spec_v2:
+        raise ConfigError(f"Spec v2 does not support {algo.name} speculative decoding; unset "
                           "SPECSERVE_ENABLE_SPEC_V2 / SGLANG_ENABLE_SPEC_V2")
     if s.eagle_topk is not None and s.eagle_topk > 1:
         raise ConfigError("Spec v2 currently only supports topk = 1 for speculative decoding.")
@@ -189,8 +174,8 @@ def check_spec_v2(cfg: Config, ctx: CheckContext) -> Config:
 
 
 def check_step_triple(cfg: Config, ctx: CheckContext) -> Config:
-    s = cfg.spec
-    if s.algorithm in TREE_ALGORITHMS:
+    s, algo = cfg.spec, _algo(cfg)
+    if algo is not None and algo.tree_flags:
         given = [v is not None for v in (s.num_steps, s.eagle_topk, s.num_draft_tokens)]
         if any(given) and not all(given):
             raise ConfigError("set all three of --speculative-num-steps, --speculative-eagle-topk, "
@@ -199,34 +184,34 @@ def check_step_triple(cfg: Config, ctx: CheckContext) -> Config:
 
 
 def check_batch_tree(cfg: Config, ctx: CheckContext) -> Config:
-    """--speculative-batch-tree's syntax, and that it is EAGLE's (its step graphs draft it);
-    its fit with the main tree is checked once that is known (spec/batch_tree.py)."""
-    s = cfg.spec
+    """--speculative-batch-tree's syntax, and that the algorithm drafts one (EAGLE's step
+    graphs); its fit with the main tree is checked once that is known (spec/eagle/batch_tree.py)."""
+    s, algo = cfg.spec, _algo(cfg)
     if s.batch_tree == AUTO:
         return cfg
     try:
         parse_tree(s.batch_tree)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if s.batch_tree != OFF and s.algorithm not in ("EAGLE", "EAGLE3"):
-        raise ConfigError(f"--speculative-batch-tree applies to --speculative-algorithm EAGLE and EAGLE3 "
-                          f"only, not {s.algorithm}")
+    if s.batch_tree != OFF and algo is not None and not algo.batch_tree:
+        raise ConfigError(f"--speculative-batch-tree applies to --speculative-algorithm "
+                          f"{_those(lambda a: a.batch_tree)} only, not {algo.name}")
     return cfg
 
 
 def require_draft_model(cfg: Config, ctx: CheckContext) -> Config:
-    s = cfg.spec
-    if s.draft_model_path is None and has_shipped_head(cfg.model.model_path, s.algorithm):
-        logger.info("No --speculative-draft-model-path: drafting with the %s head shipped for %s",
-                    s.algorithm, cfg.model.model_path)
+    s, algo = cfg.spec, _algo(cfg)
+    if algo is None or algo.draft_model == "none":
         return cfg
-    if s.draft_model_path is None and s.algorithm in ("EAGLE3", "STANDALONE"):
-        raise ConfigError(f"--speculative-algorithm {s.algorithm} requires "
-                          "--speculative-draft-model-path")
-    if s.draft_model_path is None and s.algorithm == "EAGLE":
-        # Only models with MTP layers can do without; the engine decides once it reads the model.
-        logger.info("No --speculative-draft-model-path: the target's own MTP layers will be "
-                    "the draft")
+    if s.draft_model_path is None and algo.has_default_draft(cfg.model.model_path, algo.name):
+        logger.info("No --speculative-draft-model-path: drafting with the %s head shipped for %s",
+                    algo.name, cfg.model.model_path)
+        return cfg
+    if s.draft_model_path is None and algo.draft_model == "required":
+        raise ConfigError(f"--speculative-algorithm {algo.name} requires --speculative-draft-model-path")
+    if s.draft_model_path is None and algo.no_draft_note:
+        # whether a draft is found without it is decided at start-up, once the model is read
+        logger.info("No --speculative-draft-model-path: %s", algo.no_draft_note)
     if s.draft_model_path is not None and s.draft_model_revision is None:
         return _with_spec(cfg, draft_model_revision="main")
     return cfg
@@ -237,26 +222,35 @@ _DRAFT_ONLY = ("speculative_draft_model_path", "speculative_draft_model_revision
                "speculative_draft_attention_backend", "speculative_draft_model_quantization")
 
 
+def check_draft_options(cfg: Config, ctx: CheckContext) -> Config:
+    """--speculative-token-map and random draft weights, where the algorithm's draft takes them."""
+    algo, s = _algo(cfg), cfg.spec
+    if algo is None or algo.draft_model == "none":
+        return cfg  # its draft flags are warned about below
+    if s.token_map is not None and algo.token_map == "refused":
+        raise ConfigError(f"--speculative-token-map (FR-Spec) is supported for --speculative-algorithm "
+                          f"{_those(lambda a: a.token_map == 'supported')} only")
+    if s.draft_load_format == "dummy" and not algo.dummy_draft:
+        raise ConfigError(f"--speculative-draft-load-format dummy is supported for --speculative-algorithm "
+                          f"{_those(lambda a: a.dummy_draft)} only (a draft LLM of random weights, for benchmarks)")
+    if s.token_map is not None and algo.token_map == "ignored":
+        logger.warning("--speculative-token-map is ignored for %s: %s", algo.name, algo.token_map_note)
+    return cfg
+
+
 def warn_ignored_spec_flags(cfg: Config, ctx: CheckContext) -> Config:
     """Flags that do not apply to the chosen algorithm: warned about, never silently dropped."""
-    algo = cfg.spec.algorithm
-    if algo == "STANDALONE" and cfg.spec.token_map is not None:
-        raise ConfigError("--speculative-token-map (FR-Spec) is supported for --speculative-algorithm "
-                          "EAGLE only (EAGLE-2 heads and MTP layers)")
-    if algo not in (None, "NGRAM", "STANDALONE") and cfg.spec.draft_load_format == "dummy":
-        raise ConfigError("--speculative-draft-load-format dummy is supported for --speculative-algorithm "
-                          "STANDALONE only (a draft LLM of random weights, for benchmarks)")
-    if algo == "EAGLE3" and cfg.spec.token_map is not None:
-        logger.warning("--speculative-token-map is ignored for EAGLE3: EAGLE3 models already "
-                       "have a draft vocabulary")
+    algo = _algo(cfg)
+    if algo is None:
+        return cfg
     for dest, flag in ctx.explicit.items():
-        if algo not in (None, "NGRAM") and dest.startswith("speculative_ngram_"):
-            logger.warning("%s is ignored: it applies only to --speculative-algorithm NGRAM", flag)
-        if algo == "NGRAM" and dest in _DRAFT_ONLY:
-            logger.warning("%s is ignored for NGRAM: n-gram drafting has no draft model", flag)
-        if algo == "NGRAM" and dest in ("speculative_eagle_topk", "speculative_num_steps"):
-            logger.warning("%s is ignored for NGRAM: its tree comes from the "
-                           "--speculative-ngram-* flags", flag)
+        if not algo.ngram_flags and dest.startswith("speculative_ngram_"):
+            logger.warning("%s is ignored: it applies only to --speculative-algorithm %s", flag,
+                           _those(lambda a: a.ngram_flags))
+        if algo.draft_model == "none" and dest in _DRAFT_ONLY:
+            logger.warning("%s is ignored for %s: it has no draft model", flag, algo.name)
+        if not algo.tree_flags and dest in ("speculative_eagle_topk", "speculative_num_steps"):
+            logger.warning("%s is ignored for %s: its tree comes from its own flags", flag, algo.name)
     return cfg
 
 
@@ -269,13 +263,12 @@ def warn_lossy_thresholds(cfg: Config, ctx: CheckContext) -> Config:
     return cfg
 
 
-def note_ngram_on_cpu(cfg: Config, ctx: CheckContext) -> Config:
-    device = cfg.model.device
-    if cfg.spec.algorithm != "NGRAM":  # before has_cuda(): only NGRAM may need to import torch
+def note_on_cpu(cfg: Config, ctx: CheckContext) -> Config:
+    algo, device = _algo(cfg), cfg.model.device
+    if algo is None or not algo.cpu_note:  # before has_cuda(): only then may torch be imported
         return cfg
     if device == "cpu" or (device == "auto" and not ctx.has_cuda()):
-        logger.info("NGRAM speculative decoding runs on CPU in specserve "
-                    "(SGLang only supports it on CUDA)")
+        logger.info(algo.cpu_note)
     return cfg
 
 
@@ -288,77 +281,16 @@ def default_max_running_requests(cfg: Config, ctx: CheckContext) -> Config:
 
 
 def apply_spec_defaults(cfg: Config, ctx: CheckContext) -> Config:
-    return replace(cfg, spec=resolve_spec_defaults(cfg.spec, ctx.architecture))
-
-
-# ---- speculative decoding, once the architecture is known ---------------------------------
-
-def resolve_spec_defaults(spec: SpecConfig, architecture: str | None) -> SpecConfig:
-    """Fill (num_steps, eagle_topk, num_draft_tokens) and apply SGLang's post-rules.
-
-    Idempotent: `parse_config` calls it with whatever architecture it was given (usually None,
-    which leaves an omitted EAGLE/EAGLE3 triple unset), and the engine calls it again with the
-    target's HF `architectures[0]` once it has read the model config.
-    """
-    if spec.algorithm is None:
-        return spec
-    if spec.algorithm == "NGRAM":
-        return _ngram_defaults(spec)
-    if spec.num_steps is None:
-        spec = _auto_choose(spec, architecture)
-        if spec.num_steps is None:
-            return spec  # EAGLE/EAGLE3 without an architecture yet
-    if spec.eagle_topk == 1 and spec.num_draft_tokens != spec.num_steps + 1:
-        logger.warning("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 "
-                       "when speculative_eagle_topk == 1")
-        spec = replace(spec, num_draft_tokens=spec.num_steps + 1)
-    _check_tree_budget(spec)
-    return spec
-
-
-def _auto_choose(spec: SpecConfig, architecture: str | None) -> SpecConfig:
-    if spec.algorithm == "STANDALONE":
-        steps, topk, n = 3, 1, 4
-    elif architecture is None:
-        return spec
-    elif architecture in WIDE_TREE_ARCHITECTURES:
-        steps, topk, n = 5, 4, 8
-    else:
-        steps, topk, n = 3, 1, 4
-    if spec.enable_spec_v2 and topk > 1:
-        # SGLang lets this through (its check ran before auto-tuning); we at least say so.
-        logger.warning("Spec v2 only supports topk = 1, but auto-tuning chose "
-                       "speculative_eagle_topk=%d for %s; set --speculative-eagle-topk 1 "
-                       "(with --speculative-num-steps and --speculative-num-draft-tokens)",
-                       topk, architecture)
-    return replace(spec, num_steps=steps, eagle_topk=topk, num_draft_tokens=n)
-
-
-def _check_tree_budget(spec: SpecConfig) -> None:
-    # EAGLE-2 reranking keeps the N-1 best of topk + (steps-1)*topk^2 candidates (a torch.topk
-    # over that pool), so a larger N cannot be filled.
-    steps, topk, n = spec.num_steps, spec.eagle_topk, spec.num_draft_tokens
-    pool = topk + (steps - 1) * topk * topk
-    if n - 1 > pool:
-        raise ConfigError(
-            f"--speculative-num-draft-tokens {n} is too large for --speculative-num-steps {steps} "
-            f"and --speculative-eagle-topk {topk}: the draft tree has topk + (steps-1)*topk^2 = "
-            f"{pool} candidates, so num_draft_tokens must be <= {pool + 1}")
-
-
-def _ngram_defaults(spec: SpecConfig) -> SpecConfig:
-    topk = spec.ngram_max_bfs_breadth  # SGLang: speculative_eagle_topk = max_bfs_breadth
-    n = spec.num_draft_tokens
-    n = spec.ngram_max_match_window_size if n is None else n
-    # NGRAM has no draft forwards; steps is only bookkeeping. SGLang 0.5.23 sets N // topk.
-    return replace(spec, eagle_topk=topk, num_draft_tokens=n, num_steps=max(1, n // topk))
+    """The algorithm's auto rules; without the architecture (parse time) an omitted EAGLE
+    tree stays unset, and start-up resolves it (spec/registry.py `plan`)."""
+    return replace(cfg, spec=registry.resolve_defaults(cfg.spec, ctx.architecture))
 
 
 # SGLang's order where it has one: the Spec v2 topk check runs before auto-tuning.
 RULES: tuple[Rule, ...] = (
-    normalize_algorithm, reject_stray_spec_flags, check_ranges, check_ngram_params,
+    normalize_algorithm, reject_stray_spec_flags, check_ranges, check_algorithm_flags,
     check_unsupported, check_spec_v2, check_step_triple, check_batch_tree, require_draft_model,
-    warn_ignored_spec_flags, warn_lossy_thresholds, note_ngram_on_cpu,
+    check_draft_options, warn_ignored_spec_flags, warn_lossy_thresholds, note_on_cpu,
     default_max_running_requests, apply_spec_defaults,
 )
 

@@ -17,7 +17,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from specserve.args import ConfigError, parse_config
-from specserve.config import Config
+from specserve.core.config import Config
 from specserve.engine.process import setup_logging
 
 if TYPE_CHECKING:
@@ -62,8 +62,7 @@ def _serve(cfg: Config) -> int:
         return 1
     with closing(sock):
         try:
-            sources = resolve_sources(cfg)
-            client = ProcessEngineClient(sources.config, sources.model_dir, sources.tokenizer)
+            client = ProcessEngineClient(*resolve_sources(cfg))
         except (RuntimeError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

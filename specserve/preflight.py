@@ -4,24 +4,24 @@ A mistake a user can make on the command line should cost seconds, not a model l
 port is bound first (a taken port fails at once, and the server later serves on this very
 socket), then the sources are resolved in the order that fails fastest: an explicit draft
 path, the target (fetched or converted once), the tokenizer, the target's config (its
-architecture must be one we serve), and the speculative set-up that config files decide
-(`spec/factory.py` `resolve_spec`: shipped heads, MTP layers, token maps, the tree). The
-result is a Config nothing later needs to re-resolve, the target's local directory and
-the tokenizer.
+architecture must be one we serve), and the speculative set-up (spec/registry.py `plan`:
+the draft's directory, shipped heads, MTP layers, token maps, the tree). The result is an
+`EngineStart` nothing later needs to re-resolve, and the tokenizer.
 """
 from __future__ import annotations
 
 import errno
 import socket
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
-from specserve.config import Config
+from specserve.core.config import Config
+from specserve.engine.protocol import EngineStart
 from specserve.models.llama import LlamaConfig
 from specserve.models.loader import read_hf_config
 from specserve.models.source import resolve_model_dir
-from specserve.server.tokenizer import Tokenizer, load_tokenizer
-from specserve.spec.factory import explicit_draft_dir, resolve_spec
+from specserve.spec import registry
+from specserve.spec.sources import explicit_draft_dir
+from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -40,19 +40,18 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-@dataclass(frozen=True)
-class Sources:
-    config: Config  # its speculative set-up settled (SpecConfig.draft_dir, the tree)
-    model_dir: Path  # the target's local Hugging Face-layout directory
-    tokenizer: Tokenizer
-
-
-def resolve_sources(cfg: Config) -> Sources:
-    """Everything start-up needs before weights load; ValueError naming the first source
+def resolve_sources(cfg: Config) -> tuple[EngineStart, Tokenizer]:
+    """What an engine starts from, and the tokenizer; ValueError naming the first source
     that is wrong (module docstring for the order)."""
-    explicit_draft_dir(cfg.spec)  # a wrong draft path fails before the target is fetched
+    draft = explicit_draft_dir(cfg.spec)  # a wrong draft path fails before the target is fetched
+    if draft is not None:
+        cfg = replace(cfg, spec=replace(cfg.spec, draft_dir=str(draft)))
     model_dir = resolve_model_dir(cfg.model.model_path, cfg.model.revision, cfg.model.load_format)
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path, model_dir)
+    tokenizer_path = cfg.model.tokenizer_path
+    tokenizer_dir = resolve_model_dir(tokenizer_path) if tokenizer_path is not None else model_dir
+    tokenizer = load_tokenizer(tokenizer_dir)
     target = LlamaConfig.from_hf(read_hf_config(model_dir))
-    spec = resolve_spec(cfg.spec, model_dir, target.architecture, target.vocab_size)
-    return Sources(replace(cfg, spec=spec), model_dir, tokenizer)
+    plan = registry.plan(cfg.spec, model_dir, target)
+    if plan is not None:
+        cfg = replace(cfg, spec=plan.spec)
+    return EngineStart(cfg, model_dir, tokenizer_dir, plan), tokenizer

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from specserve.runner.forward_batch import ForwardBatch
+from specserve.core.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

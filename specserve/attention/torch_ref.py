@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

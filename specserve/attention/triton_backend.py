@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.attention.base import AttentionBackend
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 def _scheduler(model_dir: Path, args: argparse.Namespace):
     """The server's scheduler on random weights (--load-format dummy) of the 8B shape."""
     from specserve.args import parse_config
+    from specserve.engine.protocol import EngineStart
     from specserve.engine.scheduler import Scheduler
 
     argv = ["--model-path", str(model_dir), "--load-format", "dummy", "--dtype", "bfloat16",
@@ -120,7 +121,8 @@ def _scheduler(model_dir: Path, args: argparse.Namespace):
         argv += ["--attention-backend", args.attention_backend]
     if args.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
-    return Scheduler(parse_config(argv), model_dir, _word_tokenizer(LLAMA_31_8B["vocab_size"]))
+    start = EngineStart(parse_config(argv), model_dir, model_dir)  # no tokenizer files: a word tokenizer
+    return Scheduler(start, _word_tokenizer(LLAMA_31_8B["vocab_size"]))
 
 
 def _word_tokenizer(vocab_size: int):
@@ -128,7 +130,7 @@ def _word_tokenizer(vocab_size: int):
     and the scheduler detokenizes what it streams."""
     import tokenizers
 
-    from specserve.server.tokenizer import Tokenizer
+    from specserve.tokenizer.tokenizer import Tokenizer
 
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -139,8 +141,8 @@ def _word_tokenizer(vocab_size: int):
 def _served_decode(sched, ids: list[int], steps: int, overlap: bool) -> float:
     """Seconds per decode step of one request through the scheduler, as the server runs
     it (host work, read-back and output processing included), with or without overlap."""
-    from specserve.engine.messages import GenerateReq
-    from specserve.engine.sampling_params import SamplingParams
+    from specserve.core.messages import GenerateReq
+    from specserve.core.sampling_params import SamplingParams
 
     sched.overlap = overlap
     params = SamplingParams(temperature=0, max_new_tokens=steps + 1, ignore_eos=True)
@@ -163,10 +165,10 @@ def _decode(runner, kv, prompt_len: int, steps: int) -> tuple[float, int, float,
     """The runner alone, each step read back before the next: seconds per decode step
     (host included), the mean KV length, verify(16) / decode timed the same way, and
     the (decode, verify) graphs' GPU time in us ((0, 0) without graphs)."""
-    from specserve.engine.batch import ScheduleBatch
-    from specserve.engine.request import Req
-    from specserve.engine.sampling_params import SamplingParams
-    from specserve.runner.forward_batch import ForwardMode
+    from specserve.core.batch import ScheduleBatch
+    from specserve.core.request import Req
+    from specserve.core.sampling_params import SamplingParams
+    from specserve.core.forward_batch import ForwardMode
 
     ids = [(1000 + i) % runner.vocab_size for i in range(prompt_len)]
     req = Req("limit", ids, SamplingParams(temperature=0), 0, None, None)
@@ -200,7 +202,7 @@ def _graph_times(runner, blocks: int = 7, iters: int = 40) -> tuple[float, float
     """Median GPU us of a DECODE and a VERIFY graph replay at batch 1, alternated in
     `blocks` blocks of `iters` replays. Each replays on the metadata of its last forward
     (they keep separate buffers) and rewrites that forward's K/V: same values, same slots."""
-    from specserve.runner.forward_batch import ForwardMode
+    from specserve.core.forward_batch import ForwardMode
 
     graphs = runner.graphs.graphs if runner.graphs is not None else {}
     pair = graphs.get((ForwardMode.DECODE, 1)), graphs.get((ForwardMode.VERIFY, 1))

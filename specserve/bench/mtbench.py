@@ -38,7 +38,7 @@ from specserve.bench.spec_compare import WARM_TOKENS, _spec_kwargs, timed_run
 
 if TYPE_CHECKING:
     from specserve import Engine
-    from specserve.server.tokenizer import Tokenizer
+    from specserve.tokenizer.tokenizer import Tokenizer
 
 PLAIN, HF = "plain", "HF transformers"
 # prompts -> (seconds, output ids per prompt, (drafted verifies, accepted drafts, steps run
@@ -406,12 +406,12 @@ def plot(rows: list[dict], path: str) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     """Every method at every batch size, one model on the device at a time; returns the JSON rows."""
     from specserve.models.source import resolve_model_dir
-    from specserve.server.tokenizer import load_tokenizer
+    from specserve.tokenizer.tokenizer import load_tokenizer
 
     methods = methods_from_args(args)
     for m in methods:
         engine_kwargs(args, m)  # a bad configuration fails before anything is timed
-    tok = load_tokenizer(args.tokenizer_path, resolve_model_dir(args.model))
+    tok = load_tokenizer(resolve_model_dir(args.tokenizer_path or args.model))
     questions = mt_bench_questions(args.num_questions)
     width = max(len("method"), *(len(m.label) for m in methods))
     print(table_header(width), flush=True)

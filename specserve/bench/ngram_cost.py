@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from specserve.config import SpecConfig
-from specserve.spec.ngram import NgramProposer
+from specserve.core.config import SpecConfig
+from specserve.spec.ngram.proposer import NgramProposer
 
 
 class TextLike:

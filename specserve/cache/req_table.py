@@ -11,19 +11,19 @@ slots past kv_len, the in-graph commit of a pipelined step), whose committed par
 writes with `mirror` when it commits them.
 
 One row past the requests' (`pad_row`) is never handed out: the padding requests of a
-CUDA graph captured for more requests than it serves (spec/step_graphs.py) read and
+CUDA graph captured for more requests than it serves (spec/eagle/step_graphs.py) read and
 write it, so they never touch a real request's positions.
 """
 from __future__ import annotations
 
 import torch
 
-from specserve.runner.h2d import h2d_many
+from specserve.core.h2d import h2d_many
 
 
 def slots_at(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The slots at flat indices (row * stride + position) into `table` [rows, context], on
-    its device; -1 gives the scratch slot 0. Nothing is read back (spec/standalone.py's
+    its device; -1 gives the scratch slot 0. Nothing is read back (spec/standalone/proposer.py's
     drafting steps, whose slots the host does not know)."""
     return torch.where(index >= 0, table.view(-1)[index.clamp_min(0)], 0)
 

@@ -13,28 +13,26 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator
 
-from specserve.config import Config
-from specserve.engine.messages import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
+from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
 from specserve.engine.process import engine_main
-from specserve.engine.protocol import ModelInfo
-from specserve.server.tokenizer import Tokenizer
+from specserve.engine.protocol import EngineStart, ModelInfo
+from specserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve")
 START_TIMEOUT_S = 1800.0
 
 
 class ProcessEngineClient:
-    def __init__(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
-        """Start the engine process on a Config whose sources start-up has resolved
-        (preflight.py) and wait until it serves; RuntimeError if it fails to start."""
-        self.config, self.tokenizer = cfg, tokenizer
+    def __init__(self, start: EngineStart, tokenizer: Tokenizer) -> None:
+        """Start the engine process on what start-up resolved (preflight.py) and wait
+        until it serves; RuntimeError if it fails to start."""
+        self.config, self.tokenizer = start.config, tokenizer
         ctx = mp.get_context("spawn")
         inbox_r, self._inbox = ctx.Pipe(duplex=False)
         self._outbox, outbox_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=engine_main, args=(cfg, str(model_dir), inbox_r, outbox_w),
+        self._proc = ctx.Process(target=engine_main, args=(start, inbox_r, outbox_w),
                                  daemon=True, name="specserve-engine")
         self._proc.start()
         inbox_r.close()

@@ -12,7 +12,7 @@ import torch
 from specserve.cache.kv_pool import SlotAllocator
 from specserve.cache.radix import NoPrefixCache, RadixCache
 from specserve.cache.req_table import ReqToTokenTable
-from specserve.engine.request import Req
+from specserve.core.request import Req
 
 
 class KVManager:
@@ -24,7 +24,7 @@ class KVManager:
                  enable_prefix_cache: bool, prefix_backoff: int = 0) -> None:
         self.allocator = SlotAllocator(num_slots)
         # Cached-prefix tokens to recompute anyway: EAGLE's draft KV at the last cached
-        # position was paired with whatever token followed it then (see spec/eagle.py).
+        # position was paired with whatever token followed it then (see spec/eagle/proposer.py).
         self.prefix_backoff = prefix_backoff
         self.table = ReqToTokenTable(max_reqs, max_context, device)
         cls = RadixCache if enable_prefix_cache else NoPrefixCache
@@ -48,7 +48,7 @@ class KVManager:
         return self.allocator.alloc(n)
 
     def reserve(self, n: int) -> torch.Tensor:
-        """n slots taken for the server's lifetime (CUDA-graph scratch: spec/step_graphs.py);
+        """n slots taken for the server's lifetime (CUDA-graph scratch: spec/eagle/step_graphs.py);
         the leak check counts them as owned."""
         slots = self.alloc_slots(n)
         if slots is None:

@@ -8,8 +8,8 @@ tokenizer decodes a token were a third of its host work).
 """
 from __future__ import annotations
 
-from specserve.engine.messages import TokenLogprob, TokenOut
-from specserve.engine.request import Req
+from specserve.core.messages import TokenLogprob, TokenOut
+from specserve.core.request import Req
 from specserve.runner.sampler import SampleOutput
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.request import Req
-from specserve.runner.h2d import h2d_many, ready_event
+from specserve.core.request import Req
+from specserve.core.h2d import h2d_many, ready_event
 from specserve.runner.sampler import SampleOutput
 
 

@@ -11,11 +11,9 @@ import logging
 import signal
 import traceback
 from multiprocessing.connection import Connection
-from pathlib import Path
 
-from specserve.config import Config
-from specserve.engine.messages import AbortReq, ControlOut, ControlReq, GenerateReq
-from specserve.engine.protocol import ModelInfo
+from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq
+from specserve.engine.protocol import EngineStart, ModelInfo
 
 logger = logging.getLogger("specserve")
 
@@ -24,17 +22,17 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
 
 
-def engine_main(cfg: Config, model_dir: str, inbox: Connection, outbox: Connection) -> None:
+def engine_main(start: EngineStart, inbox: Connection, outbox: Connection) -> None:
     # Ctrl-C reaches the whole process group; the front end decides when this process stops
     # (it sends None, then waits), so SIGINT here would only print a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cfg = start.config
     setup_logging(cfg.server.log_level)
     try:
         from specserve.engine.scheduler import Scheduler
-        from specserve.server.tokenizer import load_tokenizer
+        from specserve.tokenizer.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.model.tokenizer_path, Path(model_dir))
-        sched = Scheduler(cfg, Path(model_dir), tokenizer)
+        sched = Scheduler(start, load_tokenizer(start.tokenizer_dir))
     except Exception as e:  # report, don't hang the parent
         outbox.send(("error", f"{type(e).__name__}: {e}"))
         return

@@ -1,16 +1,29 @@
-"""The front end's view of an engine: what the HTTP layer may call.
+"""The front end's view of an engine: what it starts from, and what the HTTP layer may call.
 
-`EngineClient` is implemented by `engine/client.py` (an engine running in a child
-process) and by test fakes. The HTTP layer depends on this protocol only, never on the
-scheduler, so the two can be tested apart.
+`EngineStart` is what start-up resolved before any weights load (preflight.py); it crosses
+into the engine process. `EngineClient` is implemented by `engine/client.py` (an engine
+running in a child process) and by test fakes. The HTTP layer depends on this protocol
+only, never on the scheduler, so the two can be tested apart.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Protocol
 
-from specserve.config import Config
-from specserve.engine.messages import GenerateReq, TokenOut
+from specserve.core.config import Config
+from specserve.core.messages import GenerateReq, TokenOut
+from specserve.engine.speculation import SpecPlan
+
+
+@dataclass(frozen=True)
+class EngineStart:
+    """Everything an engine is built from, settled by start-up (picklable)."""
+
+    config: Config  # its speculative part resolved (draft directory, tree)
+    model_dir: Path  # the target's local Hugging Face-layout directory
+    tokenizer_dir: Path  # the tokenizer's (the model's own unless --tokenizer-path)
+    spec: SpecPlan | None = None  # the speculative set-up (spec/registry.py), None without
 
 
 @dataclass(frozen=True)
@@ -25,7 +38,7 @@ class ModelInfo:
 class EngineClient(Protocol):
     config: Config
     info: ModelInfo
-    tokenizer: Any  # specserve.server.tokenizer.Tokenizer
+    tokenizer: Any  # specserve.tokenizer.tokenizer.Tokenizer
 
     def generate(self, req: GenerateReq) -> AsyncIterator[TokenOut]:
         """Submit `req` and yield its deltas until one has `finished=True`.

@@ -13,36 +13,36 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
-from specserve.config import Config
-from specserve.engine.batch import ScheduleBatch, sampling_batch
+from specserve.core.batch import ScheduleBatch
+from specserve.runner.sampler import sampling_batch
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.messages import GenerateReq, TokenOut
+from specserve.core.messages import GenerateReq, TokenOut
 from specserve.engine.metrics import SchedulerStats
 from specserve.engine.output import commit_sampled, finish_abort, take_output
 from specserve.engine.overlap import InFlight, decode_inputs, select, surely_ends
-from specserve.engine.request import Req
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.request import Req
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.runner.memory import OOM_ADVICE
+from specserve.engine.protocol import EngineStart
+from specserve.engine.speculation import Decoded, SpecNeeds, Speculator
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import SampleOutput, sample
-from specserve.server.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from specserve.spec.factory import draft_kv_shape, make_spec_worker, prefix_backoff
-from specserve.spec.proposer import Decoded
+from specserve.tokenizer.streaming import IncrementalDetokenizer, StopChecker
+from specserve.tokenizer.tokenizer import Tokenizer
 
 DECODE_RESERVE_CLIP = 256  # future tokens per request counted when admitting new work
 DECODE_RESERVE_RATIO = 0.3
 
 
 class Scheduler:
-    def __init__(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
-        self.cfg = cfg
+    def __init__(self, start: EngineStart, tokenizer: Tokenizer) -> None:
+        self.cfg = cfg = start.config
         self.tokenizer = tokenizer
         try:
-            self._build_device_state(cfg, model_dir, tokenizer)
+            self._build_device_state(start, tokenizer)
         except torch.cuda.OutOfMemoryError as e:
             raise RuntimeError(f"{OOM_ADVICE} ({str(e).splitlines()[0]})") from None
         self.rng = random.Random(cfg.scheduler.random_seed)
@@ -57,25 +57,27 @@ class Scheduler:
         self.continuous_decode_steps = max(1, cfg.scheduler.num_continuous_decode_steps)
         self._decodes_owed = 0
 
-    def _build_device_state(self, cfg: Config, model_dir: Path, tokenizer: Tokenizer) -> None:
+    def _build_device_state(self, start: EngineStart, tokenizer: Tokenizer) -> None:
         """Model, KV memory, speculative worker and CUDA graphs: everything that allocates on the device."""
-        self.runner = ModelRunner(model_dir, cfg.model, cfg.cache, cfg.runner, spec_algorithm=cfg.spec.algorithm,
+        cfg, needs = start.config, start.spec.needs if start.spec is not None else SpecNeeds()
+        self.runner = ModelRunner(start.model_dir, cfg.model, cfg.cache, cfg.runner,
                                   chunked_prefill_size=cfg.scheduler.chunked_prefill_size,
-                                  draft_kv_shape=draft_kv_shape(cfg.spec))
+                                  draft_headroom_mb=needs.draft_headroom_mb, draft_kv_shape=needs.draft_kv_shape)
         self.context_length = self.runner.context_length
         sc = cfg.scheduler
         self.max_running = sc.max_running_requests or (256 if self.runner.device.type == "cuda" else 128)
         chunk = sc.chunked_prefill_size or (4096 if self.runner.device.type == "cuda" else 1024)
         self.chunk_budget = chunk if chunk > 0 else sc.max_prefill_tokens
         self.chunking = chunk > 0
-        tree_room = (cfg.spec.num_draft_tokens or 0) + 8  # verify writes N slots past kv_len (resolved tree)
+        tree_room = needs.verify_tokens + 8  # a verify writes N slots past kv_len
         rows = self.max_running + 8
         self.kv = KVManager(self.runner.num_slots, rows, self.context_length + tree_room,
                             self.runner.device, not cfg.cache.disable_radix_cache,
-                            prefix_backoff=prefix_backoff(cfg.spec))
+                            prefix_backoff=needs.prefix_backoff)
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
-        self.spec = make_spec_worker(cfg.spec, self.runner, self.kv, self.eos_ids, self.context_length,
-                                     self.max_running)
+        self.spec: Speculator | None = None
+        if start.spec is not None:
+            self.spec = start.spec.build(self.runner, self.kv, self.eos_ids, self.context_length, self.max_running)
         self.runner.warm_up_kernels(self.kv.table.table)
         self.runner.capture_cuda_graphs(self.kv.table.table, self.max_running,
                                         self.spec.num_draft_tokens if self.spec is not None else 0)
@@ -83,7 +85,7 @@ class Scheduler:
         self.overlap = self.runner.device.type == "cuda" and not cfg.scheduler.disable_overlap_schedule
         if self.spec is not None:  # pipelined speculative steps run through the verify graphs
             self.spec.pipeline = self.overlap and self.runner.verify_graph_tokens == self.spec.num_draft_tokens
-            self.spec.capture_step_graphs(self.runner.graph_max_bs(self.max_running))
+            self.spec.capture_graphs(self.runner.graph_max_bs(self.max_running))
 
     # -- requests in and out ------------------------------------------------------------
     def add_request(self, g: GenerateReq) -> list[TokenOut]:
@@ -236,7 +238,7 @@ class Scheduler:
             self.running += sampled
             if self.spec is not None:
                 for req in sampled:
-                    self.spec.proposer.add_request(req)
+                    self.spec.admit(req)
         return self._finish_and_take(sampled)
 
     def _finish_and_take(self, reqs: list[Req]) -> list[TokenOut]:
@@ -250,10 +252,7 @@ class Scheduler:
         return outs
 
     def _release(self, req: Req) -> None:
-        cacheable = None
-        if self.spec is not None:
-            cacheable = self.spec.proposer.cacheable(req)
-            self.spec.proposer.remove_request(req)
+        cacheable = self.spec.release(req) if self.spec is not None else None
         self.kv.release(req, cacheable)
 
     def _spec_step(self) -> list[TokenOut]:

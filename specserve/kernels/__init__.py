@@ -22,18 +22,18 @@ with TRITON_INTERPRET=1 set before triton is first imported (the tests do this).
 from __future__ import annotations
 
 import importlib.util
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-if TYPE_CHECKING:
-    from specserve.models.rope import RopeAt
+from specserve.core import env
 
-_ENV = os.environ.get("SPECSERVE_FUSED_KERNELS", "").strip()
-_override: bool | None = None if _ENV == "" else _ENV not in ("0", "false", "off")
+if TYPE_CHECKING:
+    from specserve.core.rope import RopeAt
+
+_override: bool | None = env.fused_kernels_override()
 _triton_ok: bool | None = None  # cached find_spec("triton")
 
 
@@ -49,7 +49,7 @@ def triton_available() -> bool:
 
 def use_fused(t: torch.Tensor) -> bool:
     """Whether ops on `t` should go through the fused kernels: never while torch.compile
-    traces (inductor fuses the torch-native ops itself: runner/compile.py)."""
+    traces (inductor fuses the torch-native ops itself: models/compile.py)."""
     if torch.compiler.is_compiling():
         return False
     if _override is not None:
@@ -115,7 +115,7 @@ def pdl_enabled(device: torch.device) -> bool:
     test_fused_kernels.py); with the GEMVs alone bench limit ran at 89.8% of copy bandwidth
     against 88.8% without, and with every layer kernel at 90.5%, where SmolLM2's decode
     graph fell from 640 to 469 us (dummy weights, 300 cached tokens)."""
-    return device.type == "cuda" and os.environ.get("SPECSERVE_PDL", "1") != "0" and _hopper(device)
+    return device.type == "cuda" and env.pdl_allowed() and _hopper(device)
 
 
 def _hopper(device: torch.device) -> bool:
@@ -135,7 +135,7 @@ def pdl_flags(device: torch.device) -> dict:
 def tma_enabled(device: torch.device) -> bool:
     """Whether the few-token kernel may stream weights through TMA descriptors (skinny.py):
     on Hopper and later unless SPECSERVE_TMA=0."""
-    return device.type == "cuda" and os.environ.get("SPECSERVE_TMA", "1") != "0" and _hopper(device)
+    return device.type == "cuda" and env.tma_allowed() and _hopper(device)
 
 
 def use_gemv(x: torch.Tensor, lm_head: bool = False) -> bool:
@@ -148,7 +148,7 @@ def use_gemv(x: torch.Tensor, lm_head: bool = False) -> bool:
     if x.dim() != 2 or not use_fused(x):
         return False
     t, width = x.shape
-    return t == 1 or (2 <= t <= SKINNY_MAX_TOKENS and os.environ.get("SPECSERVE_SKINNY") != "0"
+    return t == 1 or (2 <= t <= SKINNY_MAX_TOKENS and env.skinny_allowed()
                       and (lm_head or width <= SKINNY_MAX_WIDTH or tma_enabled(x.device)))
 
 
@@ -175,7 +175,7 @@ def _narrow_head(weight: torch.Tensor, gated: bool) -> bool:
     EAGLE-3 draft's 16384 x 576 head took 9.6 us against 11.1 (its first read of a step,
     from HBM) and SmolLM2's 49152 x 576 in plain decoding 18.5 against ~28 (H100)."""
     return (not gated and weight.shape[0] >= 16384 and weight.shape[1] <= SKINNY_MAX_WIDTH
-            and os.environ.get("SPECSERVE_SKINNY") != "0")
+            and env.skinny_allowed())
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

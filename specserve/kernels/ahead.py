@@ -1,4 +1,4 @@
-"""One launch for EAGLE's draft-ahead bookkeeping (spec/eagle.py `draft_ahead`) on CUDA.
+"""One launch for EAGLE's draft-ahead bookkeeping (spec/eagle/proposer.py `draft_ahead`) on CUDA.
 
 Between a verify's greedy walk and its read-back, the draft extend and the next step's
 trees are queued from the walk on the device. Done with torch ops, turning the walk into
@@ -20,7 +20,7 @@ request (and per padding request of the captured batch size) does all of it:
     - shift (the tree pass's tail start, tree_draft.py), for the tree pass;
   * with a prefix buffer (the extend graph's int32 prefix lengths, which its attention
     reads): start, and 0 for a padding request, so the extend launches no copy of its own.
-The reference is the torch path in spec/eagle.py, which runs everywhere else (and CPU tests
+The reference is the torch path in spec/eagle/proposer.py, which runs everywhere else (and CPU tests
 compare the two under TRITON_INTERPRET).
 """
 from __future__ import annotations

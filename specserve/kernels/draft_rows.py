@@ -1,6 +1,6 @@
-"""The drafting pass's row bookkeeping kernels: `spec/draft_rows.py` dispatches here on CUDA.
+"""The drafting pass's row bookkeeping kernels: `spec/tree/rows.py` dispatches here on CUDA.
 
-Each `*_fused` launcher equals its torch reference in `spec/draft_rows.py` (the tests
+Each `*_fused` launcher equals its torch reference in `spec/tree/rows.py` (the tests
 compare them under TRITON_INTERPRET); see that module for what the rows are.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _root_rows_kernel(HLogits, HNext, Last, Dst, XLast, Hidden, Buf, H, s_logits
 
 def root_rows_fused(h_logits: torch.Tensor, h_next: torch.Tensor | None, last: torch.Tensor,
                     dst: torch.Tensor, buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """root_rows (spec/draft_rows.py) in one launch; CUDA tensors."""
+    """root_rows (spec/tree/rows.py) in one launch; CUDA tensors."""
     b, h = last.shape[0], h_logits.shape[1]
     assert h_logits.stride(1) == 1 and (h_next is None or (h_next.shape[1] == h and h_next.stride(1) == 1))
     assert h_next is None or buf is not None, "a hidden state needs its per-row buffer"
@@ -74,7 +74,7 @@ def _fan_out_kernel(Rows, Tail, States, RowsK, TailK, Pos, StatesK, H, D,
 
 def fan_out_fused(rows: torch.Tensor, tail: torch.Tensor, states: torch.Tensor | None, k: int,
                   depths: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """fan_out (spec/draft_rows.py) in one launch; CUDA tensors."""
+    """fan_out (spec/tree/rows.py) in one launch; CUDA tensors."""
     b, dev = rows.shape[0], rows.device
     rows, tail = rows.contiguous(), tail.contiguous()
     states = states.contiguous() if states is not None else None

@@ -8,13 +8,13 @@ latency only; the GEMVs (`matvec.py`, `skinny.py`) call it after fetching their 
 weight tile, which no earlier kernel writes; skinny.py's looped ones also ask L2 for the
 rest of their rows there (`prefetch_l2`, where `prefetch_step` says so).
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-L2_PREFETCH = os.environ.get("SPECSERVE_L2_PREFETCH", "1") != "0"  # SPECSERVE_L2_PREFETCH=0 turns it off
+from specserve.core import env
+
+L2_PREFETCH = env.l2_prefetch_allowed()  # SPECSERVE_L2_PREFETCH=0 turns it off
 
 
 @triton.jit

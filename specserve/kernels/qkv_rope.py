@@ -27,7 +27,7 @@ from specserve.kernels.skinny import (_config, deferred_norm, first_tiles, produ
                                       split_range, split_sum)
 
 if TYPE_CHECKING:
-    from specserve.models.rope import RopeAt
+    from specserve.core.rope import RopeAt
 
 PAIRS = 8  # rotation pairs a program owns: 16 weight rows, tl.dot's least
 

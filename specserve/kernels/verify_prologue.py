@@ -1,7 +1,7 @@
-"""The pipelined step's prologue kernel: `spec/verify_prologue.py` dispatches here on CUDA.
+"""The pipelined step's prologue kernel: `spec/eagle/verify_prologue.py` dispatches here on CUDA.
 
 `verify_prologue_fused` equals `verify_prologue_torch` (the tests compare them under
-TRITON_INTERPRET); see `spec/verify_prologue.py` for what it writes.
+TRITON_INTERPRET); see `spec/eagle/verify_prologue.py` for what it writes.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def verify_prologue_fused(rows: torch.Tensor, kv_len: torch.Tensor, offsets: tor
                           slots: torch.Tensor, mask: torch.Tensor, table: ReqToTokenTable, pad_row: int,
                           prefix32: torch.Tensor | None = None, row_start: torch.Tensor | None = None
                           ) -> torch.Tensor:
-    """verify_prologue (spec/verify_prologue.py) in one launch; CUDA tensors."""
+    """verify_prologue (spec/eagle/verify_prologue.py) in one launch; CUDA tensors."""
     b, n = slots.shape
     assert mask.shape == (b, n, n) and rows.shape == kv_len.shape == offsets.shape == (b,)
     assert all(t.is_contiguous() for t in (rows, kv_len, offsets, slots, mask)) and table.table.stride(1) == 1

@@ -18,7 +18,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from specserve.config import DEFAULT_MODEL  # noqa: F401  (re-exported: the catalogue default)
+from specserve.core import env
+from specserve.core.config import DEFAULT_MODEL  # noqa: F401  (re-exported: the catalogue default)
 from specserve.models.gguf import MARKER, convert_gguf, is_converted
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,8 @@ CATALOGUE: dict[str, CatalogueEntry] = {
 
 def cache_root() -> Path:
     """`$SPECSERVE_CACHE_DIR`, else `~/.cache/specserve`."""
-    env = os.environ.get("SPECSERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specserve"
+    configured = env.cache_dir()
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "specserve"
 
 
 def model_dir(name: str) -> Path:

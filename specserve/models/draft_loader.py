@@ -35,12 +35,16 @@ logger = logging.getLogger("specserve")
 # Draft architecture -> the trunk architecture its decoder layers follow.
 EAGLE2_ARCHITECTURES = {"LlamaForCausalLMEagle": "LlamaForCausalLM", "Qwen2ForCausalLMEagle": "Qwen2ForCausalLM"}
 EAGLE3_ARCHITECTURES = {"LlamaForCausalLMEagle3": "LlamaForCausalLM", "Qwen2ForCausalLMEagle3": "Qwen2ForCausalLM"}
-_ALGORITHM_OF = {"eagle2": "EAGLE", "mtp": "EAGLE", "eagle3": "EAGLE3"}
 _DESCRIBED = {"eagle2": "an EAGLE-2 head", "eagle3": "an EAGLE-3 head", "mtp": "a model with MTP layers"}
 
 
-def detect_layout(path: Path, hf: dict, names: list[str]) -> str:
-    """'eagle2', 'eagle3' or 'mtp' (module docstring); ValueError for anything else."""
+def detect_layout(path: Path, hf: dict | None = None, names: list[str] | None = None) -> str:
+    """'eagle2', 'eagle3' or 'mtp' (module docstring); ValueError for anything else. Reads
+    the config and the safetensors headers only (`hf`, `names` when the caller has them)."""
+    hf = read_hf_config(path) if hf is None else hf
+    names = checkpoint_names(path) if names is None else names
+    if not names:
+        raise ValueError(f"{path} has no *.safetensors files")
     arch = (hf.get("architectures") or [""])[0]
     if arch in EAGLE2_ARCHITECTURES:
         return "eagle2"
@@ -57,17 +61,17 @@ def detect_layout(path: Path, hf: dict, names: list[str]) -> str:
                      "checkpoint, or a model whose checkpoint has MTP layers")
 
 
-def load_draft(path: Path, target: LlamaForCausalLM, algorithm: str, dtype: torch.dtype,
+def load_draft(path: Path, target: LlamaForCausalLM, layouts: tuple[str, ...], dtype: torch.dtype,
                device: torch.device, token_map: torch.Tensor | None = None) -> DraftModel:
-    """The draft model at `path` for `algorithm` ("EAGLE"/"NEXTN" or "EAGLE3"), sharing
-    `target`'s embedding (and head); `token_map`: FR-Spec hot token ids (EAGLE-2 / MTP)."""
+    """The draft model at `path`, which must have one of `layouts` ('eagle2', 'eagle3',
+    'mtp'), sharing `target`'s embedding (and head); `token_map`: FR-Spec hot token ids
+    (EAGLE-2 / MTP)."""
     path = Path(path)
     hf = read_hf_config(path)
     names = checkpoint_names(path)
-    if not names:
-        raise ValueError(f"{path} has no *.safetensors files")
     layout = detect_layout(path, hf, names)
-    _check_algorithm(path, layout, algorithm)
+    if layout not in layouts:
+        raise ValueError(f"{path} is {_DESCRIBED[layout]}, not {' or '.join(_DESCRIBED[k] for k in layouts)}")
     build = {"eagle2": _build_eagle2, "eagle3": _build_eagle3, "mtp": _build_mtp}[layout]
     draft = build(hf, names, target).to_empty(device=device).to(dtype)
     _load_weights(draft, path, names)
@@ -85,14 +89,6 @@ def load_draft(path: Path, target: LlamaForCausalLM, algorithm: str, dtype: torc
     logger.info("Loaded draft %s (%s, %d layer(s), feature %s)", path.name, type(draft).__name__,
                 draft.config.num_layers, draft.feature_mode)
     return draft
-
-
-def _check_algorithm(path: Path, layout: str, algorithm: str) -> None:
-    algo = {"NEXTN": "EAGLE"}.get(algorithm.upper(), algorithm.upper())
-    if algo not in ("EAGLE", "EAGLE3"):
-        raise ValueError(f"speculative algorithm {algorithm} has no draft model to load (EAGLE or EAGLE3)")
-    if _ALGORITHM_OF[layout] != algo:
-        raise ValueError(f"{path} is {_DESCRIBED[layout]}: use --speculative-algorithm {_ALGORITHM_OF[layout]}")
 
 
 def _draft_config(hf: dict, architecture: str, names: list[str], target: LlamaForCausalLM) -> LlamaConfig:

@@ -24,7 +24,7 @@ from specserve import kernels
 from specserve.models.layers import Linear
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 from specserve.models.rope import RotaryEmbedding
-from specserve.runner.forward_batch import ForwardBatch
+from specserve.core.forward_batch import ForwardBatch
 
 
 class DraftModel(nn.Module, ABC):

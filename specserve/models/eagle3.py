@@ -21,8 +21,8 @@ from specserve import kernels
 from specserve.models.draft_model import DraftModel
 from specserve.models.layers import Linear, RMSNorm
 from specserve.models.llama import MLP, Attention, LlamaConfig
-from specserve.models.rope import RopeAt
-from specserve.runner.forward_batch import ForwardBatch
+from specserve.core.rope import RopeAt
+from specserve.core.forward_batch import ForwardBatch
 
 
 class Eagle3MidLayer(nn.Module):

@@ -31,10 +31,11 @@ from torch import nn
 
 from specserve import kernels
 from specserve.models.layers import Embedding, Linear, RMSNorm
-from specserve.models.rope import RopeAt, RotaryEmbedding, apply_rope
-from specserve.runner.compile import CompiledForward
-from specserve.runner.compile import attention as compiled_attention
-from specserve.runner.forward_batch import ForwardBatch
+from specserve.core.rope import RopeAt
+from specserve.models.rope import RotaryEmbedding, apply_rope
+from specserve.models.compile import CompiledForward
+from specserve.models.compile import attention as compiled_attention
+from specserve.core.forward_batch import ForwardBatch
 
 logger = logging.getLogger("specserve")
 
@@ -244,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         # Residual stream captured *before* these layers; num_layers means after the last
         # layer (pre-norm).
         self.aux_layers: tuple[int, ...] = ()
-        self.compiled: CompiledForward | None = None  # --enable-torch-compile (runner/compile.py)
+        self.compiled: CompiledForward | None = None  # --enable-torch-compile (models/compile.py)
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden [T, hidden] and the aux hidden states [T, hidden] asked for,

@@ -27,7 +27,7 @@ from torch import nn
 from specserve.models.draft_model import DraftModel
 from specserve.models.layers import Linear, RMSNorm
 from specserve.models.llama import DecoderLayer, LlamaConfig
-from specserve.runner.forward_batch import ForwardBatch
+from specserve.core.forward_batch import ForwardBatch
 
 MIMO = "MiMoForCausalLM"
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from specserve import kernels
+from specserve.core.rope import RopeAt
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -69,24 +70,6 @@ class RotaryEmbedding(nn.Module):
     def at(self, positions: torch.Tensor) -> RopeAt:
         """The tables at one forward's positions [T], gathered when a layer first asks."""
         return RopeAt(self.table, positions, self.head_dim)
-
-
-class RopeAt:
-    """The rotary tables at one forward's positions [T]: `tables()` gathers (cos, signed
-    sin) [T, 1, D] on first use and keeps them for the forward's other layers. The
-    few-token kernel (`kernels/qkv_rope.py`) reads `table` [max_positions, 2D] rows at
-    `positions` itself, so a forward whose layers all take it launches no gather (a
-    verify and each drafting depth spent one torch launch on it)."""
-
-    def __init__(self, table: torch.Tensor, positions: torch.Tensor, head_dim: int) -> None:
-        self.table, self.positions, self.head_dim = table, positions, head_dim
-        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._gathered is None:
-            both = self.table[self.positions].unsqueeze(1)
-            self._gathered = both[..., :self.head_dim], both[..., self.head_dim:]
-        return self._gathered
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

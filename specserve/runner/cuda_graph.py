@@ -7,7 +7,7 @@ is padded up to the next captured size. Modes:
   * DECODE: one token per request;
   * VERIFY (when speculation is on): exactly N tree nodes per request (the caller pads
     ragged trees to N), with the tree masks and, for EAGLE, the target features.
-Drafts capture their own (spec/extend_graphs.py, tree_graphs.py, step_graphs.py); a
+Drafts capture their own (spec/tree/extend_graphs.py, tree_graphs.py, step_graphs.py); a
 STANDALONE draft LLM's chain DECODEs use a runner of this class over its own KV pool.
 
 Static buffers hold everything a captured forward reads: input ids, positions, output
@@ -29,7 +29,7 @@ from typing import Callable, Iterator, TypeVar
 import torch
 from tqdm import tqdm
 
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger("specserve")
 
@@ -62,14 +62,15 @@ def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
 
 
 def capture_each(sizes: list[int], body: Callable[[int], T], device: torch.device,
-                 prepare: Callable[[int], None] | None = None, desc: str | None = None
+                 prepare: Callable[[int], None] | None = None, desc: str | None = None, pool=None
                  ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, T]]:
-    """One graph per size, largest first, in one memory pool: `prepare(bs)` (outside the
-    capture: metadata copies), `body(bs)` twice (compile kernels, settle the allocator),
-    then `body(bs)` captured. Returns the graphs and what each captured call returned
-    (its outputs: static tensors that every replay rewrites). `desc`: a progress bar's label."""
+    """One graph per size, largest first, in one memory pool (`pool`, or a new one):
+    `prepare(bs)` (outside the capture: metadata copies), `body(bs)` twice (compile kernels,
+    settle the allocator), then `body(bs)` captured. Returns the graphs and what each
+    captured call returned (its outputs: static tensors that every replay rewrites).
+    `desc`: a progress bar's label. Every CUDA graph in specserve is captured here."""
     graphs, outputs = {}, {}
-    pool = torch.cuda.graph_pool_handle()
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     order = sorted(sizes, reverse=True)
     for bs in (tqdm(order, desc=desc, unit="graph", leave=False) if desc else order):
         if prepare is not None:
@@ -132,18 +133,16 @@ class CudaGraphRunner:
 
     def capture(self, template: ForwardBatch) -> None:
         """Capture every mode at every size; `template` supplies the table and KV pool."""
-        jobs = [(mode, bs) for mode in self.static for bs in sorted(self.sizes, reverse=True)]
-        for mode, bs in tqdm(jobs, desc="Capturing CUDA graphs", unit="graph", leave=False):
-            st = self.static[mode]
-            fb = self._static_batch(template, mode, bs, [0] * bs, None)
-            self.backend.init_metadata_for_capture(fb)
-            for _ in range(2):  # warm up: compile kernels, settle allocator state
-                self._run(fb, st, bs)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with capturing(graph, self.pool):
-                self._run(fb, st, bs)
-            self.graphs[(mode, bs)] = graph
+        for mode, st in self.static.items():
+            batches: dict[int, ForwardBatch] = {}
+
+            def prepare(bs: int, mode: ForwardMode = mode) -> None:
+                batches[bs] = self._static_batch(template, mode, bs, [0] * bs, None)
+                self.backend.init_metadata_for_capture(batches[bs])
+
+            graphs, _ = capture_each(self.sizes, lambda bs, st=st: self._run(batches[bs], st, bs), self.device,
+                                     prepare=prepare, desc=f"Capturing {mode.value} graphs", pool=self.pool)
+            self.graphs.update({(mode, bs): g for bs, g in graphs.items()})
         torch.cuda.synchronize(self.device)
         logger.info("Captured CUDA graphs for %s at batch sizes %s",
                     ", ".join(m.value for m in self.static), self.sizes)

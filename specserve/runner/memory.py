@@ -18,14 +18,13 @@ OOM_ADVICE = (
 
 
 def auto_mem_fraction(total_bytes: int, chunked_prefill_size: int | None, cuda_graph_max_bs: int | None,
-                      spec_algorithm: str | None) -> float:
-    """The fraction of GPU memory for weights + KV cache when --mem-fraction-static is omitted."""
+                      draft_headroom_mb: int = 0) -> float:
+    """The fraction of GPU memory for weights + KV cache when --mem-fraction-static is
+    omitted; `draft_headroom_mb` is what the speculative algorithm asks to keep back
+    (spec/registry.py: 6 GiB for a draft LLM, 2 GiB for an EAGLE head, none for NGRAM)."""
     total_mb = total_bytes / MB
     reserved = 512 + max(chunked_prefill_size or 0, 2048) * 1.5 + (cuda_graph_max_bs or 256) * 2
     if total_mb > 60 * 1024:
         reserved = max(reserved, 10 * 1024)
-    if spec_algorithm == "STANDALONE":
-        reserved += 6 * 1024  # a whole draft LLM
-    elif spec_algorithm not in (None, "NGRAM"):
-        reserved += 2 * 1024  # EAGLE heads, their KV and graphs
+    reserved += draft_headroom_mb
     return (total_mb - reserved) / total_mb

@@ -14,14 +14,14 @@ import torch
 from specserve.attention.base import AttentionBackend
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
-from specserve.config import CacheConfig, ModelConfig, RunnerConfig
-from specserve.engine.batch import ScheduleBatch
+from specserve.core.config import CacheConfig, ModelConfig, RunnerConfig
+from specserve.core.batch import ScheduleBatch
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, pick_dtype, random_model, read_hf_config
-from specserve.runner.compile import CompiledForward
+from specserve.models.compile import CompiledForward
 from specserve.runner.cuda_graph import CudaGraphRunner
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
-from specserve.runner.h2d import h2d_many
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.h2d import h2d_many
 from specserve.runner.memory import OOM_ADVICE, auto_mem_fraction
 from specserve.runner.prefill_graphs import PrefillGraphs
 
@@ -60,14 +60,14 @@ def _has_triton() -> bool:
 class ModelRunner:
     def __init__(self, model_dir: Path, model_cfg: ModelConfig, cache_cfg: CacheConfig,
                  runner_cfg: RunnerConfig, model: LlamaForCausalLM | None = None,
-                 spec_algorithm: str | None = None, chunked_prefill_size: int | None = None,
+                 chunked_prefill_size: int | None = None, draft_headroom_mb: int = 0,
                  draft_kv_shape: tuple[int, int, int] | None = None) -> None:
         """`model`: an already built model for `model_dir`'s config; by default the weights
-        are loaded from `model_dir` (random ones with --load-format dummy). The speculative
-        algorithm and chunk size only size the GPU memory headroom (`memory.py`);
-        `draft_kv_shape` (layers, KV heads, head dim) is a draft LLM's own KV pool, one
-        slot per target slot, which the KV budget counts in (STANDALONE)."""
-        self.spec_algorithm, self.chunked_prefill_size = spec_algorithm, chunked_prefill_size
+        are loaded from `model_dir` (random ones with --load-format dummy). The chunk size and
+        a draft's headroom only size the GPU memory headroom (`memory.py`); `draft_kv_shape`
+        (layers, KV heads, head dim) is a draft's own KV pool, one slot per target slot,
+        which the KV budget counts in (engine/speculation.py SpecNeeds)."""
+        self.chunked_prefill_size, self.draft_headroom_mb = chunked_prefill_size, draft_headroom_mb
         self.draft_kv_shape = draft_kv_shape
         self.device = pick_device(model_cfg.device)
         self.model_dir = Path(model_dir)
@@ -80,7 +80,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 logger.warning("--enable-torch-compile: batches of up to %d requests run torch-native ops "
                                "compiled by inductor in place of the fused kernels, which measured faster on "
-                               "an H100 (README, 'torch.compile')", runner_cfg.torch_compile_max_bs)
+                               "an H100 (docs/benchmarks.md, bench compile)", runner_cfg.torch_compile_max_bs)
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.context_length = model_cfg.context_length or cfg.max_position_embeddings
@@ -166,15 +166,10 @@ class ModelRunner:
         if cache_cfg.max_total_tokens:
             n = cache_cfg.max_total_tokens
         elif self.device.type == "cuda":
-            # An EAGLE-family head keeps a KV pool of its own over the same slots: one more
-            # layer of the target's KV shape per slot (the published heads), sized in here
-            # rather than left to the fixed headroom, which a large pool outgrows.
-            draft_layers = 1 if self.spec_algorithm in ("EAGLE", "EAGLE3") else 0
-            # A draft LLM's pool has a slot for each of ours (spec/standalone.py): left out,
-            # the target's cache took the memory and the draft's pool ran out of it (H100,
-            # SmolLM2 drafting for itself, auto memory fraction)
+            # A draft's own KV pool has a slot for each of ours: counted in here rather than
+            # left to the fixed headroom, which a large pool outgrows
             draft = KVPool.bytes_per_slot(*self.draft_kv_shape, self.dtype) if self.draft_kv_shape else 0
-            n = self._gpu_budget(cache_cfg, per_slot * (cfg.num_layers + draft_layers) // cfg.num_layers + draft)
+            n = self._gpu_budget(cache_cfg, per_slot + draft)
         else:
             n = min(CPU_KV_BUDGET_BYTES // per_slot, 4 * self.context_length)
         if n < self.context_length + 1:
@@ -188,7 +183,7 @@ class ModelRunner:
         fraction = cache_cfg.mem_fraction_static
         if fraction is None:
             fraction = auto_mem_fraction(total, self.chunked_prefill_size, self.runner_cfg_max_bs,
-                                         self.spec_algorithm)
+                                         self.draft_headroom_mb)
         usable = int(total * fraction) - (total - free)  # what the weights left of the fraction
         if usable <= per_slot * 256:
             raise RuntimeError(f"not enough GPU memory for the KV cache after loading weights "
@@ -279,7 +274,7 @@ class ModelRunner:
     def forward_inline(self, fb: ForwardBatch, static_meta: bool, argmax_only: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward_with_features over every row of `fb`, replaying no graph, so a caller's
-        CUDA graph can hold it (spec/step_graphs.py). `static_meta`: the attention metadata
+        CUDA graph can hold it (spec/eagle/step_graphs.py). `static_meta`: the attention metadata
         goes into the backend's graph buffers from device tensors (capturable), else it is
         built from the host lists as an eager forward's. `argmax_only`: the logits are
         only argmaxed (a greedy walk), so they may stay in the model's dtype."""
@@ -309,5 +304,5 @@ class ModelRunner:
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:
-    """t as int64, without dispatching a no-op conversion (host time: see runner/h2d.py)."""
+    """t as int64, without dispatching a no-op conversion (host time: see core/h2d.py)."""
     return t if t.dtype == torch.int64 else t.to(torch.int64)

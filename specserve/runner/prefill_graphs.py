@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.runner.cuda_graph import capture_each
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from specserve.attention.base import AttentionBackend

@@ -15,7 +15,7 @@ from typing import Awaitable, TypeVar
 import anyio
 from starlette.requests import Request
 
-from specserve.engine.messages import GenerateReq, TokenLogprob, TokenOut
+from specserve.core.messages import GenerateReq, TokenLogprob, TokenOut
 from specserve.engine.protocol import EngineClient
 from specserve.server.errors import APIError
 

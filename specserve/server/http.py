@@ -121,10 +121,11 @@ def _add_ops_routes(router: APIRouter, client: EngineClient) -> None:
         }
         return JSONResponse(info)
 
-    @router.get("/metrics")
-    async def metrics() -> Response:
-        values = await client.control("metrics")
-        return Response(render_metrics(values or {}), media_type=METRICS_CONTENT_TYPE)
+    if client.config.server.enable_metrics:  # --enable-metrics, as SGLang: off means no route
+        @router.get("/metrics")
+        async def metrics() -> Response:
+            values = await client.control("metrics")
+            return Response(render_metrics(values or {}), media_type=METRICS_CONTENT_TYPE)
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> JSONResponse:

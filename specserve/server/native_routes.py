@@ -15,9 +15,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from specserve.engine.messages import GenerateReq, TokenLogprob, TokenOut
+from specserve.core.messages import GenerateReq, TokenLogprob, TokenOut
 from specserve.engine.protocol import EngineClient
-from specserve.engine.sampling_params import SamplingParams
+from specserve.core.sampling_params import SamplingParams
 from specserve.server.errors import APIError, bad_request
 from specserve.server.fanout import ChoiceState, ClientDisconnected, FanOut, collect, until_disconnected
 from specserve.server.openai_routes import serve

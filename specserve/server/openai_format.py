@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.engine.messages import TokenLogprob, TokenOut
+from specserve.core.messages import TokenLogprob, TokenOut
 from specserve.server.fanout import ChoiceState, finish_reason_str
 from specserve.server.responses import (
     AssistantMessage,

@@ -15,9 +15,9 @@ from typing import Any, Callable
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from specserve.engine.messages import GenerateReq
+from specserve.core.messages import GenerateReq
 from specserve.engine.protocol import EngineClient
-from specserve.engine.sampling_params import SamplingParams
+from specserve.core.sampling_params import SamplingParams
 from specserve.server.fanout import ChoiceState, ClientDisconnected, FanOut, collect, until_disconnected
 from specserve.server.openai_format import ChatStream, CompletionStream, ResponseCtx, chat_response, completion_response
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from specserve.engine.sampling_params import SamplingParams
+from specserve.core.sampling_params import SamplingParams
 
 MAX_N = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")

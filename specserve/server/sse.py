@@ -18,7 +18,7 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from specserve.engine.messages import TokenOut
+from specserve.core.messages import TokenOut
 from specserve.server.fanout import FanOut, abort_error, to_api_error
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from specserve.engine.protocol import EngineClient
-from specserve.engine.sampling_params import SamplingParams
+from specserve.core.sampling_params import SamplingParams
 from specserve.server.errors import APIError, bad_request, from_pydantic
 
 M = TypeVar("M", bound=BaseModel)

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from specserve import kernels
-from specserve.runner.h2d import ready_event
+from specserve.core.h2d import ready_event
 from specserve.runner.sampler import SamplingBatch, filter_logits, gumbel_noise, tempered_only, temperatures
 from specserve.spec.drafts import Drafts
 

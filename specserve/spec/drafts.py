@@ -18,7 +18,7 @@ from functools import cached_property
 
 import torch
 
-from specserve.runner.h2d import h2d_many
+from specserve.core.h2d import h2d_many
 
 
 @dataclass

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.request import Req
+from specserve.core.request import Req
 from specserve.spec.accept import PendingAccept
 
 

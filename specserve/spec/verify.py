@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.batch import ScheduleBatch
+from specserve.core.batch import ScheduleBatch
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.request import Req
-from specserve.runner.forward_batch import ForwardMode
+from specserve.core.request import Req
+from specserve.core.forward_batch import ForwardMode
 from specserve.spec.drafts import Drafts
 
 

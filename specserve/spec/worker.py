@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import torch
 
-from specserve.config import SpecConfig
-from specserve.engine.batch import sampling_batch
+from specserve.core.config import SpecConfig
+from specserve.runner.sampler import sampling_batch
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.messages import TokenLogprob
+from specserve.core.messages import TokenLogprob
 from specserve.engine.output import commit_run, commit_token
-from specserve.engine.request import Req
-from specserve.runner.h2d import h2d, h2d_many
+from specserve.core.request import Req
+from specserve.core.h2d import h2d, h2d_many
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import apply_penalties, uniform_noise
-from specserve.spec import pipeline, step_graphs
+from specserve.spec import pipeline
 from specserve.spec.accept import AcceptResult, accept, accept_greedy_later, gumbel_targets, read_later
 from specserve.spec.pipeline import InFlightSpec
-from specserve.spec.proposer import Decoded, Proposer, Verified
+from specserve.engine.speculation import Decoded
+from specserve.spec.proposer import DraftsAhead, Proposer, Verified, WholeStep
 from specserve.spec.governor import WARM_STEPS, SpecGovernor
-from specserve.spec.step_graphs import StepGraphs
 from specserve.spec.verify import commit_kv, decode_batch, pad_rows, verify_batch
 
 SPEC_NOISE_SALT = 1 << 40  # keeps the coin walk's uniforms apart from plain sampling noise
@@ -63,8 +63,13 @@ class SpecStats:
 
 class SpecWorker:
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, proposer: Proposer,
-                 eos_ids: frozenset[int], context_length: int) -> None:
+                 eos_ids: frozenset[int], context_length: int, force_greedy_verify: bool = False) -> None:
+        """`force_greedy_verify`: accept greedily whatever the sampling params (the
+        algorithm's SPECSERVE_NGRAM_FORCE_GREEDY_VERIFY, resolved by the registry)."""
         self.spec, self.runner, self.kv, self.proposer = spec, runner, kv, proposer
+        # pipelined drafting on the device, when the proposer has it (proposer.py)
+        self.ahead: DraftsAhead | None = proposer if isinstance(proposer, DraftsAhead) else None
+        self.force_greedy_verify = force_greedy_verify
         self.eos_ids, self.context_length = eos_ids, context_length
         self.stats = SpecStats()
         adaptive = spec.adaptive == "on" or (spec.adaptive == "auto" and runner.device.type == "cuda")
@@ -80,11 +85,22 @@ class SpecWorker:
         # once the verify graphs exist (tests force it on the CPU)
         self.pipeline = False
         self._inflight: InFlightSpec | None = None
-        self.step_graphs: StepGraphs | None = None  # whole pipelined steps as one graph (step_graphs.py)
+        self.step_graphs: WholeStep | None = None  # whole pipelined steps as one graph (eagle/step_graphs.py)
 
     @property
     def num_draft_tokens(self) -> int:
         return self.proposer.max_nodes
+
+    def admit(self, req: Req) -> None:
+        """`req` decodes from now on: the proposer starts tracking it."""
+        self.proposer.add_request(req)
+
+    def release(self, req: Req) -> int | None:
+        """`req` leaves (finished, aborted or retracted); how much of its KV the prefix
+        cache may keep (None: all)."""
+        cacheable = self.proposer.cacheable(req)
+        self.proposer.remove_request(req)
+        return cacheable
 
     def budgets(self, reqs: list[Req]) -> list[int]:
         n = self.proposer.max_nodes
@@ -170,14 +186,14 @@ class SpecWorker:
         # sampled walks run on the device in the step graphs alone, and only when exact (thresholds 1)
         sampled = self.step_graphs is not None and self.step_graphs.can_run(len(reqs)) \
             and self.spec.accept_threshold_single >= 1.0 and self.spec.accept_threshold_acc >= 1.0
-        if not self.pipeline or not self.proposer.can_draft_ahead(len(reqs)) \
+        if not self.pipeline or self.ahead is None or not self.ahead.can_draft_ahead(len(reqs)) \
                 or not pipeline.eligible(reqs, self.spec.num_steps, self.context_length, sampled):
             return False
         prev = self._inflight
         # a run keeps its tree shape: a batch that shrinks across batch_from drains (batch_tree.py)
         return prev is None or (prev.live_rows(reqs) is not None and prev.graphed == self._graphed(len(reqs))
                                 and prev.nodes == self._nodes(len(reqs))
-                                and self.proposer.has_drafted_ahead(prev.reqs))
+                                and self.ahead.has_drafted_ahead(prev.reqs))
 
     def _graphed(self, bsz: int) -> bool:
         """Whether a pipelined step over `bsz` requests is one step-graph replay."""
@@ -188,11 +204,11 @@ class SpecWorker:
         from batch_from requests, batch_tree.py), else the main tree's."""
         return self.step_graphs.nodes(bsz) if self._graphed(bsz) else self.proposer.max_nodes
 
-    def capture_step_graphs(self, max_bs: int) -> None:
-        """Capture graphs of the whole pipelined step for batches up to
-        min(max_bs, step_graphs.MAX_BS), when pipelining is on and the proposer can."""
-        if self.pipeline and step_graphs.supported(self.proposer):
-            self.step_graphs = StepGraphs(self.runner, self.proposer, self.kv, min(max_bs, step_graphs.MAX_BS))
+    def capture_graphs(self, max_bs: int) -> None:
+        """Capture graphs of the whole pipelined step for batches up to `max_bs`, when
+        pipelining is on and the proposer can draft inside them."""
+        if self.pipeline and self.ahead is not None:
+            self.step_graphs = self.ahead.whole_step(self.runner, self.kv, max_bs)
 
     def _launch(self, reqs: list[Req], prev: InFlightSpec | None) -> InFlightSpec:
         """Queue a greedy step over full trees from the device state `prev` left (or the
@@ -211,14 +227,14 @@ class SpecWorker:
             starts = prev.kv_after
         else:
             starts = prev.kv_after.index_select(0, keep)
-            self.proposer.keep_ahead(reqs, live, keep)
+            self.ahead.keep_ahead(reqs, live, keep)
         self.kv.table.write_block(rows, starts, flat.view(b, n))
         drafts = self.proposer.propose(reqs, [n] * b)  # after `prev`: its trees, drafted ahead
         positions = (starts[:, None] + drafts.depths()).reshape(-1)
         fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, flat, rows, starts,
                                              drafts.tree_mask(), self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
-        ahead = _DraftAhead(self.proposer, reqs, features.view(b, n, -1), fb.out_slots.view(b, n), True,
+        ahead = _DraftAhead(self.ahead, reqs, features.view(b, n, -1), fb.out_slots.view(b, n), True,
                             torch.cat([rows, starts]))
         pending = accept_greedy_later(drafts, logits.view(b, n, -1), ahead)
         return InFlightSpec(reqs, slots, pending, ahead.kv_after)
@@ -233,7 +249,7 @@ class SpecWorker:
         if keep is not None:
             g.keep_rows(len(prev.reqs), keep)
         packed = g.launch(reqs, torch.cat(slots), first)
-        self.proposer.adopt_ahead(reqs, g.trees(b))
+        self.ahead.adopt_ahead(reqs, g.trees(b))
         return InFlightSpec(reqs, slots, read_later(packed), g.kv_after(b), graphed=True)
 
     def _land(self, done: InFlightSpec) -> tuple[list[Req], int]:
@@ -315,11 +331,11 @@ class SpecWorker:
         proposer's graphs."""
         n = drafts.num_nodes
         if features is None or n != self.proposer.max_nodes or min(budgets) < n or fb.out_slots.numel() != len(reqs) * n \
-                or not self.proposer.can_draft_ahead(len(reqs)):
+                or self.ahead is None or not self.ahead.can_draft_ahead(len(reqs)):
             return None
         trees = self.governor.leaning(len(reqs))  # trees for a step the governor will likely speculate
         row_start = h2d([r.row for r in reqs] + [r.kv_len for r in reqs], fb.out_slots.device)
-        return _DraftAhead(self.proposer, reqs, features, fb.out_slots.view(len(reqs), n), trees, row_start)
+        return _DraftAhead(self.ahead, reqs, features, fb.out_slots.view(len(reqs), n), trees, row_start)
 
     def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor],
                            drafted: list[bool], ahead: "_DraftAhead | None" = None
@@ -347,7 +363,7 @@ class SpecWorker:
         plain sampling token for token (the coin walk's draws depend on the draft tree).
         `before_read` goes to `accept` on the greedy walks (the coin walk reads back first).
         """
-        force_greedy = self.spec.ngram_force_greedy_verify and self.spec.algorithm == "NGRAM"
+        force_greedy = self.force_greedy_verify
         relaxed = self.spec.accept_threshold_single < 1.0 or self.spec.accept_threshold_acc < 1.0
         unused = torch.zeros(drafts.batch_size, drafts.num_nodes + 1)  # greedy walks draw nothing
         if sb.all_greedy or force_greedy:
@@ -397,7 +413,7 @@ class _DraftAhead:
     the device); `ran` once it was called (greedy walks only), `kv_after` [B] the kv_lens
     it left."""
 
-    def __init__(self, proposer: Proposer, reqs: list[Req], features: torch.Tensor, slots: torch.Tensor,
+    def __init__(self, proposer: DraftsAhead, reqs: list[Req], features: torch.Tensor, slots: torch.Tensor,
                  trees: bool, row_start: torch.Tensor) -> None:
         self.proposer, self.reqs, self.features, self.slots, self.trees = proposer, reqs, features, slots, trees
         self.row_start = row_start

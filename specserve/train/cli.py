@@ -34,7 +34,7 @@ at ~80k tok/s in 7.5 min, 17.4 GiB peak; held-out acc per TTT step 0.61 0.58 0.5
 then three more runs, each from the head before it (--init-from), on answers to every turn: the
 shipped head's fourth run (H200: 5 min 46 s for 26.5k answers at T=0.7, the greedy ones copied from
 the third run; 2400 steps in 7 min; held-out acc on greedy and T=0.7 answers 0.758 0.733 0.721 0.711
-0.699; the README gives every run's command):
+0.699; docs/benchmarks.md gives every run's command):
   specserve train-draft --model smollm2-135m --algorithm EAGLE3 --output heads/smollm2-eagle3-ft \\
       --init-from heads/r3 --turns all --seed 2 --num-prompts 27000 --max-new-tokens 384 \\
       --max-seq-len 1536 --shard-size 4419 --extra-temperatures 0.7 --max-running-requests 512 \\

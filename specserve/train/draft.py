@@ -16,7 +16,7 @@ and it attends to the step-0 keys of indices <= i (draft KV computed from true f
 which inference holds for every committed position <= i) plus the keys of steps 1..j at
 index i (its own chain's ancestors and itself). That is exactly what inference sees: the
 root pairs (f_{kv_len-1}, t_{kv_len}) and depth-d nodes sit at position kv_len + d - 1
-(spec/eagle.py, tree_draft.py), each attending to the prefix plus its real ancestors. It
+(spec/eagle/proposer.py, tree_draft.py), each attending to the prefix plus its real ancestors. It
 is SpecForge's TTT mask without the diagonal it blanks out of the step-0 block at every
 step (SpecForge PR 245, EAGLE issue 247): inference never hides a committed position.
 """
@@ -38,7 +38,7 @@ from specserve.models.eagle import LlamaForCausalLMEagle
 from specserve.models.eagle3 import LlamaForCausalLMEagle3
 from specserve.models.layers import Linear, RMSNorm
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.train.vocab import DraftVocab
 
 EAGLE3, EAGLE2 = "EAGLE3", "EAGLE"

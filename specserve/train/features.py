@@ -19,7 +19,7 @@ import torch
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
 from specserve.models.llama import LlamaForCausalLM
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

@@ -29,9 +29,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched_server(extra_args: list[str], log_path: Path) -> Iterator[str]:
+def launched_server(extra_args: list[str], log_path: Path, preload: str | None = None) -> Iterator[str]:
+    """The server on a free port until the block ends; `preload`: a module imported first
+    (a plug-in that registers itself, e.g. a speculative algorithm)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "specserve.launch_server", "--port", str(port), "--log-level", "warning"]
+    start = ["-m", "specserve.launch_server"] if preload is None else [
+        "-c", f"import runpy, {preload}; runpy.run_module('specserve.launch_server', run_name='__main__')"]
+    cmd = [sys.executable, *start, "--port", str(port), "--log-level", "warning", "--enable-metrics"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd + extra_args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -66,9 +66,9 @@ def perfect_engine(kind: str, root, smollm2_dir, tree: str, **flags) -> Engine:
 def use_static_paths(engine: Engine, max_bs: int) -> None:
     """Give the proposer the padded, fixed-shape drafting and draft-extend paths that CUDA
     graphs capture, uncaptured (the same static buffers, padding and indexing)."""
-    from specserve.spec.backlog import RING
-    from specserve.spec.extend_graphs import DraftExtendGraphs
-    from specserve.spec.tree_graphs import TreeDraftGraphs
+    from specserve.spec.eagle.backlog import RING
+    from specserve.spec.tree.extend_graphs import DraftExtendGraphs
+    from specserve.spec.tree.graphs import TreeDraftGraphs
 
     p = engine.scheduler.spec.proposer
     engine.scheduler.spec.step_graphs = None  # captured over the graphs replaced here
@@ -85,10 +85,10 @@ def use_static_paths(engine: Engine, max_bs: int) -> None:
 
 
 def use_step_graphs(engine: Engine, max_bs: int, exact: int = 8) -> None:
-    """Pipeline greedy steps through the whole-step graph's body (spec/step_graphs.py), run
+    """Pipeline greedy steps through the whole-step graph's body (spec/eagle/step_graphs.py), run
     eagerly over the static drafting paths (`use_static_paths`); batches above `exact`
     requests run padded to the next of the graphs' sizes."""
-    from specserve.spec.step_graphs import StepGraphs
+    from specserve.spec.eagle.step_graphs import StepGraphs
 
     use_static_paths(engine, max_bs)
     sched = engine.scheduler

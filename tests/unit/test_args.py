@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import specserve.args as args
-from specserve import env
-from specserve.args import ConfigError, build_parser, parse_config, resolve_spec_defaults
-from specserve.config import Config, SpecConfig
+from specserve.core import env
+from specserve.args import ConfigError, build_parser, parse_config
+from specserve.spec.registry import resolve_defaults as resolve_spec_defaults
+from specserve.core.config import Config, SpecConfig
 
 ENV_VARS = ("SPECSERVE_ENABLE_SPEC_V2", "SGLANG_ENABLE_SPEC_V2",
             "SPECSERVE_NGRAM_FORCE_GREEDY_VERIFY", "SGLANG_NGRAM_FORCE_GREEDY_VERIFY")
@@ -50,12 +51,6 @@ TRIPLE = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ENV_VARS:
         monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def implemented(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Open the implementation gate so the speculative rules can be tested past it."""
-    monkeypatch.setattr(args, "IMPLEMENTED_SPEC_ALGORITHMS", ALL_ALGOS)
 
 
 def cfg(*argv: str, arch: str | None = None, cuda: bool = False) -> Config:
@@ -97,7 +92,7 @@ def test_every_flag_help_shows_a_default() -> None:
 
 def test_every_config_field_has_a_flag() -> None:
     dests = {a.dest for a in build_parser()._actions}
-    env_fields = {"enable_spec_v2", "ngram_force_greedy_verify"}
+    env_fields = {"enable_spec_v2", "ngram_force_greedy_verify", "draft_dir"}  # draft_dir: set at start-up
     for section in Config.__dataclass_fields__:
         cls = type(getattr(Config(), section))
         for name in cls.__dataclass_fields__:
@@ -116,7 +111,7 @@ def test_dtype_aliases(given_dtype: str, dtype: str) -> None:
     assert cfg("--dtype", given_dtype).model.dtype == dtype
 
 
-def test_algorithm_case_insensitive_and_nextn_is_eagle(implemented: None) -> None:
+def test_algorithm_case_insensitive_and_nextn_is_eagle() -> None:
     assert cfg("--speculative-algorithm", "eagle3", "--speculative-draft-model", "d") \
         .spec.algorithm == "EAGLE3"
     assert cfg("--speculative-algorithm", "NextN").spec.algorithm == "EAGLE"
@@ -225,7 +220,7 @@ def test_trust_remote_code_is_accepted_and_logged(caplog: pytest.LogCaptureFixtu
     assert "--trust-remote-code is not needed" in caplog.text
 
 
-def test_cuda_and_unquant_accepted_when_possible(implemented: None) -> None:
+def test_cuda_and_unquant_accepted_when_possible() -> None:
     assert cfg("--device", "cuda", cuda=True).model.device == "cuda"
     c = cfg(*EAGLE, "--speculative-draft-model-quantization", "unquant")
     assert c.spec.draft_model_quantization == "unquant"
@@ -268,7 +263,7 @@ def triple(spec: SpecConfig) -> tuple[int | None, int | None, int | None]:
     return spec.num_steps, spec.eagle_topk, spec.num_draft_tokens
 
 
-def test_standalone_auto_is_3_1_4(implemented: None) -> None:
+def test_standalone_auto_is_3_1_4() -> None:
     c = cfg("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d")
     assert triple(c.spec) == (3, 1, 4)
 
@@ -276,7 +271,7 @@ def test_standalone_auto_is_3_1_4(implemented: None) -> None:
 @pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
 @pytest.mark.parametrize("arch, expected", [("LlamaForCausalLM", (5, 4, 8)),
                                             ("Qwen2ForCausalLM", (3, 1, 4))])
-def test_eagle_auto_by_architecture(implemented: None, algo: str, arch: str,
+def test_eagle_auto_by_architecture(algo: str, arch: str,
                                      expected: tuple[int, int, int]) -> None:
     argv = ["--speculative-algorithm", algo, "--speculative-draft-model-path", "d"]
     assert triple(cfg(*argv, arch=arch).spec) == expected
@@ -285,18 +280,18 @@ def test_eagle_auto_by_architecture(implemented: None, algo: str, arch: str,
     assert triple(resolve_spec_defaults(later.spec, arch)) == expected
 
 
-def test_explicit_triple_is_kept(implemented: None) -> None:
+def test_explicit_triple_is_kept() -> None:
     assert triple(cfg(*EAGLE, *TRIPLE, arch="LlamaForCausalLM").spec) == (3, 2, 6)
 
 
-def test_ngram_defaults(implemented: None) -> None:
+def test_ngram_defaults() -> None:
     c = cfg(*NG)
     assert (c.spec.eagle_topk, c.spec.num_draft_tokens) == (10, 12)
     c = cfg(*NG, "--speculative-ngram-max-bfs-breadth", "4", "--speculative-num-draft-tokens", "16")
     assert (c.spec.eagle_topk, c.spec.num_draft_tokens) == (4, 16)
 
 
-def test_topk_1_adjusts_draft_tokens(implemented: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_topk_1_adjusts_draft_tokens(caplog: pytest.LogCaptureFixture) -> None:
     c = cfg(*EAGLE, "--speculative-num-steps", "4", "--speculative-eagle-topk", "1",
             "--speculative-num-draft-tokens", "16")
     assert c.spec.num_draft_tokens == 5
@@ -304,35 +299,34 @@ def test_topk_1_adjusts_draft_tokens(implemented: None, caplog: pytest.LogCaptur
             "speculative_eagle_topk == 1") in caplog.text
 
 
-def test_max_running_requests_48(implemented: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_max_running_requests_48(caplog: pytest.LogCaptureFixture) -> None:
     assert cfg(*NG).scheduler.max_running_requests == 48
     assert "Max running requests is reset to 48 for speculative decoding." in caplog.text
     assert cfg(*NG, "--max-running-requests", "7").scheduler.max_running_requests == 7
     assert cfg().scheduler.max_running_requests is None
 
 
-def test_draft_revision_defaults_to_main(implemented: None) -> None:
+def test_draft_revision_defaults_to_main() -> None:
     assert cfg(*EAGLE).spec.draft_model_revision == "main"
     assert cfg(*EAGLE, "--speculative-draft-model-revision", "v2").spec.draft_model_revision == "v2"
     # EAGLE without a draft is allowed here: whether the model has MTP layers is decided later.
     assert cfg("--speculative-algorithm", "EAGLE").spec.draft_model_path is None
 
 
-def test_token_map_ignored_for_eagle3(implemented: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_token_map_ignored_for_eagle3(caplog: pytest.LogCaptureFixture) -> None:
     cfg("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
         "--speculative-token-map", "freq.pt")
     assert ("--speculative-token-map is ignored for EAGLE3: EAGLE3 models already have a draft "
             "vocabulary") in caplog.text
 
 
-def test_token_map_is_refused_for_standalone(implemented: None) -> None:
+def test_token_map_is_refused_for_standalone() -> None:
     assert error_of("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
                     "--speculative-token-map", "freq.pt") == (
-        "--speculative-token-map (FR-Spec) is supported for --speculative-algorithm EAGLE only "
-        "(EAGLE-2 heads and MTP layers)")
+        "--speculative-token-map (FR-Spec) is supported for --speculative-algorithm EAGLE only")
 
 
-def test_dummy_draft_weights_are_for_standalone_only(implemented: None) -> None:
+def test_dummy_draft_weights_are_for_standalone_only() -> None:
     dummy = ("--speculative-draft-model-path", "d", "--speculative-draft-load-format", "dummy")
     assert cfg("--speculative-algorithm", "STANDALONE", *dummy).spec.draft_load_format == "dummy"
     assert error_of("--speculative-algorithm", "EAGLE3", *dummy) == (
@@ -346,13 +340,12 @@ def test_attention_backends_are_accepted() -> None:
         assert cfg(*EAGLE, "--speculative-draft-attention-backend", name).spec.draft_attention_backend == name
 
 
-def test_lossy_threshold_warns(implemented: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_lossy_threshold_warns(caplog: pytest.LogCaptureFixture) -> None:
     cfg(*EAGLE, "--speculative-accept-threshold-single", "0.5")
     assert "verification is no longer lossless" in caplog.text
 
 
-def test_ngram_on_cpu_is_allowed_and_logged(implemented: None,
-                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_ngram_on_cpu_is_allowed_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="specserve")
     assert cfg(*NG, "--device", "cpu").spec.algorithm == "NGRAM"
     assert "NGRAM speculative decoding runs on CPU" in caplog.text
@@ -374,8 +367,7 @@ def test_resolved_tree_always_fits(steps: int, topk: int, n: int) -> None:
 
 # ---- SpecV2 and the environment -----------------------------------------------------------
 
-def test_spec_v2_rejects_explicit_topk_above_1(implemented: None,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spec_v2_rejects_explicit_topk_above_1(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_ENABLE_SPEC_V2", "True")
     assert error_of(*EAGLE, *TRIPLE) == (
         "Spec v2 currently only supports topk = 1 for speculative decoding.")
@@ -385,7 +377,7 @@ def test_spec_v2_rejects_explicit_topk_above_1(implemented: None,
 
 
 def test_spec_v2_omitted_topk_is_not_caught_before_auto_tune(
-        implemented: None, monkeypatch: pytest.MonkeyPatch,
+        monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     # As in SGLang (and as its docs warn): the check runs on the typed topk, before
     # auto-tuning, so Llama's auto topk=4 gets through. We only warn.
@@ -395,7 +387,7 @@ def test_spec_v2_omitted_topk_is_not_caught_before_auto_tune(
     assert "Spec v2 only supports topk = 1" in caplog.text
 
 
-def test_spec_v2_rejects_ngram(implemented: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spec_v2_rejects_ngram(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_ENABLE_SPEC_V2", "yes")
     assert error_of(*NG).startswith("Spec v2 does not support NGRAM speculative decoding")
 
@@ -433,13 +425,7 @@ def test_every_algorithm_is_implemented(algo: str) -> None:
         == ("EAGLE" if algo == "NEXTN" else algo)
 
 
-def test_gate_lists_what_is_implemented(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(args, "IMPLEMENTED_SPEC_ALGORITHMS", frozenset({"NGRAM", "EAGLE"}))
-    assert error_of("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d") \
-        .endswith("(implemented: EAGLE, NGRAM)")
-
-
-def test_gated_flags(implemented: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gated_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg("--enable-torch-compile", "--torch-compile-max-bs", "8").runner.enable_torch_compile
     assert error_of(*EAGLE, "--enable-multi-layer-eagle") == (
         "--enable-multi-layer-eagle is not implemented yet")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from specserve.models.loader import load_model
-from specserve.runner.forward_batch import ForwardMode
+from specserve.core.forward_batch import ForwardMode
 from tests.unit.model_utils import BareRunner, save_tiny_hf
 
 

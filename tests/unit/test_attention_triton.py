@@ -15,7 +15,7 @@ from specserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402
 from specserve.cache.kv_pool import KVPool  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from specserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from specserve.spec.drafts import Drafts  # noqa: E402
 from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
 

@@ -1,10 +1,10 @@
-"""The batch tree's rules (spec/batch_tree.py): what it may be against the main tree, and
+"""The batch tree's rules (spec/eagle/batch_tree.py): what it may be against the main tree, and
 where `auto` takes it from. Its drafting is checked end to end in test_spec_pipeline.py."""
 from __future__ import annotations
 
 import pytest
 
-from specserve.spec.batch_tree import TreeShape, check_against, parse_tree, resolve
+from specserve.spec.eagle.batch_tree import TreeShape, check_against, parse_tree, resolve
 
 MAIN = TreeShape(5, 6, 32)
 

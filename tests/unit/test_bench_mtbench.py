@@ -149,9 +149,9 @@ def test_plot_without_matplotlib_prints_a_note(tmp_path, monkeypatch, capsys):
 
 
 def test_second_turn_prompts_hold_the_first_answer(tiny):
-    from specserve.server.tokenizer import load_tokenizer
+    from specserve.tokenizer.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(None, tiny["target"])
+    tok = load_tokenizer(tiny["target"])
     questions = mtbench.mt_bench_questions(2)
     first = mtbench.turn_prompts(tok, questions, [[], []], 0)
     assert first == [tok.encode_chat([{"role": "user", "content": q[0]}]) for q in questions]
@@ -178,9 +178,9 @@ def test_two_turns(tiny, tmp_path):
 
 def test_run_turns_feeds_each_answer_into_the_next_prompt(tiny):
     """The second turn's prompt holds the answer the same generator gave to the first."""
-    from specserve.server.tokenizer import load_tokenizer
+    from specserve.tokenizer.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(None, tiny["target"])
+    tok = load_tokenizer(tiny["target"])
     questions = mtbench.mt_bench_questions(3)
     seen: list[list[list[int]]] = []
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from specserve.spec.eagle import LAYOUTS
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
 from specserve.cache.req_table import ReqToTokenTable
@@ -22,7 +23,7 @@ from specserve.models.llama import LlamaConfig
 from specserve.models.loader import load_model
 from specserve.models.mtp import DeepseekNextN, MiMoMTP, has_mtp_layers
 from specserve.models.token_map import load_token_map
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.models.draft_layouts import (add_mtp_deepseek, add_mtp_mimo, read_tensors, save_eagle2,
                                    save_eagle3)
 from tests.unit.model_utils import BareRunner, save_tiny_hf
@@ -161,7 +162,7 @@ def test_target_loads_from_a_checkpoint_with_mtp_layers(tmp_path, kind, add):
 def test_eagle2_round_trip(tmp_path, bias, layers, arch):
     path, target = _target(tmp_path)
     d = load_draft(save_eagle2(tmp_path / "e2", path, bias, num_layers=layers, architecture=arch), target,
-                   "EAGLE", F32, CPU)
+                   LAYOUTS["EAGLE"], F32, CPU)
     sd = read_tensors(tmp_path / "e2")
     assert isinstance(d, LlamaForCausalLMEagle) and d.feature_mode == "final" and d.aux_layers == ()
     assert d.config.num_layers == layers and d.token_map is None
@@ -187,7 +188,7 @@ def test_eagle2_round_trip(tmp_path, bias, layers, arch):
 def test_eagle2_token_map_truncates_the_shared_head(tmp_path):
     path, target = _target(tmp_path)
     ids = torch.tensor([5, 500, 17, 3, 250, 0])
-    d = load_draft(save_eagle2(tmp_path / "e2", path, True), target, "EAGLE", F32, CPU, token_map=ids)
+    d = load_draft(save_eagle2(tmp_path / "e2", path, True), target, LAYOUTS["EAGLE"], F32, CPU, token_map=ids)
     assert torch.equal(d.token_map, ids) and torch.equal(d.lm_head.weight, target.lm_head.weight[ids])
     assert d.embed_tokens.weight is target.model.embed_tokens.weight  # the embedding stays full
     h = torch.randn(3, 64)
@@ -199,7 +200,7 @@ def test_eagle3_round_trip(tmp_path, arch, caplog):
     path, target = _target(tmp_path)
     e3 = save_eagle3(tmp_path / "e3", path, draft_vocab=96, aux_ids=[-1, 0, 1], architecture=arch)
     with caplog.at_level(logging.WARNING, logger="specserve"):
-        d = load_draft(e3, target, "EAGLE3", F32, CPU, token_map=torch.tensor([1, 2, 3]))
+        d = load_draft(e3, target, LAYOUTS["EAGLE3"], F32, CPU, token_map=torch.tensor([1, 2, 3]))
     assert "EAGLE3 models already have this" in caplog.text
     sd = read_tensors(e3)
     assert isinstance(d, LlamaForCausalLMEagle3) and d.feature_mode == "aux" and d.config.num_layers == 1
@@ -219,7 +220,7 @@ def test_eagle3_round_trip(tmp_path, arch, caplog):
 
 def test_eagle3_defaults_and_target_head(tmp_path):
     path, target = _target(tmp_path, num_hidden_layers=4)
-    d = load_draft(save_eagle3(tmp_path / "e3", path, draft_vocab=None), target, "EAGLE3", F32, CPU)
+    d = load_draft(save_eagle3(tmp_path / "e3", path, draft_vocab=None), target, LAYOUTS["EAGLE3"], F32, CPU)
     assert d.aux_layers == (2, 2, 1)  # (2, L//2, L-3) for L = 4
     assert d.lm_head is target.lm_head and d.token_map is None
 
@@ -228,7 +229,7 @@ def test_mtp_deepseek_round_trip(tmp_path, caplog):
     path, target = _target(tmp_path)
     add_mtp_deepseek(path, num_mtp=2)
     with caplog.at_level(logging.INFO, logger="specserve"):
-        d = load_draft(path, target, "EAGLE", F32, CPU)
+        d = load_draft(path, target, LAYOUTS["EAGLE"], F32, CPU)
     assert "2 MTP layers" in caplog.text
     sd = read_tensors(path)
     p = "model.layers.2."  # L = 2: the first MTP layer
@@ -245,7 +246,7 @@ def test_mtp_deepseek_round_trip(tmp_path, caplog):
 def test_mtp_mimo_round_trip(tmp_path):
     path, target = _target(tmp_path, "qwen2")
     add_mtp_mimo(path)
-    d = load_draft(path, target, "NEXTN", F32, CPU)
+    d = load_draft(path, target, LAYOUTS["EAGLE"], F32, CPU)
     sd, p = read_tensors(path), "model.mtp_layers.0."
     assert isinstance(d, MiMoMTP) and d.config.attention_bias
     for name in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
@@ -261,7 +262,7 @@ def test_mtp_mimo_round_trip(tmp_path):
 @pytest.mark.parametrize("bias,layers", [(True, 2), (False, 1)])
 def test_eagle2_forward_matches_reference(tmp_path, bias, layers):
     path, target = _target(tmp_path)
-    d = load_draft(save_eagle2(tmp_path / "e2", path, bias, num_layers=layers), target, "EAGLE", F32, CPU)
+    d = load_draft(save_eagle2(tmp_path / "e2", path, bias, num_layers=layers), target, LAYOUTS["EAGLE"], F32, CPU)
     hidden, _ = _target_features(target)
     logits, h_next = _run_draft(d, hidden)
     sd, tsd = read_tensors(tmp_path / "e2"), read_tensors(path)
@@ -279,7 +280,7 @@ def test_eagle3_forward_matches_reference(tmp_path, norm_before_residual):
     if norm_before_residual:  # vLLM's flag
         cfg = json.loads((e3 / "config.json").read_text())
         (e3 / "config.json").write_text(json.dumps(cfg | {"norm_before_residual": True}))
-    d = load_draft(e3, target, "EAGLE3", F32, CPU)
+    d = load_draft(e3, target, LAYOUTS["EAGLE3"], F32, CPU)
     _, aux = _target_features(target, d.aux_layers)
     logits, h_next = _run_draft(d, torch.cat(aux, -1))  # 3H wide, then the draft's own H-wide hidden
     sd, tsd = read_tensors(e3), read_tensors(path)
@@ -295,7 +296,7 @@ def test_eagle3_forward_matches_reference(tmp_path, norm_before_residual):
 def test_mtp_deepseek_forward_matches_reference(tmp_path):
     path, target = _target(tmp_path)
     add_mtp_deepseek(path)
-    d = load_draft(path, target, "EAGLE", F32, CPU)
+    d = load_draft(path, target, LAYOUTS["EAGLE"], F32, CPU)
     hidden, _ = _target_features(target)
     logits, h_next = _run_draft(d, hidden)
     sd, p = read_tensors(path), "model.layers.2."
@@ -309,7 +310,7 @@ def test_mtp_deepseek_forward_matches_reference(tmp_path):
 def test_mtp_mimo_forward_matches_reference(tmp_path):
     path, target = _target(tmp_path, "qwen2")
     add_mtp_mimo(path)
-    d = load_draft(path, target, "EAGLE", F32, CPU)
+    d = load_draft(path, target, LAYOUTS["EAGLE"], F32, CPU)
     hidden, _ = _target_features(target)
     logits, h_next = _run_draft(d, hidden)
     sd, p = read_tensors(path), "model.mtp_layers.0."
@@ -325,18 +326,24 @@ def test_mtp_mimo_forward_matches_reference(tmp_path):
 # -- errors --------------------------------------------------------------------------------
 
 def test_algorithm_mismatch(tmp_path):
+    """Start-up names the algorithm a draft's layout needs (spec/eagle: check_layout); the
+    loader itself refuses a layout it was not asked for."""
+    from specserve.spec.eagle import check_layout
+
     path, target = _target(tmp_path)
     e3 = save_eagle3(tmp_path / "e3", path, draft_vocab=96, aux_ids=[-1, 0, 1])
     with pytest.raises(ValueError, match="EAGLE-3 head: use --speculative-algorithm EAGLE3"):
-        load_draft(e3, target, "EAGLE", F32, CPU)
+        check_layout("EAGLE", e3)
+    with pytest.raises(ValueError, match="is an EAGLE-3 head, not an EAGLE-2 head or a model with MTP layers"):
+        load_draft(e3, target, LAYOUTS["EAGLE"], F32, CPU)
     e2 = save_eagle2(tmp_path / "e2", path, True)
     with pytest.raises(ValueError, match="EAGLE-2 head: use --speculative-algorithm EAGLE$"):
-        load_draft(e2, target, "EAGLE3", F32, CPU)
+        check_layout("EAGLE3", e2)
     with pytest.raises(ValueError, match="not a draft model"):
-        load_draft(path, target, "EAGLE", F32, CPU)  # the target itself, without MTP layers
+        load_draft(path, target, LAYOUTS["EAGLE"], F32, CPU)  # the target itself, without MTP layers
     add_mtp_deepseek(path)
     with pytest.raises(ValueError, match="MTP layers: use --speculative-algorithm EAGLE$"):
-        load_draft(path, target, "EAGLE3", F32, CPU)
+        check_layout("EAGLE3", path)
 
 
 def _drop_or_add(path: Path, drop: str | None = None, add: dict | None = None) -> None:
@@ -350,15 +357,15 @@ def test_missing_and_unexpected_tensors(tmp_path):
     e2 = save_eagle2(tmp_path / "e2", path, True)
     _drop_or_add(e2, drop="layers.0.self_attn.k_proj.weight")
     with pytest.raises(ValueError, match=r"missing 1 tensors.*layers\.0\.self_attn\.k_proj\.weight"):
-        load_draft(e2, target, "EAGLE", F32, CPU)
+        load_draft(e2, target, LAYOUTS["EAGLE"], F32, CPU)
     e2 = save_eagle2(tmp_path / "e2b", path, True)
     _drop_or_add(e2, add={"layers.0.input_layernorm.weight": torch.ones(64)})
     with pytest.raises(ValueError, match=r"unexpected.*layers\.0\.input_layernorm\.weight"):
-        load_draft(e2, target, "EAGLE", F32, CPU)
+        load_draft(e2, target, LAYOUTS["EAGLE"], F32, CPU)
     add_mtp_deepseek(path)
     _drop_or_add(path, drop="model.layers.2.hnorm.weight")
     with pytest.raises(ValueError, match=r"missing 1 tensors.*model\.layers\.2\.hnorm\.weight"):
-        load_draft(path, target, "EAGLE", F32, CPU)
+        load_draft(path, target, LAYOUTS["EAGLE"], F32, CPU)
 
 
 def test_eagle3_layer_count_and_vocab_checks(tmp_path):
@@ -367,14 +374,14 @@ def test_eagle3_layer_count_and_vocab_checks(tmp_path):
     cfg = json.loads((e3 / "config.json").read_text())
     (e3 / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": 2}))
     with pytest.raises(ValueError, match="EAGLE3 currently only supports 1 layer"):
-        load_draft(e3, target, "EAGLE3", F32, CPU)
+        load_draft(e3, target, LAYOUTS["EAGLE3"], F32, CPU)
     (e3 / "config.json").write_text(json.dumps(cfg | {"vocab_size": 1000}))
     with pytest.raises(ValueError, match="vocab_size"):
-        load_draft(e3, target, "EAGLE3", F32, CPU)
+        load_draft(e3, target, LAYOUTS["EAGLE3"], F32, CPU)
     (e3 / "config.json").write_text(json.dumps(cfg))
     _drop_or_add(e3, add={"d2t": torch.full((96,), 600)})
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
-        load_draft(e3, target, "EAGLE3", F32, CPU)
+        load_draft(e3, target, LAYOUTS["EAGLE3"], F32, CPU)
 
 
 def test_token_map_file(tmp_path):

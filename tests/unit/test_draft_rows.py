@@ -1,4 +1,4 @@
-"""The drafting pass's row kernels (spec/draft_rows.py) against their torch references.
+"""The drafting pass's row kernels (spec/tree/rows.py) against their torch references.
 
 root_rows: the draft extend's last rows gathered, the hidden one also written to its table
 row's buffer (other rows untouched); fan_out: every request's k branches with their rows,
@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from specserve.spec.draft_rows import fan_out, root_rows  # noqa: E402
+from specserve.spec.tree.rows import fan_out, root_rows  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.spec import eagle as eagle_mod
+from specserve.spec.eagle import proposer as eagle_mod
 from tests.unit import perfect_draft as pd
 from specserve.models.draft_layouts import add_mtp_deepseek, add_mtp_mimo, save_eagle2, save_eagle3
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.spec.governor import SpecGovernor
 from tests.unit.model_utils import BareRunner, save_tiny_hf
 from tests.unit.eagle_utils import (GREEDY, TREES, SomePlain as _SomePlain, count_calls as _count_calls,

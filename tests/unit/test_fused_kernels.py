@@ -19,11 +19,12 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
+from specserve.spec.eagle import LAYOUTS  # noqa: E402
 from specserve import kernels  # noqa: E402
 from specserve.models.layers import RMSNorm  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.models.rope import RotaryEmbedding, apply_rope  # noqa: E402
-from specserve.runner.forward_batch import ForwardMode  # noqa: E402
+from specserve.core.forward_batch import ForwardMode  # noqa: E402
 from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
 
 
@@ -404,7 +405,7 @@ def _eagle3_logits(draft, features: torch.Tensor) -> torch.Tensor:
     from specserve.attention.torch_ref import TorchRefBackend
     from specserve.cache.kv_pool import KVPool
     from specserve.cache.req_table import ReqToTokenTable
-    from specserve.runner.forward_batch import ForwardBatch
+    from specserve.core.forward_batch import ForwardBatch
 
     cfg = draft.config
     pool = KVPool(64, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, DEV)
@@ -433,7 +434,7 @@ def test_eagle3_head_fused_matches_torch(tmp_path):
     path = save_tiny_hf("llama", tmp_path / "t")
     target = load_model(path, torch.float32, DEV)
     draft = load_draft(save_eagle3(tmp_path / "e3", path, draft_vocab=96, aux_ids=[-1, 0, 1]), target,
-                       "EAGLE3", torch.float32, DEV)
+                       LAYOUTS["EAGLE3"], torch.float32, DEV)
     features = torch.randn(5, 3 * target.config.hidden_size, device=DEV)
     got, ref = _both(lambda: _eagle3_logits(draft, features))
     assert got.shape == (6, 96)
@@ -441,7 +442,7 @@ def test_eagle3_head_fused_matches_torch(tmp_path):
 
 
 def test_aux_states_fused_match_torch(tmp_path):
-    from specserve.runner.forward_batch import ForwardBatch
+    from specserve.core.forward_batch import ForwardBatch
 
     model = load_model(save_tiny_hf("llama", tmp_path / "m"), torch.float32, DEV)
     model.aux_layers = (0, 1, 2)

@@ -15,8 +15,8 @@ from typing import Any, AsyncIterator
 import pytest
 from fastapi.testclient import TestClient
 
-from specserve.config import Config, ModelConfig, ServerConfig
-from specserve.engine.messages import GenerateReq, TokenLogprob, TokenOut
+from specserve.core.config import Config, ModelConfig, ServerConfig
+from specserve.core.messages import GenerateReq, TokenLogprob, TokenOut
 from specserve.engine.protocol import ModelInfo
 from specserve.server.http import build_app
 
@@ -50,8 +50,9 @@ class FakeTokenizer:
 
 
 class FakeEngineClient:
-    def __init__(self, api_key: str | None = None, delay: float = 0.0):
-        self.config = Config(model=ModelConfig(model_path="org/fake-model"), server=ServerConfig(api_key=api_key))
+    def __init__(self, api_key: str | None = None, delay: float = 0.0, enable_metrics: bool = True):
+        self.config = Config(model=ModelConfig(model_path="org/fake-model"),
+                             server=ServerConfig(api_key=api_key, enable_metrics=enable_metrics))
         self.info = ModelInfo("fake-model", CTX, VOCAB, max_running_requests=8, max_total_tokens=4096)
         self.tokenizer = FakeTokenizer()
         self.delay = delay
@@ -280,6 +281,13 @@ def test_simple_routes(http: TestClient, fake: FakeEngineClient) -> None:
     fake.flush_ok, fake.alive = False, False
     assert http.post("/flush_cache").status_code == 400
     assert http.get("/health").status_code == 503
+
+
+def test_metrics_are_served_only_with_enable_metrics() -> None:
+    """--enable-metrics off (the default, as in SGLang): no /metrics route at all."""
+    without = TestClient(build_app(FakeEngineClient(enable_metrics=False)))
+    assert without.get("/metrics").status_code == 404
+    assert without.get("/health").status_code == 200
 
 
 # -- bad input: a 4xx with an OpenAI error body, and nothing reaches the engine ----------------

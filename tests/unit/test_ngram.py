@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve.spec.drafts import Drafts
-from specserve.spec.ngram import NgramProposer, _drafts
+from specserve.spec.ngram.proposer import NgramProposer, _drafts
 
 SMALL = dict(min_window=1, max_window=3, min_bfs_breadth=1, max_bfs_breadth=4, branch_length=6,
              capacity=10_000, num_draft_tokens=8)

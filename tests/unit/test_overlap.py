@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from specserve import Engine
-from specserve.engine.messages import GenerateReq
-from specserve.engine.sampling_params import SamplingParams
+from specserve.core.messages import GenerateReq
+from specserve.core.sampling_params import SamplingParams
 from tests.unit.model_utils import EXACT_ON_GPU
 
 pytestmark = pytest.mark.slow

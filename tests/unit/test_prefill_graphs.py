@@ -1,5 +1,5 @@
 """Prefill CUDA graphs against eager forwards: the target's (runner/prefill_graphs.py) and
-EAGLE's draft prefill (spec/draft_prefill_graphs.py), one request's chunk or a batch's.
+EAGLE's draft prefill (spec/eagle/prefill_graphs.py), one request's chunk or a batch's.
 
 On CUDA the graphs are captured and replayed; on a CPU the same padded bodies run eagerly
 with the Triton kernels interpreted. Each check runs a graphed and an eager runner over the
@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from tests.unit.triton_interp import DEV  # first: sets TRITON_INTERPRET before triton is imported
+from specserve.spec.eagle import LAYOUTS  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from specserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
 
 ROWS = 8  # table rows of a BareRunner
@@ -44,12 +45,12 @@ def _draft_pair(tmp_path, max_tokens: int, **graph_args):
     """(EAGLE-3 draft, eager runner, graphed runner, root states, its DraftPrefillGraphs)."""
     from specserve.models.draft_layouts import save_eagle3
     from specserve.models.draft_loader import load_draft
-    from specserve.spec.draft_prefill_graphs import DraftPrefillGraphs
-    from specserve.spec.root_states import RootStates
+    from specserve.spec.eagle.prefill_graphs import DraftPrefillGraphs
+    from specserve.spec.tree.root_states import RootStates
 
     path = save_tiny_hf("llama", tmp_path / "m")
     target = load_model(path, torch.float32, DEV)
-    draft = load_draft(save_eagle3(tmp_path / "e3", path, draft_vocab=96, aux_ids=[-1, 0, 1]), target, "EAGLE3",
+    draft = load_draft(save_eagle3(tmp_path / "e3", path, draft_vocab=96, aux_ids=[-1, 0, 1]), target, LAYOUTS["EAGLE3"],
                        torch.float32, DEV)
     eager, graphed = BareRunner(draft), BareRunner(draft)
     graphed.backend = TritonBackend(DEV)
@@ -132,7 +133,7 @@ def test_draft_prefill_graph_equals_eager_extend(tmp_path):
     eager draft extend: a middle chunk of 20 tokens padded to 32 (its root state goes to the
     scratch row), then the final 5 over the cached 20 padded to 16. The root state (top-k
     log-probabilities, ids, next hidden) and the draft's K/V agree; padding wrote only slot 0."""
-    from specserve.spec.tree_draft import top_children
+    from specserve.spec.tree.draft import top_children
 
     draft, eager, graphed, roots, graphs = _draft_pair(tmp_path, 32)
     assert graphs.sizes == [16, 32] and graphs.can_run(32) and not graphs.can_run(33)
@@ -158,7 +159,7 @@ def test_batched_draft_prefill_graph_equals_eager_extend(tmp_path):
     three requests to four): each final chunk's root state and every request's draft K/V
     are those of its own eager draft extend; the middle chunk's request (row 1) keeps no
     state, and the padding request writes only the scratch row and slot 0."""
-    from specserve.spec.tree_draft import top_children
+    from specserve.spec.tree.draft import top_children
 
     draft, eager, graphed, roots, graphs = _draft_pair(tmp_path, 16, max_reqs=4)
     assert graphs.keys == [(16, 1), (16, 4)] and graphs.can_run(16, 4) and not graphs.can_run(16, 5)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specserve import Engine
-from specserve.engine.messages import GenerateReq
-from specserve.engine.sampling_params import SamplingParams
+from specserve.core.messages import GenerateReq
+from specserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 
 from specserve import Engine
 from specserve.bench.spec_compare import spec_counts
-from specserve.models.shipped_heads import has_shipped_head, shipped_head
+from specserve.spec.eagle.shipped_heads import has_shipped_head, shipped_head
 from tests.unit.model_utils import EXACT_ON_GPU, held_out_greedy
 
 pytestmark = pytest.mark.slow

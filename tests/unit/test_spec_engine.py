@@ -119,13 +119,13 @@ def test_the_kv_budget_counts_a_draft_llms_pool():
     from types import SimpleNamespace
 
     from specserve.cache.kv_pool import KVPool
-    from specserve.config import CacheConfig
+    from specserve.core.config import CacheConfig
     from specserve.runner.model_runner import ModelRunner
 
     target = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
     seen = []
     runner = SimpleNamespace(model=SimpleNamespace(config=target), dtype=torch.bfloat16,
-                             device=torch.device("cuda"), spec_algorithm="STANDALONE", draft_kv_shape=(4, 2, 128),
+                             device=torch.device("cuda"), draft_kv_shape=(4, 2, 128),
                              context_length=1024, _gpu_budget=lambda cache, per_slot: seen.append(per_slot) or 10**6)
     assert ModelRunner._kv_budget(runner, CacheConfig()) == 10**6
     assert seen == [KVPool.bytes_per_slot(30, 3, 64, torch.bfloat16) + KVPool.bytes_per_slot(4, 2, 128, torch.bfloat16)]
@@ -134,8 +134,8 @@ def test_the_kv_budget_counts_a_draft_llms_pool():
 def _graph_shaped(engine: Engine, max_bs: int = 8) -> None:
     """Give a STANDALONE proposer the padded catch-up and tree-pass paths its CUDA graphs
     capture, run eagerly (the same static buffers, padding and table-index slots)."""
-    from specserve.spec.extend_graphs import DraftExtendGraphs
-    from specserve.spec.tree_graphs import TreeDraftGraphs
+    from specserve.spec.tree.extend_graphs import DraftExtendGraphs
+    from specserve.spec.tree.graphs import TreeDraftGraphs
 
     p = engine.scheduler.spec.proposer
     p.extend_graphs = DraftExtendGraphs(p.model, p.backend, p.pool, p.table, max_bs, p.catch_up_len, 0, p.topk,

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.engine.messages import GenerateReq
-from specserve.engine.engine import make_sampling_params
+from specserve.core.messages import GenerateReq
+from specserve.offline import make_sampling_params
 from specserve.models.draft_layouts import save_eagle2, save_eagle3
 from specserve.spec import pipeline
 from specserve.spec.governor import SpecGovernor

@@ -107,9 +107,28 @@ def test_an_unserved_architecture_is_refused(target, smollm2_dir, tmp_path):
 def test_the_shipped_head_and_its_tree_are_settled_at_start_up(smollm2_dir):
     """EAGLE3 on the default model with no tree flags: the shipped head's own tree (5,6,32)
     and batch tree (3,2,6), before the engine sizes anything by them."""
-    sources = preflight.resolve_sources(parse_config(["--speculative-algorithm", "EAGLE3"]))
-    spec = sources.config.spec
+    start, _ = preflight.resolve_sources(parse_config(["--speculative-algorithm", "EAGLE3"]))
+    spec = start.config.spec
     assert Path(spec.draft_dir).name == "smollm2-135m-eagle3"
     assert (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens) == (5, 6, 32)
     assert spec.batch_tree == "3,2,6"
-    assert sources.model_dir == smollm2_dir
+    assert start.model_dir == smollm2_dir and start.spec.needs.verify_tokens == 32
+
+
+def test_the_table_is_wide_enough_for_the_shipped_heads_tree(smollm2_dir):
+    """EAGLE3 on the default model (the shipped head's 32-node tree) driven to the end of a
+    short context: every verify writes 32 table columns past kv_len, and the output equals
+    plain decoding's, cut by the same context length."""
+    from specserve.offline import Engine
+
+    prompt = list(range(1000, 1060))
+    params = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
+    flags = {"context_length": 96, "log_level": "warning"}
+    want = Engine(**flags).generate(input_ids=prompt, sampling_params=params)
+    spec = Engine(speculative_algorithm="EAGLE3", **flags)
+    assert spec.scheduler.kv.table.table.shape[1] >= 96 + 32
+    got = spec.generate(input_ids=prompt, sampling_params=params)
+    assert got["output_ids"] == want["output_ids"] and len(want["output_ids"]) >= 30
+    assert got["meta_info"]["spec_verify_ct"] > 0
+    spec.scheduler.kv.flush_cache()
+    spec.scheduler.kv.assert_no_leak()

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specserve.models.gguf import convert_gguf
-from specserve.server.tokenizer import CHATML_TEMPLATE, IncrementalDetokenizer, StopChecker, Tokenizer
+from specserve.tokenizer.streaming import IncrementalDetokenizer, StopChecker
+from specserve.tokenizer.tokenizer import CHATML_TEMPLATE, Tokenizer
 from tests.unit.test_gguf import tiny_model, tiny_vocab, write_tiny_gguf
 
 TEXTS = [

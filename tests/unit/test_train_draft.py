@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specserve.spec.eagle import LAYOUTS
 from specserve import Engine
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
@@ -28,7 +29,7 @@ from specserve.cli import main as specserve_main
 from specserve.models.draft_layouts import read_tensors, save_eagle2, save_eagle3
 from specserve.models.draft_loader import load_draft
 from specserve.models.loader import load_model, read_hf_config
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.train import trainer
 from specserve.train.cli import build_parser, config_from_args
 from specserve.train.draft import (EAGLE2, EAGLE3, build_draft, default_aux_layers, head_config, save_head,
@@ -155,7 +156,7 @@ def test_step0_equals_the_inference_forward(tiny, tmp_path, algorithm):
     torch.testing.assert_close(logits[:n - 1], ref[2], rtol=1e-5, atol=1e-5)
     # the same through the written checkpoint, as the engine loads it
     save_head(tmp_path / "head", draft, vocab, cfg, torch.float32)
-    loaded = load_draft(tmp_path / "head", target, algorithm, F32, CPU)
+    loaded = load_draft(tmp_path / "head", target, LAYOUTS[algorithm], F32, CPU)
     assert loaded.aux_layers == draft.aux_layers
     ref2 = _DraftRunner(loaded)(ids[0, 1:].tolist(), taught.features[0, :n - 1], list(range(n - 1)))
     torch.testing.assert_close(logits[:n - 1], ref2[2], rtol=1e-4, atol=1e-4)
@@ -242,7 +243,7 @@ def test_eagle3_vocab_is_the_answers_most_frequent_tokens(tiny, eagle3_run):
     assert torch.equal(ids, build_draft_vocab(counts, 128, [2]).ids)
     assert set(torch.nonzero(counts).flatten().tolist()) <= set(ids.tolist())  # every answer token
     assert result.vocab_coverage == 1.0
-    loaded = load_draft(out, load_model(target, F32, CPU), "EAGLE3", F32, CPU)
+    loaded = load_draft(out, load_model(target, F32, CPU), LAYOUTS["EAGLE3"], F32, CPU)
     assert torch.equal(loaded.token_map, ids)
     assert torch.equal(read_tensors(out)["t2d"].nonzero().flatten(), ids)
 

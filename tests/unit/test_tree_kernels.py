@@ -21,7 +21,7 @@ def test_topk_logprobs_is_the_tree_drafters_torch_path(rows, vocab, k, mapped, d
     """One launch gives what top_children's torch path gives: the k best entries in
     descending order, their log-softmax values, their ids through the draft vocabulary's
     map (random logits: no ties)."""
-    from specserve.spec.tree_draft import top_children
+    from specserve.spec.tree.draft import top_children
 
     torch.manual_seed(vocab + k)
     logits = (4 * torch.randn(rows, vocab, device=DEV)).to(dtype)
@@ -45,7 +45,7 @@ def test_topk_logprobs_is_the_tree_drafters_torch_path(rows, vocab, k, mapped, d
 def test_topk_logprobs_into_root_state_rows(rows):
     """With `into` the same results also land in rows dst of the two buffers (RootStates'
     logp and ids), every other row untouched, on both paths."""
-    from specserve.spec.tree_draft import top_children
+    from specserve.spec.tree.draft import top_children
 
     torch.manual_seed(rows)
     logits, token_map = torch.randn(rows, 3000, device=DEV), torch.randperm(9000, device=DEV)[:3000]
@@ -78,7 +78,7 @@ def test_tree_expansion_fused_is_the_torch_path(bsz, k, steps, hidden):
     children, frontier bookkeeping) against the torch ops they replace: every draft forward
     sees the same frontier (tokens, positions, tails of ancestor slots, branch states) and
     the trees are the same. The draft is a random function of all of those."""
-    from specserve.spec.tree_draft import TreeDrafter, TreeInputs
+    from specserve.spec.tree.draft import TreeDrafter, TreeInputs
 
     vocab = 50
     g = torch.Generator().manual_seed(bsz * 100 + k * 10 + steps)
@@ -189,7 +189,7 @@ def test_tree_select_is_the_torch_path(bsz, k, steps, n_sel):
     a child scored below its parent, the best k children the next frontier); every first
     child costs little, so the deepest candidates are kept too. 264 and 456 candidates
     take several ranking chunks."""
-    from specserve.spec.tree_draft import _select
+    from specserve.spec.tree.draft import _select
 
     g = torch.Generator().manual_seed(bsz * 1000 + k * 10 + steps)
     scores = [-torch.rand(bsz, k, generator=g)]

@@ -1,4 +1,4 @@
-"""The pipelined step's prologue kernel (spec/verify_prologue.py) against its torch reference.
+"""The pipelined step's prologue kernel (spec/eagle/verify_prologue.py) against its torch reference.
 
 Random trees over a small table, real and padding requests mixed: the kernel's table
 block, positions, padded kv_len / output offsets, int32 prefix lengths and [rows, kv_len]
@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from specserve import kernels  # noqa: E402
 from specserve.cache.req_table import ReqToTokenTable  # noqa: E402
 from specserve.spec.drafts import ancestor_mask  # noqa: E402
-from specserve.spec.verify_prologue import verify_prologue  # noqa: E402
+from specserve.spec.eagle.verify_prologue import verify_prologue  # noqa: E402
 
 
 def _inputs(b: int, n: int, pads: int, seed: int) -> dict:

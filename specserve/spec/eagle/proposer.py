@@ -34,35 +34,35 @@ while the GPU drafts. The next `propose` over the same requests takes those tree
 """
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from specserve import kernels
 from specserve.cache.kv_pool import KVPool
-from specserve.config import SpecConfig
-from specserve.engine.batch import ScheduleBatch
+from specserve.core.config import SpecConfig
+from specserve.core.batch import ScheduleBatch
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.request import Req
+from specserve.core.request import Req
 from specserve.models.draft_loader import load_draft
 from specserve.models.token_map import load_token_map
-from specserve.runner.forward_batch import ForwardMode
-from specserve.runner.h2d import h2d
+from specserve.core.forward_batch import ForwardMode
+from specserve.core.h2d import h2d
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.runner.prefill_graphs import prefill_sizes
 from specserve.spec.accept import DevicePaths, GreedyWalk
-from specserve.spec import batch_tree
-from specserve.spec.backlog import RING, DraftBacklog
-from specserve.spec.draft_prefill_graphs import DraftPrefillGraphs
+from specserve.spec.eagle import batch_tree, step_graphs
+from specserve.spec.eagle.backlog import RING, DraftBacklog
+from specserve.spec.eagle.prefill_graphs import DraftPrefillGraphs
 from specserve.spec.drafts import Drafts
-from specserve.spec.extend_graphs import DraftExtendGraphs
-from specserve.spec.proposer import Decoded, Verified
-from specserve.spec.root_states import RootState, RootStates
-from specserve.spec.tree_draft import TreeDrafter, Trees, TreeStep, frontier_batch, top_children
-from specserve.spec.tree_graphs import TreeDraftGraphs
+from specserve.spec.tree.extend_graphs import DraftExtendGraphs
+from specserve.engine.speculation import Decoded
+from specserve.spec.eagle import LAYOUTS
+from specserve.spec.proposer import DraftsAhead, Proposer, Verified, WholeStep
+from specserve.spec.tree.root_states import RootState, RootStates
+from specserve.spec.tree.draft import TreeDrafter, Trees, TreeStep, frontier_batch, top_children
+from specserve.spec.tree.graphs import TreeDraftGraphs
 
 logger = logging.getLogger("specserve")
 
@@ -72,11 +72,11 @@ def extend_tokens(all_ids: list[int], start: int, end: int) -> list[int]:
     return all_ids[start + 1:end + 1]
 
 
-class EagleProposer:
+class EagleProposer(Proposer, DraftsAhead):
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> None:
         draft = Path(spec.draft_dir)
         logger.info("Drafting with %s", "the target's own MTP layers" if draft == runner.model_dir else draft)
-        self.model = load_draft(draft, runner.model, spec.algorithm, runner.dtype, runner.device,
+        self.model = load_draft(draft, runner.model, LAYOUTS[spec.algorithm], runner.dtype, runner.device,
                                 _token_map(spec, runner))
         runner.capture_features(self.model.feature_mode, self.model.aux_layers)
         c = self.model.config
@@ -229,7 +229,7 @@ class EagleProposer:
                            row_start: torch.Tensor, scratch: torch.Tensor, tree: TreeDrafter, kv_out: torch.Tensor,
                            out: Trees) -> None:
         """draft_ahead's device work for exactly B requests, replaying no graph and touching
-        no host state, so a caller's own CUDA graph can hold it (spec/step_graphs.py): the
+        no host state, so a caller's own CUDA graph can hold it (spec/eagle/step_graphs.py): the
         commit's table write, the draft extend and `tree`'s drafting pass over `scratch`
         [num_steps - 1, B*k], slots the caller keeps. Writes kv_len after the commit into
         `kv_out` [B] (which may be the tensor row_start's second half was copied from) and
@@ -238,6 +238,12 @@ class EagleProposer:
         roots, _, tails, states = self._commit_ahead(walk, features, slots, row_start, inline=True,
                                                      shift=tree.shift, kv_out=kv_out)
         tree.graphs.run_inline(roots, row_start[:b], tails, scratch, out, states)
+
+    def whole_step(self, runner: ModelRunner, kv: KVManager, max_bs: int) -> WholeStep | None:
+        """The whole pipelined step as one graph per batch size, up to step_graphs.MAX_BS."""
+        if not step_graphs.supported(self):
+            return None
+        return step_graphs.StepGraphs(runner, self, kv, min(max_bs, step_graphs.MAX_BS))
 
     def adopt_ahead(self, reqs: list[Req], drafts: Drafts) -> None:
         """`reqs` have root states and `drafts` are their next trees (draft_ahead_inline's)."""
@@ -408,25 +414,7 @@ def _ahead_kernel_enabled(t: torch.Tensor) -> bool:
     return kernels.use_fused(t)
 
 
-def head_default_tree(spec: SpecConfig) -> SpecConfig:
-    """With no tree flags (--speculative-num-steps omitted), the tree the head's config names
-    as the one it was tuned with (`specserve_default_tree`: [steps, topk, draft tokens]),
-    ahead of SGLang's choice by architecture; and the batch tree (batch_tree.py) resolved:
-    auto takes the head's `specserve_batch_tree` with the head's own tree, else off."""
-    try:
-        config = json.loads((Path(spec.draft_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    tree, from_head = config.get("specserve_default_tree"), spec.num_steps is None
-    if from_head and tree is not None:
-        steps, topk, n = (int(v) for v in tree)
-        logger.info("Draft tree %d,%d,%d (steps, topk, draft tokens): the head's own default", steps, topk, n)
-        spec = replace(spec, num_steps=steps, eagle_topk=topk, num_draft_tokens=n)
-    batch = batch_tree.resolve(spec.batch_tree, config.get("specserve_batch_tree"), from_head and tree is not None)
-    return replace(spec, batch_tree=batch)
-
-
 def _token_map(spec: SpecConfig, runner: ModelRunner) -> torch.Tensor | None:
-    if spec.token_map is None or spec.algorithm == "EAGLE3":  # EAGLE3: warned at parse time
+    if spec.token_map is None:  # EAGLE3: cleared at start-up (its head has its own draft vocabulary)
         return None
     return load_token_map(spec.token_map, runner.vocab_size)

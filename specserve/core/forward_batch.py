@@ -1,21 +1,38 @@
 """ForwardBatch: everything one model forward needs, as device tensors.
 
-Built by `model_runner.py` from the scheduler's CPU-side batch. The model reads
+Built by `runner/model_runner.py` from the scheduler's CPU-side batch. The model reads
 `input_ids` and `positions`; the attention backend reads the rest (through its own
 metadata, built once per forward in `init_forward_metadata`). T is the number of new
-tokens in the batch, B the number of requests.
+tokens in the batch, B the number of requests. The pool and the backend live in higher
+layers (cache/, attention/); the batch knows them by the small protocols below.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from specserve.attention.base import AttentionBackend
-    from specserve.cache.kv_pool import KVPool
+
+class KVStore(Protocol):
+    """A KV pool (`cache/kv_pool.py` KVPool): per-layer K and V indexed by token slot."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
+class Attention(Protocol):
+    """An attention backend (`attention/base.py` AttentionBackend), as a forward calls it."""
+
+    pooled_kv: bool
+
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+                fb: "ForwardBatch", scale: float) -> torch.Tensor: ...
 
 
 class ForwardMode(enum.Enum):
@@ -35,8 +52,8 @@ class ForwardBatch:
     prefix_lens: list[int]  # [B] tokens already in the KV cache before this forward
     extend_lens: list[int]  # [B] new tokens per request (sum == T)
     req_to_token: torch.Tensor  # [max_reqs, max_context]: slots of positions < prefix+extend
-    kv_pool: "KVPool"
-    attn_backend: "AttentionBackend"
+    kv_pool: KVStore
+    attn_backend: Attention
     # Per-request boolean masks over the new tokens ([n_i, n_i], True = may attend), for
     # tree verify (or one [B, N, N] tensor when every request has N). None means causal.
     # Attention to the cached prefix is always allowed.

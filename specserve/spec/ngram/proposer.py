@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from specserve.spec.drafts import Drafts
-from specserve.spec.ngram_trie import NgramTrie, min_capacity
+from specserve.spec.ngram.trie import NgramTrie, min_capacity
 
 MATCH_TYPES = ("BFS", "PROB")
 

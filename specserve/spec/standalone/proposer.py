@@ -29,22 +29,23 @@ import torch
 
 from specserve.cache.kv_pool import KVPool
 from specserve.cache.req_table import slots_at
-from specserve.config import SpecConfig
-from specserve.engine.batch import ScheduleBatch
+from specserve.core.config import SpecConfig
+from specserve.core.batch import ScheduleBatch
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.request import Req
+from specserve.core.request import Req
 from specserve.models.llama import LlamaConfig
 from specserve.models.loader import load_model, random_model, read_hf_config
 from specserve.runner.cuda_graph import CudaGraphRunner
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
-from specserve.runner.h2d import h2d, h2d_many
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.h2d import h2d, h2d_many
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.spec.drafts import Drafts
-from specserve.spec.extend_graphs import DraftExtendGraphs
-from specserve.spec.proposer import Decoded, Verified
-from specserve.spec.root_states import RootStates
-from specserve.spec.tree_draft import TreeDrafter, TreeStep, frontier_batch, top_children
-from specserve.spec.tree_graphs import TreeDraftGraphs
+from specserve.spec.tree.extend_graphs import DraftExtendGraphs
+from specserve.engine.speculation import Decoded
+from specserve.spec.proposer import Proposer, Verified
+from specserve.spec.tree.root_states import RootStates
+from specserve.spec.tree.draft import TreeDrafter, TreeStep, frontier_batch, top_children
+from specserve.spec.tree.graphs import TreeDraftGraphs
 
 Span = tuple[int, int]  # positions [start, end) a request's catch-up feeds
 
@@ -56,9 +57,9 @@ def kv_shape(spec: SpecConfig) -> tuple[int, int, int]:
     return c.num_layers, c.num_kv_heads, c.head_dim
 
 
-class StandaloneProposer:
+class StandaloneProposer(Proposer):
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> None:
-        path = Path(spec.draft_dir)  # checked at start-up (spec/factory.py resolve_spec)
+        path = Path(spec.draft_dir)  # checked at start-up (spec/registry.py resolve_spec)
         load = random_model if spec.draft_load_format == "dummy" else load_model  # random weights: benchmarks
         self.model = load(path, runner.dtype, runner.device)
         c = self.model.config

@@ -37,10 +37,10 @@ import torch
 
 from specserve import kernels
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.request import Req
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
-from specserve.runner.h2d import h2d_many
-from specserve.spec.draft_rows import fan_out
+from specserve.core.request import Req
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.h2d import h2d_many
+from specserve.spec.tree.rows import fan_out
 from specserve.spec.drafts import Drafts, ancestor_mask
 
 

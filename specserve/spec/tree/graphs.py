@@ -23,8 +23,8 @@ import bisect
 import torch
 
 from specserve.runner.cuda_graph import capture_each, capture_sizes
-from specserve.spec.root_states import RootState, RootStates
-from specserve.spec.tree_draft import TreeDrafter, TreeInputs, Trees
+from specserve.spec.tree.root_states import RootState, RootStates
+from specserve.spec.tree.draft import TreeDrafter, TreeInputs, Trees
 
 
 class TreeDraftGraphs:
@@ -68,7 +68,7 @@ class TreeDraftGraphs:
     def run_inline(self, roots: torch.Tensor, rows: torch.Tensor, tail_start: torch.Tensor, scratch: torch.Tensor,
                    out: Trees | None = None, states: RootState | None = None) -> Trees:
         """A pass over exactly B requests (no padding) from device tensors, without a
-        replay of its own, so a caller's CUDA graph can hold it (spec/step_graphs.py):
+        replay of its own, so a caller's CUDA graph can hold it (spec/eagle/step_graphs.py):
         roots, rows and tail starts [B], scratch [num_steps - 1, B*k] slots, read where
         they are (a copy into the static inputs would be four launches more). The trees
         go into `out` when given (the caller's static buffers: no copies after); `states`

@@ -36,10 +36,10 @@ import torch
 
 from specserve.cache.req_table import slots_at
 from specserve.runner.cuda_graph import capture_each, capture_sizes, pad_device_prefix
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
-from specserve.spec.draft_rows import root_rows
-from specserve.spec.root_states import RootState, RootStates
-from specserve.spec.tree_draft import top_children
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.spec.tree.rows import root_rows
+from specserve.spec.tree.root_states import RootState, RootStates
+from specserve.spec.tree.draft import top_children
 
 
 class DraftExtendGraphs:
@@ -161,7 +161,7 @@ class DraftExtendGraphs:
     @torch.inference_mode()
     def run_inline(self, b: int, features: torch.Tensor, prefix_lens: torch.Tensor) -> RootState:
         """replay_filled for exactly B requests (no padding) without a replay of its own,
-        so a caller's CUDA graph can hold it (spec/step_graphs.py): the metadata goes into
+        so a caller's CUDA graph can hold it (spec/eagle/step_graphs.py): the metadata goes into
         the backend's graph buffers from the device prefix lengths [B]. Returns the root
         states it wrote (logp [B, topk], ids [B, topk], hidden [B, H] or None), which a
         tree pass in the same capture reads from here rather than gathering them back."""

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from specserve.cache.req_table import slots_at
-from specserve.engine.request import Req
-from specserve.runner.h2d import h2d_many
-from specserve.spec.proposer import Decoded
+from specserve.core.request import Req
+from specserve.core.h2d import h2d_many
+from specserve.engine.speculation import Decoded
 
 RING = 16  # plain steps a request may run before its draft catches up
 

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 DEFAULT_MODEL = "smollm2-135m"
 
 
+class ConfigError(ValueError):
+    """A command line or Config the engine must not start with; the message is one line."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str = DEFAULT_MODEL  # HF dir, .gguf file, catalogue name or hub id
@@ -86,12 +90,12 @@ class SpecConfig:
     enable_spec_v2: bool = False  # from SPECSERVE_ENABLE_SPEC_V2 / SGLANG_ENABLE_SPEC_V2
     ngram_force_greedy_verify: bool = False  # from *_NGRAM_FORCE_GREEDY_VERIFY
     adaptive: str = "auto"  # auto (on for CUDA) | on | off: turn speculation down when it does not pay
-    # EAGLE step graphs from batch_tree_from requests up draft this smaller tree (spec/batch_tree.py):
+    # EAGLE step graphs from batch_tree_from requests up draft this smaller tree (spec/eagle/batch_tree.py):
     # auto (the head's own, when the tree flags are omitted) | off | "steps,topk,draft tokens"
     batch_tree: str = "auto"
-    batch_tree_from: int = 2  # batch 1 keeps the main tree (spec/batch_tree.py)
+    batch_tree_from: int = 2  # batch 1 keeps the main tree (spec/eagle/batch_tree.py)
     # The draft's local directory, resolved from the flags and the target before any weights
-    # load (spec/factory.py `resolve_spec`): the explicit path, a shipped head or the target itself (MTP)
+    # load (spec/registry.py `resolve_spec`): the explicit path, a shipped head or the target itself (MTP)
     draft_dir: str | None = None
 
     @property

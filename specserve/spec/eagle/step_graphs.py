@@ -58,18 +58,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.request import Req
+from specserve.core.request import Req
 from specserve.runner.cuda_graph import capture_each, capture_sizes
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import HostFlags, SamplingBatch
 from specserve.spec.accept import walk_greedy
 from specserve.spec.drafts import Drafts
-from specserve.spec.proposer import Proposer
-from specserve.spec.tree_draft import TreeDrafter
-from specserve.spec.verify_prologue import verify_prologue
+from specserve.spec.tree.draft import TreeDrafter
+from specserve.spec.eagle.verify_prologue import verify_prologue
 
 if TYPE_CHECKING:
-    from specserve.spec.eagle import EagleProposer
+    from specserve.spec.eagle.proposer import EagleProposer
 
 _TEMPERATURE_ONLY = HostFlags(all_greedy=False, has_penalties=False, needs_sort=False, needs_min_p=False)
 EXACT = 8  # every batch size up to this has a graph of its own (padding costs most there)
@@ -81,10 +80,10 @@ def step_sizes(max_bs: int, exact: int = EXACT) -> list[int]:
     return sorted({*range(1, min(exact, max_bs) + 1), *(s for s in capture_sizes(max_bs) if s > exact)})
 
 
-def supported(proposer: Proposer) -> bool:
-    """Whether `proposer` drafts ahead inline: EAGLE-family heads with extend and tree
-    graphs whose trees fill all N nodes."""
-    if not hasattr(proposer, "draft_ahead_inline") or proposer.extend_graphs is None or proposer.tree.graphs is None:
+def supported(proposer: "EagleProposer") -> bool:
+    """Whether `proposer` can draft inside a step graph: extend and tree graphs captured
+    (and the batch tree's, when it has one), and trees that fill all N nodes."""
+    if proposer.extend_graphs is None or proposer.tree.graphs is None:
         return False
     if proposer.batch_tree is not None and proposer.batch_tree.graphs is None:
         return False

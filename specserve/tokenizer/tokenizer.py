@@ -1,10 +1,9 @@
-"""Text <-> token ids for the server: tokenizer, chat template, streaming detokenizer, stop strings.
+"""Text <-> token ids: a model directory's tokenizer and its chat template.
 
-This file owns everything the server does with text: loading a model directory's tokenizer
-files, rendering its chat template (sandboxed jinja2, as Hugging Face does), deciding when
-to add BOS, turning a growing list of generated ids into stable text deltas, and holding back
-text that may turn out to be a stop string. It knows nothing about models, requests or HTTP:
-the scheduler pushes ids and gets text back.
+This file owns loading the tokenizer files of a local Hugging Face-layout directory,
+rendering its chat template (sandboxed jinja2, as Hugging Face does) and deciding when to
+add BOS. Turning generated ids into text deltas and stop strings is streaming.py. It knows
+nothing about models, requests or HTTP.
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-_REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode gives for an incomplete character
 
 
 class Tokenizer:
@@ -131,90 +129,6 @@ def _join_text_parts(parts: list[Any], i: int) -> str:
     return "\n".join(texts)
 
 
-class IncrementalDetokenizer:
-    """Turns generated ids, pushed a few at a time, into text deltas that never change later.
-
-    The prefix/read offset trick (vLLM, TGI): decode only ids[prefix:] and ids[prefix:read],
-    and emit the difference. `prefix` and `read` only move to a point where the decoded text
-    did not end in U+FFFD, i.e. a character boundary, so decoding from `prefix` yields exactly
-    the tail of the full decode, and each push costs O(ids since the last stable point).
-    Invariant: "".join(pushes) + flush() == tok.decode(all ids).
-    """
-
-    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tok = tok
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # start of the context window (first id of the last emitted chunk)
-        self._read = 0  # everything before this has been emitted
-
-    def push(self, ids: list[int]) -> str:
-        """Append ids; return the newly stable text (possibly "")."""
-        self._ids.extend(ids)
-        return self._advance(final=False)
-
-    def flush(self) -> str:
-        """Text still held back at the end of a request (a trailing partial character)."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        done = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
-        text = self._tok.decode(self._ids[self._prefix:], self._skip)
-        if len(text) <= len(done) or (text.endswith(_REPLACEMENT) and not final):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(done):]
-
-
-class StopChecker:
-    """Finds stop strings in streamed text, holding back only what could still start one.
-
-    A match is the stop string that *ends* earliest (ties: the longest), which is what a
-    reader of the stream sees first; the result is therefore independent of how the text
-    was split into deltas. After a match every later push returns ("", None).
-    """
-
-    def __init__(self, stops: list[str]) -> None:
-        self._stops = sorted({s for s in stops if s}, key=len, reverse=True)
-        self._held = ""
-        self._done = False
-
-    @property
-    def active(self) -> bool:
-        """Whether there is a stop string to look for (else `push` releases all it is given)."""
-        return bool(self._stops)
-
-    def push(self, text_delta: str) -> tuple[str, str | None]:
-        """(text safe to release now, the matched stop string or None)."""
-        if self._done:
-            return "", None
-        buf = self._held + text_delta
-        match = None  # (end, -len, start, stop): earliest end, then longest
-        for stop in self._stops:
-            start = buf.find(stop)
-            if start >= 0:
-                cand = (start + len(stop), -len(stop), start, stop)
-                match = cand if match is None or cand < match else match
-        if match is not None:
-            self._done, self._held = True, ""
-            return buf[:match[2]], match[3]
-        keep = self._partial_suffix(buf)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], None
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
-
-    def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
-        for n in range(min(len(buf), max((len(s) for s in self._stops), default=1) - 1), 0, -1):
-            tail = buf[-n:]
-            if any(s.startswith(tail) for s in self._stops):
-                return n
-        return 0
-
-
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -258,10 +172,7 @@ def _chat_template(path: Path, cfg: dict[str, Any]) -> str | None:
     return template
 
 
-def load_tokenizer(tokenizer_path: str | None, model_dir: Path) -> Tokenizer:
-    """--tokenizer-path (any model source: dir, .gguf, catalogue name) or the model's own."""
-    if tokenizer_path is None:
-        return Tokenizer.from_dir(Path(model_dir))
-    from specserve.models.source import resolve_model_dir
-
-    return Tokenizer.from_dir(resolve_model_dir(tokenizer_path))
+def load_tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    """The tokenizer of a local Hugging Face-layout directory (the model's own, or the
+    one --tokenizer-path resolved to: preflight.py)."""
+    return Tokenizer.from_dir(Path(tokenizer_dir))

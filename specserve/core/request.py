@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from specserve.engine.messages import TokenLogprob
-from specserve.engine.sampling_params import SamplingParams
+from specserve.core.messages import TokenLogprob
+from specserve.core.sampling_params import SamplingParams
 
 
 class Req:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.engine.sampling_params import SamplingParams
+from specserve.core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -13,10 +13,11 @@ import itertools
 from typing import Any
 
 from specserve.args import parse_config
-from specserve.config import Config
-from specserve.engine.messages import GenerateReq, TokenOut
-from specserve.engine.sampling_params import SamplingParams
+from specserve.core.config import Config
+from specserve.core.messages import GenerateReq, TokenOut
+from specserve.core.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
+from specserve.preflight import resolve_sources
 
 
 def kwargs_to_argv(model: str | None, kwargs: dict[str, Any]) -> list[str]:
@@ -44,11 +45,9 @@ def make_sampling_params(d: dict | SamplingParams | None) -> SamplingParams:
 
 class Engine:
     def __init__(self, model: str | None = None, *, config: Config | None = None, **kwargs: Any) -> None:
-        from specserve.preflight import resolve_sources
-
-        sources = resolve_sources(config or parse_config(kwargs_to_argv(model, kwargs)))
-        self.config, self.tokenizer = sources.config, sources.tokenizer
-        self.scheduler = Scheduler(self.config, sources.model_dir, self.tokenizer)
+        start, self.tokenizer = resolve_sources(config or parse_config(kwargs_to_argv(model, kwargs)))
+        self.config = start.config
+        self.scheduler = Scheduler(start, self.tokenizer)
         self._ids = itertools.count()
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,

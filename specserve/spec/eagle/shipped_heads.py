@@ -13,7 +13,7 @@ from pathlib import Path
 
 from specserve.models.gguf import MARKER
 
-HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
+HEADS_DIR = Path(__file__).resolve().parents[2] / "heads"  # specserve/heads/
 # (catalogue name, algorithm) -> directory under HEADS_DIR, in the loader's layout
 SHIPPED = {("smollm2-135m", "EAGLE3"): "smollm2-135m-eagle3"}
 

@@ -18,12 +18,12 @@ recompile (torch's default), so each mode compiles about twice, not once per bat
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
-from specserve.runner.forward_batch import ForwardBatch, ForwardMode
+from specserve.core import env
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 
 COMPILED_MODES = (ForwardMode.DECODE, ForwardMode.VERIFY)
 # Recompiles allowed per code object: modes x (static, dynamic) x grad-free variants, with room.
@@ -53,7 +53,7 @@ class CompiledForward:
     def __init__(self, forward: Callable[[ForwardBatch], tuple[torch.Tensor, list[torch.Tensor]]],
                  max_bs: int) -> None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
-        mode = os.environ.get("SPECSERVE_TORCH_COMPILE_MODE", "default")
+        mode = env.torch_compile_mode()
         self.max_bs = max_bs
         self._compiled = torch.compile(forward, mode=mode)
 
