@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from specserve.core import env
 from specserve.args_check import CheckContext, check_config  # re-exported: the public API is specserve.args
+from specserve.core import env
 from specserve.core.config import (
     CacheConfig,
     Config,

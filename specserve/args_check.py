@@ -13,8 +13,9 @@ the "specserve" logger.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from specserve.core.config import Config, ConfigError
 from specserve.spec import registry

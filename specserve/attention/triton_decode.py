@@ -22,10 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.attention.triton_kernels import (
+    LOG2E,
+    block_d,
+    dot_precision,
+    load_kv_block,
+    online_softmax_step,
+    with_new_keys,
+)
 from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
-from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
-                                                online_softmax_step, with_new_keys)
 
 BLOCK_N = 64  # keys per loop step
 MAX_SPLITS = 16

@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
-                                                online_softmax_step)
+from specserve.attention.triton_kernels import LOG2E, block_d, dot_precision, load_kv_block, online_softmax_step
 
 
 @triton.jit

@@ -26,11 +26,18 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.attention.triton_decode import MAX_SPLITS, reduce_splits
+from specserve.attention.triton_kernels import (
+    LOG2E,
+    block_d,
+    dot_precision,
+    load_kv_block,
+    online_softmax_step,
+    prefix_block,
+    with_new_keys,
+)
 from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
-from specserve.attention.triton_decode import MAX_SPLITS, reduce_splits
-from specserve.attention.triton_kernels import (LOG2E, block_d, dot_precision, load_kv_block,
-                                                online_softmax_step, prefix_block, with_new_keys)
 
 MAX_ROWS = 64  # rows (new tokens * GROUP) per program
 MAX_TOTAL_ROWS = 256  # per (request, kv head): a 64-node tree at GROUP 4; longer extends use the extend kernel

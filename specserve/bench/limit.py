@@ -166,9 +166,9 @@ def _decode(runner, kv, prompt_len: int, steps: int) -> tuple[float, int, float,
     (host included), the mean KV length, verify(16) / decode timed the same way, and
     the (decode, verify) graphs' GPU time in us ((0, 0) without graphs)."""
     from specserve.core.batch import ScheduleBatch
+    from specserve.core.forward_batch import ForwardMode
     from specserve.core.request import Req
     from specserve.core.sampling_params import SamplingParams
-    from specserve.core.forward_batch import ForwardMode
 
     ids = [(1000 + i) % runner.vocab_size for i in range(prompt_len)]
     req = Req("limit", ids, SamplingParams(temperature=0), 0, None, None)

@@ -18,8 +18,8 @@ import tempfile
 import time
 
 from specserve.bench.prompts import mt_bench_first_turns
-from specserve.bench.report import report
 from specserve.bench.repetitive import repetitive_prompts
+from specserve.bench.report import report
 
 WARM_TOKENS = 8  # a warm-up answer's length: past the first token, a few decode (or speculative) steps
 

@@ -26,7 +26,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 class Node:
     _ids = itertools.count()
 
-    def __init__(self, key: list[int], slots: torch.Tensor, parent: "Node | None") -> None:
+    def __init__(self, key: list[int], slots: torch.Tensor, parent: Node | None) -> None:
         self.key = key
         self.slots = slots
         self.parent = parent
@@ -35,7 +35,7 @@ class Node:
         self.last_access = time.monotonic()
         self.id = next(Node._ids)
 
-    def __lt__(self, other: "Node") -> bool:  # heap order for eviction
+    def __lt__(self, other: Node) -> bool:  # heap order for eviction
         return self.last_access < other.last_access
 
 

@@ -31,7 +31,7 @@ class ScheduleBatch:
 
     @staticmethod
     def decode(reqs: list[Req], slots: torch.Tensor, prefix_lens: list[int],
-               input_ids: list[int] | torch.Tensor | None = None) -> "ScheduleBatch":
+               input_ids: list[int] | torch.Tensor | None = None) -> ScheduleBatch:
         """One plain decode step: each request feeds its last token at position prefix_lens[b]
         (`input_ids` when given: an overlapped step's tokens, still on the device)."""
         n = len(reqs)

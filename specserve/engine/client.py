@@ -13,7 +13,8 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
 from specserve.engine.process import engine_main

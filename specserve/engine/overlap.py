@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from specserve.engine.kv_manager import KVManager
-from specserve.core.request import Req
 from specserve.core.h2d import h2d_many, ready_event
+from specserve.core.request import Req
+from specserve.engine.kv_manager import KVManager
 from specserve.runner.sampler import SampleOutput
 
 
@@ -40,7 +40,7 @@ class InFlight:
     dropped: set[int] = field(default_factory=set)  # batch indices whose token is never read
 
     @staticmethod
-    def launch(reqs: list[Req], so: SampleOutput, slots: torch.Tensor) -> "InFlight":
+    def launch(reqs: list[Req], so: SampleOutput, slots: torch.Tensor) -> InFlight:
         """Queue the device->host copy of `so` behind the step's sampling; do not wait."""
         host = SampleOutput(**{f.name: _to_host(getattr(so, f.name)) for f in fields(so)})
         ready = None

@@ -7,9 +7,10 @@ only, never on the scheduler, so the two can be tested apart.
 """
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, Protocol
 
 from specserve.core.config import Config
 from specserve.core.messages import GenerateReq, TokenOut

@@ -17,19 +17,18 @@ from dataclasses import asdict
 import torch
 
 from specserve.core.batch import ScheduleBatch
-from specserve.runner.sampler import sampling_batch
-from specserve.engine.kv_manager import KVManager
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.core.messages import GenerateReq, TokenOut
+from specserve.core.request import Req
+from specserve.engine.kv_manager import KVManager
 from specserve.engine.metrics import SchedulerStats
 from specserve.engine.output import commit_sampled, finish_abort, take_output
 from specserve.engine.overlap import InFlight, decode_inputs, select, surely_ends
-from specserve.core.request import Req
-from specserve.core.forward_batch import ForwardBatch, ForwardMode
-from specserve.runner.memory import OOM_ADVICE
 from specserve.engine.protocol import EngineStart
 from specserve.engine.speculation import Decoded, SpecNeeds, Speculator
+from specserve.runner.memory import OOM_ADVICE
 from specserve.runner.model_runner import ModelRunner
-from specserve.runner.sampler import SampleOutput, sample
+from specserve.runner.sampler import SampleOutput, sample, sampling_batch
 from specserve.tokenizer.streaming import IncrementalDetokenizer, StopChecker
 from specserve.tokenizer.tokenizer import Tokenizer
 

@@ -113,7 +113,7 @@ class SpecPlan(Protocol):
 
     needs: SpecNeeds
 
-    def build(self, runner: "ModelRunner", kv: "KVManager", eos_ids: frozenset[int], context_length: int,
+    def build(self, runner: ModelRunner, kv: KVManager, eos_ids: frozenset[int], context_length: int,
               max_running: int) -> Speculator:
         """The speculator over this runner and KV manager."""
         ...

@@ -22,9 +22,10 @@ with TRITON_INTERPRET=1 set before triton is first imported (the tests do this).
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 

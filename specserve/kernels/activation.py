@@ -18,15 +18,15 @@ BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, sx, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, sx, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_and_release(USE_PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
+    mask = cols < inter
     g = tl.load(x_ptr + t * sx + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + t * sx + I + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + t * sx + inter + cols, mask=mask, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # F.silu's rounding
-    tl.store(out_ptr + t * I + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * inter + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -110,8 +110,9 @@ def draft_ahead_index(on_path: torch.Tensor, tokens: torch.Tensor, bonus: torch.
     kv_lens = torch.empty_like(roots) if kv_lens is None else kv_lens
     tails = torch.empty_like(roots)
     assert kv_lens.shape == (b,) and kv_lens.is_contiguous()
-    _ahead_kernel[(padded_bs,)](on_path, on_path.stride(0), tokens, bonus, bonus.stride(0), slots, row_start, table, table.stride(0), *static,
-                                roots, kv_lens, tails, prefix32 if prefix32 is not None else tails,
+    _ahead_kernel[(padded_bs,)](on_path, on_path.stride(0), tokens, bonus, bonus.stride(0), slots, row_start, table,
+                                table.stride(0), *static, roots, kv_lens, tails,
+                                prefix32 if prefix32 is not None else tails,
                                 b, scratch_row, shift, n, L, BLOCK_L=triton.next_power_of_2(L),
                                 BLOCK_N=triton.next_power_of_2(n), HAS_PREFIX=prefix32 is not None, num_warps=1,
                                 **pdl_flags(on_path.device))

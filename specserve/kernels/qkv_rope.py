@@ -23,8 +23,16 @@ import triton.language as tl
 
 from specserve.kernels import SKINNY_MAX_TOKENS, pdl_flags
 from specserve.kernels.pdl import wait_and_release
-from specserve.kernels.skinny import (_config, deferred_norm, first_tiles, product, product_flags, split_buffers,
-                                      split_range, split_sum)
+from specserve.kernels.skinny import (
+    _config,
+    deferred_norm,
+    first_tiles,
+    product,
+    product_flags,
+    split_buffers,
+    split_range,
+    split_sum,
+)
 
 if TYPE_CHECKING:
     from specserve.core.rope import RopeAt

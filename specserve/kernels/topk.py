@@ -132,7 +132,8 @@ def topk_logprobs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None =
         assert into[0].shape == (r,) and all(t.is_contiguous() and t.shape[1] == k for t in into[1:]), "rows of k"
         assert into[1].dtype == torch.float32 and into[2].dtype == torch.int64
     _merge_kernel[(r,)](m, s, cvals, cidx, token_map if token_map is not None else ids, vals, ids,
-                        *(into if into is not None else (ids, vals, ids)), chunks, K=k, INTO=into is not None, HAS_MAP=token_map is not None, BLOCK_C=max(2, triton.next_power_of_2(chunks)),
+                        *(into if into is not None else (ids, vals, ids)), chunks, K=k, INTO=into is not None,
+                        HAS_MAP=token_map is not None, BLOCK_C=max(2, triton.next_power_of_2(chunks)),
                         BLOCK=max(16, triton.next_power_of_2(chunks * k)), BLOCK_K=max(2, triton.next_power_of_2(k)),
                         num_warps=4, **pdl_flags(dev))
     return vals, ids

@@ -23,9 +23,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from specserve.core import env
 from specserve.core.config import DEFAULT_MODEL  # noqa: F401  (re-exported: the catalogue default)

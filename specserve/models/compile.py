@@ -18,7 +18,7 @@ recompile (torch's default), so each mode compiles about twice, not once per bat
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

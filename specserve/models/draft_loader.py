@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open

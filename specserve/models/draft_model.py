@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import kernels
+from specserve.core.forward_batch import ForwardBatch
 from specserve.models.layers import Linear
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 from specserve.models.rope import RotaryEmbedding
-from specserve.core.forward_batch import ForwardBatch
 
 
 class DraftModel(nn.Module, ABC):

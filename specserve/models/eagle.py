@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.core.forward_batch import ForwardBatch
 from specserve.models.draft_model import DraftModel
 from specserve.models.layers import Linear
 from specserve.models.llama import DecoderLayer, LlamaConfig
-from specserve.core.forward_batch import ForwardBatch
 
 
 class LlamaForCausalLMEagle(DraftModel):

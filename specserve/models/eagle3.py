@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from specserve import kernels
+from specserve.core.forward_batch import ForwardBatch
+from specserve.core.rope import RopeAt
 from specserve.models.draft_model import DraftModel
 from specserve.models.layers import Linear, RMSNorm
 from specserve.models.llama import MLP, Attention, LlamaConfig
-from specserve.core.rope import RopeAt
-from specserve.core.forward_batch import ForwardBatch
 
 
 class Eagle3MidLayer(nn.Module):

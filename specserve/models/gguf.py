@@ -18,8 +18,9 @@ import os
 import shutil
 import struct
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType

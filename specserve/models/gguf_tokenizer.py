@@ -11,7 +11,6 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-
 # tokenizer.ggml.pre -> pre-tokenizer family; the regexes are llama.cpp's (llama-vocab.cpp),
 # which are also what the models' own tokenizer.json files use.
 _PRE_FAMILIES = {

@@ -22,20 +22,20 @@ stacking, completeness) are shared with the draft loaders.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
-from typing import Callable, Container, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specserve import kernels
-from specserve.models.layers import Embedding, Linear, RMSNorm
+from specserve.core.forward_batch import ForwardBatch
 from specserve.core.rope import RopeAt
-from specserve.models.rope import RotaryEmbedding, apply_rope
 from specserve.models.compile import CompiledForward
 from specserve.models.compile import attention as compiled_attention
-from specserve.core.forward_batch import ForwardBatch
+from specserve.models.layers import Embedding, Linear, RMSNorm
+from specserve.models.rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger("specserve")
 
@@ -64,7 +64,7 @@ class LlamaConfig:
     num_nextn_predict_layers: int = 0  # DeepSeek-style MTP layers stored after the trunk's
 
     @classmethod
-    def from_hf(cls, d: dict) -> "LlamaConfig":
+    def from_hf(cls, d: dict) -> LlamaConfig:
         arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"architecture {arch} is not supported (supported: {', '.join(ARCHITECTURES)})")

@@ -24,10 +24,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from specserve.core.forward_batch import ForwardBatch
 from specserve.models.draft_model import DraftModel
 from specserve.models.layers import Linear, RMSNorm
 from specserve.models.llama import DecoderLayer, LlamaConfig
-from specserve.core.forward_batch import ForwardBatch
 
 MIMO = "MiMoForCausalLM"
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
@@ -136,11 +137,14 @@ class CudaGraphRunner:
         for mode, st in self.static.items():
             batches: dict[int, ForwardBatch] = {}
 
-            def prepare(bs: int, mode: ForwardMode = mode) -> None:
+            def prepare(bs: int, mode: ForwardMode = mode, batches: dict = batches) -> None:
                 batches[bs] = self._static_batch(template, mode, bs, [0] * bs, None)
                 self.backend.init_metadata_for_capture(batches[bs])
 
-            graphs, _ = capture_each(self.sizes, lambda bs, st=st: self._run(batches[bs], st, bs), self.device,
+            def run(bs: int, st: _Static = st, batches: dict = batches) -> None:
+                self._run(batches[bs], st, bs)
+
+            graphs, _ = capture_each(self.sizes, run, self.device,
                                      prepare=prepare, desc=f"Capturing {mode.value} graphs", pool=self.pool)
             self.graphs.update({(mode, bs): g for bs, g in graphs.items()})
         torch.cuda.synchronize(self.device)

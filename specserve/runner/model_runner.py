@@ -14,14 +14,14 @@ import torch
 from specserve.attention.base import AttentionBackend
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
-from specserve.core.config import CacheConfig, ModelConfig, RunnerConfig
 from specserve.core.batch import ScheduleBatch
-from specserve.models.llama import LlamaForCausalLM
-from specserve.models.loader import load_model, pick_dtype, random_model, read_hf_config
-from specserve.models.compile import CompiledForward
-from specserve.runner.cuda_graph import CudaGraphRunner
+from specserve.core.config import CacheConfig, ModelConfig, RunnerConfig
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.core.h2d import h2d_many
+from specserve.models.compile import CompiledForward
+from specserve.models.llama import LlamaForCausalLM
+from specserve.models.loader import load_model, pick_dtype, random_model, read_hf_config
+from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.memory import OOM_ADVICE, auto_mem_fraction
 from specserve.runner.prefill_graphs import PrefillGraphs
 
@@ -124,7 +124,8 @@ class ModelRunner:
                                   self.kv_pool, self.attn_backend, custom_masks=masks,
                                   logit_rows=torch.tensor([n - 1], device=self.device))
                 fb.attn_backend.init_forward_metadata(fb)
-                self.model.forward_eager(fb)  # the attention variants warm up; compiling these shapes would serve no graph
+                # the attention variants warm up; compiling these shapes would serve no graph
+                self.model.forward_eager(fb)
         torch.cuda.synchronize(self.device)
 
     def capture_cuda_graphs(self, req_to_token: torch.Tensor, max_running: int, verify_tokens: int = 0) -> None:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.runner.cuda_graph import capture_each
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.runner.cuda_graph import capture_each
 
 if TYPE_CHECKING:
     from specserve.attention.base import AttentionBackend
@@ -60,7 +60,7 @@ class _Static:
 
 
 class PrefillGraphs:
-    def __init__(self, model: "LlamaForCausalLM", backend: "AttentionBackend", vocab_size: int, max_tokens: int,
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, vocab_size: int, max_tokens: int,
                  template: ForwardBatch, feature_mode: str | None = None, capture: bool = True,
                  max_reqs: int = MAX_REQS) -> None:
         """`template` supplies the table and KV pool; `feature_mode` as ModelRunner.capture_features

@@ -9,8 +9,9 @@ any awaitable against the client hanging up. It knows nothing about response for
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Awaitable, TypeVar
+from typing import TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -41,7 +42,7 @@ class FanOut:
         self._tasks: list[asyncio.Task[None]] = []
         self._open = len(reqs)
 
-    def start(self) -> "FanOut":
+    def start(self) -> FanOut:
         self._tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(self.reqs)]
         return self
 

@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from specserve.core.messages import GenerateReq, TokenLogprob, TokenOut
-from specserve.engine.protocol import EngineClient
 from specserve.core.sampling_params import SamplingParams
+from specserve.engine.protocol import EngineClient
 from specserve.server.errors import APIError, bad_request
 from specserve.server.fanout import ChoiceState, ClientDisconnected, FanOut, collect, until_disconnected
 from specserve.server.openai_routes import serve
@@ -133,7 +133,8 @@ class NativeView:
 async def health_generate(request: Request, client: EngineClient) -> Response:
     """Healthy only if the engine can run a real one-token generation in time."""
     ids = list(client.tokenizer.encode("ping", add_special_tokens=True)) or [0]
-    req = GenerateReq(rid=f"health-{uuid.uuid4().hex}", input_ids=ids, params=SamplingParams(max_new_tokens=1, temperature=0.0))
+    req = GenerateReq(rid=f"health-{uuid.uuid4().hex}", input_ids=ids,
+                      params=SamplingParams(max_new_tokens=1, temperature=0.0))
     fan = FanOut(client, [req]).start()
     try:
         await asyncio.wait_for(until_disconnected(request, collect(fan)), HEALTH_TIMEOUT_S)

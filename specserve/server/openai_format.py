@@ -103,7 +103,8 @@ def chat_response(ctx: ResponseCtx, states: list[ChoiceState]) -> ChatCompletion
         )
         for s in states
     ]
-    return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=make_usage(ctx, states))
+    return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
+                                  usage=make_usage(ctx, states))
 
 
 def completion_response(ctx: ResponseCtx, states: list[ChoiceState]) -> CompletionResponse:
@@ -116,7 +117,8 @@ def completion_response(ctx: ResponseCtx, states: list[ChoiceState]) -> Completi
         )
         for s in states
     ]
-    return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=make_usage(ctx, states))
+    return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
+                              usage=make_usage(ctx, states))
 
 
 class _StreamBase:
@@ -138,10 +140,12 @@ class ChatStream(_StreamBase):
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         c = self.ctx
-        return ChatCompletionChunk(id=c.id, created=c.created, model=c.model, choices=choices, usage=usage).model_dump_json()
+        chunk = ChatCompletionChunk(id=c.id, created=c.created, model=c.model, choices=choices, usage=usage)
+        return chunk.model_dump_json()
 
     def start(self) -> list[str]:
-        return [self._chunk([ChatChunkChoice(index=s.index, delta=ChatDelta(role="assistant", content=""))]) for s in self.states]
+        return [self._chunk([ChatChunkChoice(index=s.index, delta=ChatDelta(role="assistant", content=""))])
+                for s in self.states]
 
     def delta(self, index: int, out: TokenOut) -> list[str]:
         if not self._track(index, out):
@@ -163,7 +167,8 @@ class CompletionStream(_StreamBase):
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         c = self.ctx
-        return CompletionResponse(id=c.id, created=c.created, model=c.model, choices=choices, usage=usage).model_dump_json()
+        chunk = CompletionResponse(id=c.id, created=c.created, model=c.model, choices=choices, usage=usage)
+        return chunk.model_dump_json()
 
     def start(self) -> list[str]:
         return []

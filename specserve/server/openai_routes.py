@@ -10,14 +10,15 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from specserve.core.messages import GenerateReq
-from specserve.engine.protocol import EngineClient
 from specserve.core.sampling_params import SamplingParams
+from specserve.engine.protocol import EngineClient
 from specserve.server.fanout import ChoiceState, ClientDisconnected, FanOut, collect, until_disconnected
 from specserve.server.openai_format import ChatStream, CompletionStream, ResponseCtx, chat_response, completion_response
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -34,7 +35,8 @@ from specserve.server.validate import (
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the logs do
 
 
-def fan_requests(client: EngineClient, rid: str, prompts: list[tuple[list[int], SamplingParams]], n: int) -> list[GenerateReq]:
+def fan_requests(client: EngineClient, rid: str, prompts: list[tuple[list[int], SamplingParams]],
+                 n: int) -> list[GenerateReq]:
     """One engine request per choice: prompt p's choice j is choice p*n+j, rid `<rid>-<k>`.
 
     With a seed, choice j of each prompt samples with seed+j, so choice 0 matches the same

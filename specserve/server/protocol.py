@@ -9,7 +9,7 @@ Response bodies live in `server/responses.py`.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -57,8 +57,8 @@ def _check_stop(value: Any) -> Any:
     raise ValueError("must be a string or a list of strings")
 
 
-PromptInput = Annotated[Union[str, list[str], list[int], list[list[int]]], BeforeValidator(_check_prompt)]
-StopInput = Annotated[Union[str, list[str], None], BeforeValidator(_check_stop)]
+PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
+StopInput = Annotated[str | list[str] | None, BeforeValidator(_check_stop)]
 
 
 def prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[str] | list[list[int]]:
@@ -214,7 +214,7 @@ class ChatCompletionRequest(_OpenAIBase):
         return messages
 
     @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
@@ -284,7 +284,7 @@ class GenerateRequest(_Strict):
     rid: str | list[str] | None = None
 
     @model_validator(mode="after")
-    def _one_input(self) -> "GenerateRequest":
+    def _one_input(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("exactly one of 'text' or 'input_ids' must be given")
         if isinstance(self.text, list) and self.text and not isinstance(self.text[0], str):

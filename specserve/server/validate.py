@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping, Sequence, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from specserve.engine.protocol import EngineClient
 from specserve.core.sampling_params import SamplingParams
+from specserve.engine.protocol import EngineClient
 from specserve.server.errors import APIError, bad_request, from_pydantic
 
 M = TypeVar("M", bound=BaseModel)

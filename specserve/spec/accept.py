@@ -21,14 +21,14 @@ draws randomness itself.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from specserve import kernels
 from specserve.core.h2d import ready_event
-from specserve.runner.sampler import SamplingBatch, filter_logits, gumbel_noise, tempered_only, temperatures
+from specserve.runner.sampler import SamplingBatch, filter_logits, gumbel_noise, temperatures, tempered_only
 from specserve.spec.drafts import Drafts
 
 
@@ -119,7 +119,7 @@ def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
     return result.paths, result.tokens
 
 
-def accept_greedy_later(drafts: Drafts, logits: torch.Tensor, before_read: BeforeRead) -> "PendingAccept":
+def accept_greedy_later(drafts: Drafts, logits: torch.Tensor, before_read: BeforeRead) -> PendingAccept:
     """Every row greedy: queue the walk, `before_read(walk)` and the walk's copy to the
     host, and wait for none of it (spec/pipeline.py reads it back a step later)."""
     packed, walk = walk_greedy(drafts, logits, None)
@@ -222,7 +222,7 @@ class PendingAccept:
     copy alone, not for the GPU work queued behind it."""
 
     host: torch.Tensor  # [B, 2N + 1], valid once `ready` fired
-    ready: "torch.cuda.Event | None"  # None on a CPU, where the copy was synchronous
+    ready: torch.cuda.Event | None  # None on a CPU, where the copy was synchronous
     n: int
 
     def result(self) -> AcceptResult:

@@ -41,7 +41,7 @@ class Drafts:
         return self.tokens.shape[1]
 
     @staticmethod
-    def from_lists(tokens: list[list[int]], parents: list[list[int]]) -> "Drafts":
+    def from_lists(tokens: list[list[int]], parents: list[list[int]]) -> Drafts:
         """Ragged per-request trees (each list starts with the root) padded to one N."""
         n = max(len(t) for t in tokens)
         tok = torch.zeros(len(tokens), n, dtype=torch.int64)
@@ -56,13 +56,13 @@ class Drafts:
         return Drafts(tok, par, val, [len(t) for t in tokens])
 
     @staticmethod
-    def chains(roots: list[int], drafts: list[list[int]]) -> "Drafts":
+    def chains(roots: list[int], drafts: list[list[int]]) -> Drafts:
         """Linear chains root -> d1 -> d2 ... (possibly of different lengths)."""
         return Drafts.from_lists([[r] + d for r, d in zip(roots, drafts)],
                                  [list(range(-1, len(d))) for d in drafts])
 
     @staticmethod
-    def device_chains(roots: list[int], drafted: torch.Tensor, counts: list[int]) -> "Drafts":
+    def device_chains(roots: list[int], drafted: torch.Tensor, counts: list[int]) -> Drafts:
         """Chains root -> d1 -> d2 ... of counts[b] nodes (root included; max(counts) =
         M + 1) from drafts [B, M] on the device; shorter chains are padded as `chains` pads
         them. One host->device copy, nothing read back."""
@@ -78,14 +78,14 @@ class Drafts:
         return Drafts(tokens, parents.view(bsz, n), valid, list(counts))
 
     @staticmethod
-    def roots(tokens: list[int], device: torch.device | str = "cpu") -> "Drafts":
+    def roots(tokens: list[int], device: torch.device | str = "cpu") -> Drafts:
         """Root-only trees (nothing drafted) for requests whose last tokens are `tokens`."""
         bsz = len(tokens)
         tok = torch.tensor(tokens, dtype=torch.int64)[:, None].to(device, non_blocking=True)
         return Drafts(tok, torch.full((bsz, 1), -1, dtype=torch.int64, device=device),
                       torch.ones(bsz, 1, dtype=torch.bool, device=device), [1] * bsz)
 
-    def with_rows(self, rows: list[int], other: "Drafts") -> "Drafts":
+    def with_rows(self, rows: list[int], other: Drafts) -> Drafts:
         """These drafts with requests `rows` replaced by `other`'s (padded to a common N)."""
         n = max(self.num_nodes, other.num_nodes)
         base, other = self.padded(n), other.padded(n)
@@ -97,14 +97,14 @@ class Drafts:
             counts[r] = c
         return Drafts(*fields, counts)
 
-    def select(self, rows: list[int], index: torch.Tensor) -> "Drafts":
+    def select(self, rows: list[int], index: torch.Tensor) -> Drafts:
         """The trees of requests `rows` (`index`: the same rows on the trees' device)."""
         mask = self.known_mask.index_select(0, index) if self.known_mask is not None else None
         counts = [self.counts[i] for i in rows] if self.counts is not None else None
         return Drafts(self.tokens.index_select(0, index), self.parents.index_select(0, index),
                       self.valid.index_select(0, index), counts, mask)
 
-    def padded(self, n: int) -> "Drafts":
+    def padded(self, n: int) -> Drafts:
         """The same trees padded to n nodes per request (invalid nodes hanging off the root)."""
         extra = n - self.num_nodes
         if extra <= 0:
@@ -147,7 +147,8 @@ class Drafts:
         # is_child[b, p, j]: node j is a valid child of node p
         is_child = (self.parents[:, None, :] == idx[None, :, None]) & child[:, None, :]
         first = torch.where(is_child, idx, none).min(-1).values
-        same = (self.parents[:, :, None] == self.parents[:, None, :]) & child[:, None, :] & (idx[None, :] > idx[:, None])
+        same = (self.parents[:, :, None] == self.parents[:, None, :]) & child[:, None, :] \
+            & (idx[None, :] > idx[:, None])
         sibling = torch.where(same, idx, none).min(-1).values
         first = torch.where((first == n) | ~self.valid, -1, first)
         sibling = torch.where((sibling == n) | ~child, -1, sibling)

@@ -46,7 +46,7 @@ import math
 import statistics
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from specserve.runner.cuda_graph import capture_sizes
 

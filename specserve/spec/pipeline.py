@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.engine.kv_manager import KVManager
 from specserve.core.request import Req
+from specserve.engine.kv_manager import KVManager
 from specserve.spec.accept import PendingAccept
 
 

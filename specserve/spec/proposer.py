@@ -117,7 +117,7 @@ class DraftsAhead(ABC):
         """Whether `draft_ahead` can run for a batch of `bsz`."""
 
     @abstractmethod
-    def draft_ahead(self, reqs: list[Req], walk: "GreedyWalk", features: torch.Tensor, slots: torch.Tensor,
+    def draft_ahead(self, reqs: list[Req], walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor,
                     trees: bool, row_start: torch.Tensor) -> torch.Tensor:
         """on_verified's work (and with `trees` the next propose's) queued from a greedy
         walk on the device, before the verify is read back; slots and features [B, N, ...]
@@ -138,7 +138,7 @@ class DraftsAhead(ABC):
     def adopt_ahead(self, reqs: list[Req], drafts: Drafts) -> None:
         """`drafts` are the next trees of `reqs`, drafted inside a whole-step graph."""
 
-    def whole_step(self, runner: "ModelRunner", kv: "KVManager", max_bs: int) -> WholeStep | None:
+    def whole_step(self, runner: ModelRunner, kv: KVManager, max_bs: int) -> WholeStep | None:
         """Graphs of the whole pipelined step for batches up to `max_bs`, where this
         proposer can draft inside them; None otherwise."""
         return None

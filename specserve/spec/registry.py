@@ -18,15 +18,16 @@ engine process by its module name.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Literal
 
 from specserve.core.config import SpecConfig
 
 if TYPE_CHECKING:
-    from specserve.engine.speculation import SpecNeeds
     from specserve.engine.kv_manager import KVManager
+    from specserve.engine.speculation import SpecNeeds
     from specserve.models.llama import LlamaConfig
     from specserve.runner.model_runner import ModelRunner
     from specserve.spec.proposer import Proposer
@@ -70,7 +71,7 @@ class Algorithm:
     check_flags: Callable[[SpecConfig], SpecConfig] = _keep  # its own flag checks at parse time
     resolve: Resolve = _keep  # start-up, before weights: draft directory, the head's tree, checks
     # its draft's own KV per target slot, (layers, KV heads, head dim), from the resolved spec
-    draft_kv_shape: Callable[[SpecConfig, "LlamaConfig"], "tuple[int, int, int] | None"] = \
+    draft_kv_shape: Callable[[SpecConfig, LlamaConfig], tuple[int, int, int] | None] = \
         lambda spec, target: None
     cpu_note: str = ""  # logged when it runs on a CPU
 
@@ -143,8 +144,8 @@ class Plan:
     make_proposer: MakeProposer
     force_greedy_verify: bool = False
 
-    def build(self, runner: "ModelRunner", kv: "KVManager", eos_ids: frozenset[int], context_length: int,
-              max_running: int) -> "SpecWorker":
+    def build(self, runner: ModelRunner, kv: KVManager, eos_ids: frozenset[int], context_length: int,
+              max_running: int) -> SpecWorker:
         from specserve.spec.worker import SpecWorker
 
         proposer = self.make_proposer(self.spec, runner, kv, max_running)
@@ -152,7 +153,7 @@ class Plan:
                           force_greedy_verify=self.force_greedy_verify)
 
 
-def plan(spec: SpecConfig, model_dir: Path, target: "LlamaConfig") -> Plan | None:
+def plan(spec: SpecConfig, model_dir: Path, target: LlamaConfig) -> Plan | None:
     """The Plan for a parsed SpecConfig (None without speculation): the algorithm's start-up
     resolution, then its defaults for the target's architecture. ValueError names what
     is wrong (a draft path, a token map, a vocabulary)."""

@@ -9,8 +9,8 @@ choice of tree. No torch here: parsing a command line runs these.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from specserve.core.config import ConfigError, SpecConfig
 

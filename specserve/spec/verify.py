@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from specserve.core.batch import ScheduleBatch
-from specserve.engine.kv_manager import KVManager
-from specserve.core.request import Req
 from specserve.core.forward_batch import ForwardMode
+from specserve.core.request import Req
+from specserve.engine.kv_manager import KVManager
 from specserve.spec.drafts import Drafts
 
 

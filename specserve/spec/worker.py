@@ -16,20 +16,19 @@ from __future__ import annotations
 import torch
 
 from specserve.core.config import SpecConfig
-from specserve.runner.sampler import sampling_batch
-from specserve.engine.kv_manager import KVManager
-from specserve.core.messages import TokenLogprob
-from specserve.engine.output import commit_run, commit_token
-from specserve.core.request import Req
 from specserve.core.h2d import h2d, h2d_many
+from specserve.core.messages import TokenLogprob
+from specserve.core.request import Req
+from specserve.engine.kv_manager import KVManager
+from specserve.engine.output import commit_run, commit_token
+from specserve.engine.speculation import Decoded
 from specserve.runner.model_runner import ModelRunner
-from specserve.runner.sampler import apply_penalties, uniform_noise
+from specserve.runner.sampler import apply_penalties, sampling_batch, uniform_noise
 from specserve.spec import pipeline
 from specserve.spec.accept import AcceptResult, accept, accept_greedy_later, gumbel_targets, read_later
-from specserve.spec.pipeline import InFlightSpec
-from specserve.engine.speculation import Decoded
-from specserve.spec.proposer import DraftsAhead, Proposer, Verified, WholeStep
 from specserve.spec.governor import WARM_STEPS, SpecGovernor
+from specserve.spec.pipeline import InFlightSpec
+from specserve.spec.proposer import DraftsAhead, Proposer, Verified, WholeStep
 from specserve.spec.verify import commit_kv, decode_batch, pad_rows, verify_batch
 
 SPEC_NOISE_SALT = 1 << 40  # keeps the coin walk's uniforms apart from plain sampling noise
@@ -325,20 +324,20 @@ class SpecWorker:
         return sum(map(len, committed))
 
     def _ahead(self, reqs: list[Req], drafts, features: torch.Tensor | None, fb,
-               budgets: list[int]) -> "_DraftAhead | None":
+               budgets: list[int]) -> _DraftAhead | None:
         """The accept hook that lets the proposer draft ahead (eagle.py), when it can: full
         trees for every request (their slots and features are [B, N] views) and the
         proposer's graphs."""
         n = drafts.num_nodes
-        if features is None or n != self.proposer.max_nodes or min(budgets) < n or fb.out_slots.numel() != len(reqs) * n \
-                or self.ahead is None or not self.ahead.can_draft_ahead(len(reqs)):
+        full = n == self.proposer.max_nodes and min(budgets) >= n and fb.out_slots.numel() == len(reqs) * n
+        if features is None or not full or self.ahead is None or not self.ahead.can_draft_ahead(len(reqs)):
             return None
         trees = self.governor.leaning(len(reqs))  # trees for a step the governor will likely speculate
         row_start = h2d([r.row for r in reqs] + [r.kv_len for r in reqs], fb.out_slots.device)
         return _DraftAhead(self.ahead, reqs, features, fb.out_slots.view(len(reqs), n), trees, row_start)
 
     def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor],
-                           drafted: list[bool], ahead: "_DraftAhead | None" = None
+                           drafted: list[bool], ahead: _DraftAhead | None = None
                            ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         """drafted[b]: request b was given a draft budget (a speculative step, no penalties);
         `ahead` from `_ahead` (its hook runs only where acceptance walks on the device)."""
@@ -421,7 +420,8 @@ class _DraftAhead:
         self.kv_after: torch.Tensor | None = None
 
     def __call__(self, walk) -> None:
-        self.kv_after = self.proposer.draft_ahead(self.reqs, walk, self.features, self.slots, self.trees, self.row_start)
+        self.kv_after = self.proposer.draft_ahead(self.reqs, walk, self.features, self.slots, self.trees,
+                                                  self.row_start)
         self.ran = True
 
 

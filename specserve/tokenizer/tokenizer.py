@@ -42,7 +42,7 @@ class Tokenizer:
         self._token_strs: dict[int, str] = {}
 
     @classmethod
-    def from_dir(cls, path: Path) -> "Tokenizer":
+    def from_dir(cls, path: Path) -> Tokenizer:
         """Load `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`) from `path`."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():

@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=positive_int, default=512, help="answer length cap when regenerating")
     g.add_argument("--max-seq-len", type=positive_int, default=2048,
                    help="prompt + answer cap; prompts longer than half of it are skipped")
-    g.add_argument("--temperature", type=float, default=0.0, help="temperature of each prompt's first answer (0: greedy)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="temperature of each prompt's first answer (0: greedy)")
     g.add_argument("--extra-temperatures", type=_temperatures, default=(),
                    help="comma-separated temperatures: each prompt gets one more answer, sampled, at each "
                         "(e.g. 0.7,1.0 triples the data; default: none)")

@@ -29,8 +29,8 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from specserve.bench.prompts import MT_BENCH
 from specserve.models.catalogue import cache_root, file_lock

@@ -32,13 +32,13 @@ from torch import nn
 
 from specserve import kernels
 from specserve.attention.base import AttentionBackend
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.models.draft_layouts import eagle2_config, eagle3_config, write_checkpoint
 from specserve.models.draft_model import DraftModel
 from specserve.models.eagle import LlamaForCausalLMEagle
 from specserve.models.eagle3 import LlamaForCausalLMEagle3
 from specserve.models.layers import Linear, RMSNorm
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
-from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.train.vocab import DraftVocab
 
 EAGLE3, EAGLE2 = "EAGLE3", "EAGLE"

@@ -18,8 +18,8 @@ import torch
 
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
-from specserve.models.llama import LlamaForCausalLM
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.models.llama import LlamaForCausalLM
 
 
 @dataclass

@@ -26,9 +26,10 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from tqdm import tqdm

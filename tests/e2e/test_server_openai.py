@@ -16,7 +16,8 @@ import asyncio
 import os
 import shlex
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai

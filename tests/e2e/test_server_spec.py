@@ -2,7 +2,7 @@
 speculative metrics exposed (per request, server info, Prometheus), bad input still 4xx."""
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-
 from specserve import Engine
 from specserve.spec.governor import SpecGovernor
 from tests.unit import perfect_draft as pd

@@ -8,8 +8,8 @@ import torch
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
 from specserve.cache.req_table import ReqToTokenTable
-from specserve.models.llama import LlamaForCausalLM
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.models.llama import LlamaForCausalLM
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)

@@ -18,9 +18,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from specserve.spec.eagle import proposer as eagle_mod  # noqa: E402
 from specserve.spec.accept import GreedyWalk, accept  # noqa: E402
 from specserve.spec.drafts import Drafts  # noqa: E402
+from specserve.spec.eagle import proposer as eagle_mod  # noqa: E402
 from tests.unit.test_accept import _coins, _sb  # noqa: E402
 from tests.unit.test_eagle_engine import tiny  # noqa: E402,F401  (the fixture)
 

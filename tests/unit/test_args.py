@@ -9,13 +9,14 @@ import logging
 import re
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import specserve.args as args
-from specserve.core import env
 from specserve.args import ConfigError, build_parser, parse_config
-from specserve.spec.registry import resolve_defaults as resolve_spec_defaults
+from specserve.core import env
 from specserve.core.config import Config, SpecConfig
+from specserve.spec.registry import resolve_defaults as resolve_spec_defaults
 
 ENV_VARS = ("SPECSERVE_ENABLE_SPEC_V2", "SGLANG_ENABLE_SPEC_V2",
             "SPECSERVE_NGRAM_FORCE_GREEDY_VERIFY", "SGLANG_NGRAM_FORCE_GREEDY_VERIFY")

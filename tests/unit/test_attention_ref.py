@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.models.loader import load_model
 from specserve.core.forward_batch import ForwardMode
+from specserve.models.loader import load_model
 from tests.unit.model_utils import BareRunner, save_tiny_hf
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.triton_interp import DEV  # first: sets TRITON_INTERPRET before triton is imported
 from specserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402
 from specserve.cache.kv_pool import KVPool  # noqa: E402
-from specserve.models.loader import load_model  # noqa: E402
 from specserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from specserve.models.loader import load_model  # noqa: E402
 from specserve.spec.drafts import Drafts  # noqa: E402
 from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
+from tests.unit.triton_interp import DEV  # first: sets TRITON_INTERPRET before triton is imported
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV.type == "cuda" else [])
 NUM_SLOTS, MAX_REQS, MAX_CONTEXT, LAYER = 600, 8, 256, 1  # layer 1 of 2: per-layer indexing shows

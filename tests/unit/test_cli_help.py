@@ -5,6 +5,7 @@ measures, and each benchmark, `train-draft` and the server take --help.
 """
 from __future__ import annotations
 
+
 def _exit_code(fn, argv) -> int:
     try:
         return fn(argv)

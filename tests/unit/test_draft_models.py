@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from specserve.spec.eagle import LAYOUTS
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
 from specserve.cache.req_table import ReqToTokenTable
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.models.draft_layouts import add_mtp_deepseek, add_mtp_mimo, read_tensors, save_eagle2, save_eagle3
 from specserve.models.draft_loader import load_draft
 from specserve.models.eagle import LlamaForCausalLMEagle
 from specserve.models.eagle3 import LlamaForCausalLMEagle3
@@ -23,9 +24,7 @@ from specserve.models.llama import LlamaConfig
 from specserve.models.loader import load_model
 from specserve.models.mtp import DeepseekNextN, MiMoMTP, has_mtp_layers
 from specserve.models.token_map import load_token_map
-from specserve.core.forward_batch import ForwardBatch, ForwardMode
-from specserve.models.draft_layouts import (add_mtp_deepseek, add_mtp_mimo, read_tensors, save_eagle2,
-                                   save_eagle3)
+from specserve.spec.eagle import LAYOUTS
 from tests.unit.model_utils import BareRunner, save_tiny_hf
 
 CPU, F32 = torch.device("cpu"), torch.float32

@@ -6,10 +6,10 @@ tail starts, per-depth positions and states. CPU under TRITON_INTERPRET, or CUDA
 """
 from __future__ import annotations
 
-from tests.unit.fused_utils import DEV, both  # first: sets TRITON_INTERPRET on CPU
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.unit.fused_utils import DEV, both  # first: sets TRITON_INTERPRET on CPU
 
 pytest.importorskip("triton")
 

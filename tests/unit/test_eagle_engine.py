@@ -10,21 +10,24 @@
 """
 from __future__ import annotations
 
-import random
 import pytest
 import torch
 
 from specserve import Engine
-from specserve.spec.eagle import proposer as eagle_mod
-from tests.unit import perfect_draft as pd
-from specserve.models.draft_layouts import add_mtp_deepseek, add_mtp_mimo, save_eagle2, save_eagle3
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.models.draft_layouts import add_mtp_deepseek, add_mtp_mimo, save_eagle2, save_eagle3
+from specserve.spec.eagle import proposer as eagle_mod
 from specserve.spec.governor import SpecGovernor
+from tests.unit.eagle_utils import GREEDY, TREES, tiny_target
+from tests.unit.eagle_utils import SomePlain as _SomePlain
+from tests.unit.eagle_utils import count_calls as _count_calls
+from tests.unit.eagle_utils import engine as _engine
+from tests.unit.eagle_utils import perfect_engine as _perfect_engine
+from tests.unit.eagle_utils import prompts as _prompts
+from tests.unit.eagle_utils import run as _run
+from tests.unit.eagle_utils import spec_flags as _spec_flags
+from tests.unit.eagle_utils import use_static_paths as _use_static_paths
 from tests.unit.model_utils import BareRunner, save_tiny_hf
-from tests.unit.eagle_utils import (GREEDY, TREES, SomePlain as _SomePlain, count_calls as _count_calls,
-                                   engine as _engine, perfect_engine as _perfect_engine, prompts as _prompts,
-                                   run as _run, spec_flags as _spec_flags, tiny_target,
-                                   use_static_paths as _use_static_paths)
 
 pytestmark = pytest.mark.slow
 

@@ -9,22 +9,22 @@ from __future__ import annotations
 
 import itertools
 
+import pytest  # noqa: E402
 import torch
 
-from tests.unit.fused_utils import DEV, DTYPES, both as _both  # first: sets TRITON_INTERPRET on CPU
-
-import pytest  # noqa: E402
+from tests.unit.fused_utils import DEV, DTYPES  # first: sets TRITON_INTERPRET on CPU
+from tests.unit.fused_utils import both as _both
 
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from specserve.spec.eagle import LAYOUTS  # noqa: E402
 from specserve import kernels  # noqa: E402
+from specserve.core.forward_batch import ForwardMode  # noqa: E402
 from specserve.models.layers import RMSNorm  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from specserve.models.rope import RotaryEmbedding, apply_rope  # noqa: E402
-from specserve.core.forward_batch import ForwardMode  # noqa: E402
+from specserve.spec.eagle import LAYOUTS  # noqa: E402
 from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
 
 

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from tests.unit import perfect_draft as pd
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.engine.output import commit_run, commit_token, take_output
 from specserve.core.request import Req
 from specserve.core.sampling_params import SamplingParams
+from specserve.engine.output import commit_run, commit_token, take_output
 from specserve.tokenizer.streaming import IncrementalDetokenizer, StopChecker
 from specserve.tokenizer.tokenizer import Tokenizer
 from tests.unit.test_tokenizer import tiny  # noqa: F401  (the fixture)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from tests.unit.triton_interp import DEV  # first: sets TRITON_INTERPRET before triton is imported
-from specserve.spec.eagle import LAYOUTS  # noqa: E402
 from specserve.attention.triton_backend import TritonBackend  # noqa: E402
-from specserve.models.loader import load_model  # noqa: E402
 from specserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from specserve.models.loader import load_model  # noqa: E402
+from specserve.spec.eagle import LAYOUTS  # noqa: E402
 from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
+from tests.unit.triton_interp import DEV  # first: sets TRITON_INTERPRET before triton is imported
 
 ROWS = 8  # table rows of a BareRunner
 

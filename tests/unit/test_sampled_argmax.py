@@ -8,11 +8,10 @@ under a seed only if the fused draw is the torch path's exactly.
 """
 from __future__ import annotations
 
+import pytest  # noqa: E402
 import torch
 
 from tests.unit.fused_utils import DEV  # first: sets TRITON_INTERPRET on CPU
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 

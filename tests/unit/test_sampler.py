@@ -69,9 +69,9 @@ def test_logprobs_are_model_log_softmax():
 def test_greedy_batches_share_their_tensors_and_take_the_argmax():
     """sampling_batch builds a greedy batch's (unread) tensors once per batch size; any
     request that samples, penalises or wants logprobs takes the general path."""
-    from specserve.runner.sampler import sampling_batch
     from specserve.core.request import Req
     from specserve.core.sampling_params import SamplingParams
+    from specserve.runner.sampler import sampling_batch
 
     def reqs(*params: SamplingParams) -> list[Req]:
         return [Req(f"r{i}", [1, 2], p, seed=i, detok=None, stops=None) for i, p in enumerate(params)]

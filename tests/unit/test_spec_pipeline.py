@@ -17,13 +17,24 @@ import pytest
 import torch
 
 from specserve.core.messages import GenerateReq
-from specserve.offline import make_sampling_params
 from specserve.models.draft_layouts import save_eagle2, save_eagle3
+from specserve.offline import make_sampling_params
 from specserve.spec import pipeline
 from specserve.spec.governor import SpecGovernor
 from specserve.spec.pipeline import InFlightSpec
-from tests.unit.eagle_utils import (SomePlain, clean, count_calls, engine, perfect_engine, prompts, run,
-                                    spec_flags, tiny_target, use_static_paths, use_step_graphs)
+from tests.unit.eagle_utils import (
+    SomePlain,
+    clean,
+    count_calls,
+    engine,
+    perfect_engine,
+    prompts,
+    run,
+    spec_flags,
+    tiny_target,
+    use_static_paths,
+    use_step_graphs,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from specserve import Engine
-from specserve.models.compile import CompiledForward
 from specserve.core.forward_batch import ForwardMode
+from specserve.models.compile import CompiledForward
 from tests.unit.eagle_utils import tiny_target
 from tests.unit.model_utils import EXACT_ON_GPU, held_out_greedy, tiny_engine
 

@@ -20,23 +20,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from specserve.spec.eagle import LAYOUTS
 from specserve import Engine
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
 from specserve.cache.req_table import ReqToTokenTable
 from specserve.cli import main as specserve_main
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.models.draft_layouts import read_tensors, save_eagle2, save_eagle3
 from specserve.models.draft_loader import load_draft
 from specserve.models.loader import load_model, read_hf_config
-from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.spec.eagle import LAYOUTS
 from specserve.train import trainer
+from specserve.train.batching import split_validation
 from specserve.train.cli import build_parser, config_from_args
-from specserve.train.draft import (EAGLE2, EAGLE3, build_draft, default_aux_layers, head_config, save_head,
-                                   unroll)
+from specserve.train.draft import EAGLE2, EAGLE3, build_draft, default_aux_layers, head_config, save_head, unroll
 from specserve.train.features import Teacher
 from specserve.train.loss import answer_rows
-from specserve.train.batching import split_validation
 from specserve.train.regen import RegenConfig, load_sequences, regenerate
 from specserve.train.trainer import TrainConfig, train_draft
 from specserve.train.vocab import answer_token_counts, build_draft_vocab

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.engine.kv_manager import KVManager
 from specserve.core.request import Req
 from specserve.core.sampling_params import SamplingParams
+from specserve.engine.kv_manager import KVManager
 from specserve.spec.tree.draft import TreeDrafter, row_topk, top_children
 
 V, ROOT_KID = 4096, 4000  # the root's children are tokens 4000 + j

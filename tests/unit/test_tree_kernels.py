@@ -3,11 +3,11 @@ drafting depth's frontier, node selection, Gumbel noise, the greedy accept walk)
 the torch paths they replace, compiled on CUDA and under the interpreter on CPU."""
 from __future__ import annotations
 
+import pytest  # noqa: E402
 import torch
 
-from tests.unit.fused_utils import DEV, both as _both  # first: sets TRITON_INTERPRET on CPU
-
-import pytest  # noqa: E402
+from tests.unit.fused_utils import DEV  # first: sets TRITON_INTERPRET on CPU
+from tests.unit.fused_utils import both as _both
 
 pytest.importorskip("triton")
 

@@ -6,10 +6,10 @@ equal the torch path's (CPU under TRITON_INTERPRET, or CUDA).
 """
 from __future__ import annotations
 
-from tests.unit.fused_utils import DEV  # first: sets TRITON_INTERPRET on CPU
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.unit.fused_utils import DEV  # first: sets TRITON_INTERPRET on CPU
 
 pytest.importorskip("triton")
 

@@ -38,7 +38,7 @@ LAYOUTS = {"EAGLE": ("eagle2", "mtp"), "EAGLE3": ("eagle3",)}
 _LAYOUT_NAMES = {"eagle2": "an EAGLE-2 head", "eagle3": "an EAGLE-3 head", "mtp": "a model with MTP layers"}
 
 
-def make_proposer(spec: SpecConfig, runner: "ModelRunner", kv: "KVManager", max_running: int) -> "Proposer":
+def make_proposer(spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> Proposer:
     from specserve.spec.eagle.proposer import EagleProposer
 
     return EagleProposer(spec, runner, kv, max_running)
@@ -48,7 +48,7 @@ def defaults(spec: SpecConfig, architecture: str | None) -> SpecConfig:
     return tree_defaults(spec, architecture, by_architecture)
 
 
-def resolve(spec: SpecConfig, model_dir: Path, target: "LlamaConfig") -> SpecConfig:
+def resolve(spec: SpecConfig, model_dir: Path, target: LlamaConfig) -> SpecConfig:
     """The draft's directory and layout, the token map, the head's own tree (module docstring)."""
     draft = Path(spec.draft_dir) if spec.draft_dir else _find_draft(spec, model_dir)
     check_layout(spec.algorithm, draft)
@@ -102,7 +102,7 @@ def head_default_tree(spec: SpecConfig) -> SpecConfig:
     return replace(spec, batch_tree=batch)
 
 
-def draft_kv_shape(spec: SpecConfig, target: "LlamaConfig") -> tuple[int, int, int]:
+def draft_kv_shape(spec: SpecConfig, target: LlamaConfig) -> tuple[int, int, int]:
     """A head's own KV pool over the target's slots: one layer of the target's KV shape
     (the published heads), counted in the KV budget rather than left to the headroom."""
     return 1, target.num_kv_heads, target.head_dim

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.cache.req_table import slots_at
-from specserve.core.request import Req
 from specserve.core.h2d import h2d_many
+from specserve.core.request import Req
 from specserve.engine.speculation import Decoded
 
 RING = 16  # plain steps a request may run before its draft catches up
@@ -90,7 +90,7 @@ class DraftBacklog:
         if not behind:
             return None
         cells, flat, positions, last, stride = [], [], [], [], table.stride(0)
-        for b, (req, (start, end)) in enumerate(behind):
+        for req, (start, end) in behind:
             n = end - start
             pad = (pad_to or n) - n
             cells += [req.row * self.ring + p % self.ring for p in range(start, end)] + [0] * pad

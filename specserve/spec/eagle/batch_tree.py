@@ -73,7 +73,8 @@ def check_against(main: TreeShape, batch: TreeShape) -> None:
                                  "from the same root children)"),
         (batch.nodes >= main.nodes, f"must verify fewer tokens than the main tree's {main.nodes}"),
         (batch.nodes < 2, "must verify at least one draft token"),
-        (batch.nodes - 1 > batch.candidates, f"has only {batch.candidates} candidates, so at most {batch.candidates + 1} draft tokens"),
+        (batch.nodes - 1 > batch.candidates,
+         f"has only {batch.candidates} candidates, so at most {batch.candidates + 1} draft tokens"),
     ):
         if failed:
             raise ValueError(f"{flag} {why} (main tree {main})")

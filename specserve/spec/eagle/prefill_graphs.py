@@ -23,11 +23,11 @@ import bisect
 
 import torch
 
-from specserve.runner.cuda_graph import capture_each
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.runner.cuda_graph import capture_each
 from specserve.runner.prefill_graphs import MAX_REQS, prefill_sizes
-from specserve.spec.tree.root_states import RootStates
 from specserve.spec.tree.draft import top_children
+from specserve.spec.tree.root_states import RootStates
 
 
 class DraftPrefillGraphs:

@@ -41,28 +41,27 @@ import torch
 
 from specserve import kernels
 from specserve.cache.kv_pool import KVPool
-from specserve.core.config import SpecConfig
 from specserve.core.batch import ScheduleBatch
-from specserve.engine.kv_manager import KVManager
-from specserve.core.request import Req
-from specserve.models.draft_loader import load_draft
-from specserve.models.token_map import load_token_map
+from specserve.core.config import SpecConfig
 from specserve.core.forward_batch import ForwardMode
 from specserve.core.h2d import h2d
+from specserve.core.request import Req
+from specserve.engine.kv_manager import KVManager
+from specserve.engine.speculation import Decoded
+from specserve.models.draft_loader import load_draft
+from specserve.models.token_map import load_token_map
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.runner.prefill_graphs import prefill_sizes
 from specserve.spec.accept import DevicePaths, GreedyWalk
-from specserve.spec.eagle import batch_tree, step_graphs
+from specserve.spec.drafts import Drafts
+from specserve.spec.eagle import LAYOUTS, batch_tree, step_graphs
 from specserve.spec.eagle.backlog import RING, DraftBacklog
 from specserve.spec.eagle.prefill_graphs import DraftPrefillGraphs
-from specserve.spec.drafts import Drafts
-from specserve.spec.tree.extend_graphs import DraftExtendGraphs
-from specserve.engine.speculation import Decoded
-from specserve.spec.eagle import LAYOUTS
 from specserve.spec.proposer import DraftsAhead, Proposer, Verified, WholeStep
-from specserve.spec.tree.root_states import RootState, RootStates
 from specserve.spec.tree.draft import TreeDrafter, Trees, TreeStep, frontier_batch, top_children
+from specserve.spec.tree.extend_graphs import DraftExtendGraphs
 from specserve.spec.tree.graphs import TreeDraftGraphs
+from specserve.spec.tree.root_states import RootState, RootStates
 
 logger = logging.getLogger("specserve")
 

@@ -57,15 +57,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.engine.kv_manager import KVManager
 from specserve.core.request import Req
+from specserve.engine.kv_manager import KVManager
 from specserve.runner.cuda_graph import capture_each, capture_sizes
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import HostFlags, SamplingBatch
 from specserve.spec.accept import walk_greedy
 from specserve.spec.drafts import Drafts
-from specserve.spec.tree.draft import TreeDrafter
 from specserve.spec.eagle.verify_prologue import verify_prologue
+from specserve.spec.tree.draft import TreeDrafter
 
 if TYPE_CHECKING:
     from specserve.spec.eagle.proposer import EagleProposer
@@ -80,7 +80,7 @@ def step_sizes(max_bs: int, exact: int = EXACT) -> list[int]:
     return sorted({*range(1, min(exact, max_bs) + 1), *(s for s in capture_sizes(max_bs) if s > exact)})
 
 
-def supported(proposer: "EagleProposer") -> bool:
+def supported(proposer: EagleProposer) -> bool:
     """Whether `proposer` can draft inside a step graph: extend and tree graphs captured
     (and the batch tree's, when it has one), and trees that fill all N nodes."""
     if proposer.extend_graphs is None or proposer.tree.graphs is None:
@@ -123,7 +123,7 @@ class _Trees:
 
 
 class StepGraphs:
-    def __init__(self, runner: ModelRunner, proposer: "EagleProposer", kv: KVManager, max_bs: int,
+    def __init__(self, runner: ModelRunner, proposer: EagleProposer, kv: KVManager, max_bs: int,
                  capture: bool = True, exact: int = EXACT) -> None:
         """Graphs for batches up to `max_bs`, one per `step_sizes(max_bs, exact)`; `capture`
         False runs the same body eagerly (CPU tests). Sizes from the proposer's batch_from

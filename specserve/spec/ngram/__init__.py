@@ -22,7 +22,7 @@ MATCH_TYPES = ("BFS", "PROB")
 _FLAG = "--speculative-ngram-"
 
 
-def make_proposer(spec: SpecConfig, runner: "ModelRunner", kv: "KVManager", max_running: int) -> "Proposer":
+def make_proposer(spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> Proposer:
     from specserve.spec.ngram.adapter import NgramAdapter
     from specserve.spec.ngram.proposer import NgramProposer
 

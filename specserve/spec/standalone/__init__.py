@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from specserve.spec.proposer import Proposer
 
 
-def make_proposer(spec: SpecConfig, runner: "ModelRunner", kv: "KVManager", max_running: int) -> "Proposer":
+def make_proposer(spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> Proposer:
     from specserve.spec.standalone.proposer import StandaloneProposer
 
     return StandaloneProposer(spec, runner, kv, max_running)
@@ -32,7 +32,7 @@ def defaults(spec: SpecConfig, architecture: str | None) -> SpecConfig:
     return tree_defaults(spec, architecture, lambda arch: (3, 1, 4))
 
 
-def resolve(spec: SpecConfig, model_dir: Path, target: "LlamaConfig") -> SpecConfig:
+def resolve(spec: SpecConfig, model_dir: Path, target: LlamaConfig) -> SpecConfig:
     """The draft's directory, and that it can draft for this target."""
     from specserve.models.loader import read_hf_config
 
@@ -47,7 +47,7 @@ def resolve(spec: SpecConfig, model_dir: Path, target: "LlamaConfig") -> SpecCon
     return replace(spec, draft_dir=draft)
 
 
-def draft_kv_shape(spec: SpecConfig, target: "LlamaConfig") -> tuple[int, int, int]:
+def draft_kv_shape(spec: SpecConfig, target: LlamaConfig) -> tuple[int, int, int]:
     """The draft LLM's own KV pool has a slot for each of the target's."""
     from specserve.models.llama import LlamaConfig
     from specserve.models.loader import read_hf_config

@@ -29,23 +29,23 @@ import torch
 
 from specserve.cache.kv_pool import KVPool
 from specserve.cache.req_table import slots_at
-from specserve.core.config import SpecConfig
 from specserve.core.batch import ScheduleBatch
-from specserve.engine.kv_manager import KVManager
+from specserve.core.config import SpecConfig
+from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.h2d import h2d, h2d_many
 from specserve.core.request import Req
+from specserve.engine.kv_manager import KVManager
+from specserve.engine.speculation import Decoded
 from specserve.models.llama import LlamaConfig
 from specserve.models.loader import load_model, random_model, read_hf_config
 from specserve.runner.cuda_graph import CudaGraphRunner
-from specserve.core.forward_batch import ForwardBatch, ForwardMode
-from specserve.core.h2d import h2d, h2d_many
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.spec.drafts import Drafts
-from specserve.spec.tree.extend_graphs import DraftExtendGraphs
-from specserve.engine.speculation import Decoded
 from specserve.spec.proposer import Proposer, Verified
-from specserve.spec.tree.root_states import RootStates
 from specserve.spec.tree.draft import TreeDrafter, TreeStep, frontier_batch, top_children
+from specserve.spec.tree.extend_graphs import DraftExtendGraphs
 from specserve.spec.tree.graphs import TreeDraftGraphs
+from specserve.spec.tree.root_states import RootStates
 
 Span = tuple[int, int]  # positions [start, end) a request's catch-up feeds
 

@@ -30,18 +30,18 @@ Scratch slots are freed before verify; verify recomputes the chosen nodes with t
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from specserve import kernels
-from specserve.engine.kv_manager import KVManager
-from specserve.core.request import Req
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.core.h2d import h2d_many
-from specserve.spec.tree.rows import fan_out
+from specserve.core.request import Req
+from specserve.engine.kv_manager import KVManager
 from specserve.spec.drafts import Drafts, ancestor_mask
+from specserve.spec.tree.rows import fan_out
 
 
 @dataclass

@@ -35,11 +35,11 @@ import bisect
 import torch
 
 from specserve.cache.req_table import slots_at
-from specserve.runner.cuda_graph import capture_each, capture_sizes, pad_device_prefix
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
-from specserve.spec.tree.rows import root_rows
-from specserve.spec.tree.root_states import RootState, RootStates
+from specserve.runner.cuda_graph import capture_each, capture_sizes, pad_device_prefix
 from specserve.spec.tree.draft import top_children
+from specserve.spec.tree.root_states import RootState, RootStates
+from specserve.spec.tree.rows import root_rows
 
 
 class DraftExtendGraphs:

@@ -23,8 +23,8 @@ import bisect
 import torch
 
 from specserve.runner.cuda_graph import capture_each, capture_sizes
-from specserve.spec.tree.root_states import RootState, RootStates
 from specserve.spec.tree.draft import TreeDrafter, TreeInputs, Trees
+from specserve.spec.tree.root_states import RootState, RootStates
 
 
 class TreeDraftGraphs:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.core.request import Req
 from specserve.core.h2d import h2d
-
+from specserve.core.request import Req
 
 RootState = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # logp [B, k], ids [B, k], hidden [B, H]
 
