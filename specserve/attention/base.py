@@ -32,7 +32,7 @@ class AttentionBackend(ABC):
         """Precompute what every layer's `forward` needs for this batch into fb.attn_meta."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
         """Write k, v at fb.out_slots of layer `layer_id` (None: already there, see
         `pooled_kv`), then attend; return [T, H*D]."""

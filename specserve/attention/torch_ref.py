@@ -12,6 +12,7 @@ tail's d slots: kv_index = row[:max_prefix] ++ tail, with row columns >= prefix_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,7 @@ class TorchRefBackend(AttentionBackend):
     def _tail_meta(fb: ForwardBatch) -> _Meta:
         dev, bsz = fb.input_ids.device, fb.batch_size
         assert fb.mode == ForwardMode.DECODE and all(n == 1 for n in fb.extend_lens), "a tail is for decode"
+        assert fb.draft_tail is not None, "tail metadata is for a batch with a draft tail"
         width = max(fb.prefix_lens)
         kv_index = torch.cat([fb.req_to_token[fb.req_rows, :width], fb.draft_tail.to(dev)], dim=1)
         q_index = torch.arange(bsz, device=dev)[:, None]
@@ -89,11 +91,12 @@ class TorchRefBackend(AttentionBackend):
         mask[:, :, 0] |= ~q_valid  # padded query rows: attend to key 0 to avoid NaN
         return mask[:, None]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
         if k is not None:  # else stored by the caller (pooled_kv)
+            assert v is not None, "k and v come together"
             fb.kv_pool.write(layer_id, fb.out_slots, k, v)
-        m: _Meta = fb.attn_meta
+        m = cast(_Meta, fb.attn_meta)  # set by init_forward_metadata / init_tail_metadata
         bsz, max_new = m.q_index.shape
         heads, dim = q.shape[1], q.shape[2]
         flat = m.kv_index.view(-1)  # index_select: ~3x cheaper than advanced indexing on CPU

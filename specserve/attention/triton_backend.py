@@ -25,6 +25,7 @@ its output is garbage-but-finite and is dropped. The number of KV splits depends
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -97,14 +98,16 @@ class TritonBackend(AttentionBackend):
         list is read), so tree drafting can build it inside a captured graph; tail_start
         [B] is fb.prefix_lens on the device."""
         # no launch of its own: the decode kernel adds the tail's width to tail_start itself
+        assert fb.draft_tail is not None, "tail metadata is for a batch with a draft tail"
         fb.attn_meta = TritonMeta(fb.req_rows, None, self._num_splits(fb), tail=fb.draft_tail.contiguous(),
                                   tail_start=tail_start)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
         if k is not None:  # else stored by the caller (pooled_kv)
+            assert v is not None, "k and v come together"
             fb.kv_pool.write(layer_id, fb.out_slots, k, v)
-        m: TritonMeta = fb.attn_meta
+        m = cast(TritonMeta, fb.attn_meta)  # set by this backend's init_*metadata* for this batch
         k_pool, v_pool = fb.kv_pool.k[layer_id], fb.kv_pool.v[layer_id]
         assert q.shape[1] % k_pool.shape[1] == 0, "query heads must be a multiple of kv heads"
         if q.stride(-1) != 1:
@@ -113,13 +116,16 @@ class TritonBackend(AttentionBackend):
         if m.is_decode:
             self._decode.decode_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
                                           m.seq_lens, scale, m.num_splits, m.tail, m.tail_start)
-        elif self._short.fits(m.max_extend, q.shape[1] // k_pool.shape[1]):
+            return out.view(q.shape[0], -1)  # [T, H*D]
+        prefix, extend, q_starts = m.prefix_lens, m.extend_lens, m.q_starts
+        assert prefix is not None and extend is not None and q_starts is not None  # extend metadata has all three
+        if self._short.fits(m.max_extend, q.shape[1] // k_pool.shape[1]):
             self._short.short_extend_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
-                                               m.prefix_lens, m.extend_lens, m.q_starts, m.max_extend,
+                                               prefix, extend, q_starts, m.max_extend,
                                                scale, m.num_splits, m.mask, m.mask_indptr)
         else:
             self._extend.extend_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
-                                          m.prefix_lens, m.extend_lens, m.q_starts, m.max_extend,
+                                          prefix, extend, q_starts, m.max_extend,
                                           scale, m.mask, m.mask_indptr)
         return out.view(q.shape[0], -1)  # [T, H*D]
 
@@ -204,6 +210,7 @@ class TritonBackend(AttentionBackend):
                                       vb.mask, vb.mask_indptr[:bs] if vb.mask_indptr is not None else None)
             return
         assert fb.device_prefix is None, "DECODE graphs take host lengths"
+        assert self._graph_seq_lens is not None, "init_cuda_graph_state(max_bs, 1) comes first"
         seq = self._graph_seq_lens[:bs]
         seq.copy_(torch.tensor([p + 1 for p in fb.prefix_lens], dtype=torch.int32, device="cpu"), non_blocking=True)
         fb.attn_meta = TritonMeta(fb.req_rows, seq, self._num_splits(fb))
@@ -212,6 +219,7 @@ class TritonBackend(AttentionBackend):
         """The EXTEND of fb.batch_size requests (padding ones: extend 0) over
         fb.input_ids.numel() static rows, of which the first sum(fb.extend_lens) are real."""
         lens, r = self._prefill_lens, fb.batch_size
+        assert lens is not None, "init_prefill_graph_state comes first"
         starts = [0]
         for n in fb.extend_lens[:-1]:
             starts.append(starts[-1] + n)
@@ -269,10 +277,12 @@ def _to_device(lists: list[list[int]], dev: torch.device) -> torch.Tensor:
 
 def _pack_masks(fb: ForwardBatch, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(flat uint8 of all [n_b, n_b] masks row-major, int64 [B] offsets), like SGLang's mask_indptr."""
+    masks = fb.custom_masks
+    assert masks is not None, "only a batch with custom masks packs them"
     offsets, total = [], 0
-    for m, n in zip(fb.custom_masks, fb.extend_lens):
+    for m, n in zip(masks, fb.extend_lens):
         assert tuple(m.shape) == (n, n), f"custom mask {tuple(m.shape)} for {n} new tokens"
         offsets.append(total)
         total += n * n
-    flat = torch.cat([m.reshape(-1).to(dev, non_blocking=True) for m in fb.custom_masks]).to(torch.uint8)
+    flat = torch.cat([m.reshape(-1).to(dev, non_blocking=True) for m in masks]).to(torch.uint8)
     return flat, torch.tensor(offsets, dtype=torch.int64, device="cpu").to(dev, non_blocking=True)

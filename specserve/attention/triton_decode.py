@@ -6,8 +6,8 @@ positions [0, seq_len) are cut into NUM_SPLITS contiguous chunks (flash-decoding
 one split the kernel writes the normalised output directly; with more, each split writes
 its normalised partial output and log-sum-exp and `_reduce_kernel` merges them. Splits
 are whole key blocks, so a short sequence leaves the last ones empty: those programs
-write a log-sum-exp of -inf and return (an H100 step graph of SmolLM2's 32-node verify
-at 332 keys spent ~20 us a step on 10 empty programs of 16 per kv head). Lengths
+write a log-sum-exp of -inf and return at once (at a few hundred keys most splits are
+empty, and any work in them would be paid in every layer of every step). Lengths
 are read from a device `seq_lens` tensor, so one compiled kernel serves every length and
 the launch grid depends only on (batch, kv heads, splits): safe to capture in a CUDA graph.
 
@@ -125,7 +125,7 @@ def _reduce_kernel(MidO, MidLse, Out, heads, stride_mb, stride_mh, stride_ms, st
     """out[b, h] = sum_s 2^lse_s o_s / sum_s 2^lse_s for BLOCK_H heads of row b (split 0
     is never empty). An empty split (lse -inf) weighs 0; its o, never written, is loaded
     with the others and dropped by a select (a load masked by lse would wait for lse's
-    load first: two L2 round trips in series, 35 times a step)."""
+    load first: two L2 round trips in series, in every layer of a step)."""
     wait_and_release(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -148,8 +148,8 @@ def _reduce_kernel(MidO, MidLse, Out, heads, stride_mb, stride_mh, stride_ms, st
 def reduce_splits(mid: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
     """out [rows, H, D] from the splits' partial outputs mid [rows, H, S, D] and their
     log2-sum-exps lse [rows, H, S]. A program takes as many heads of a row as fit in ~4k
-    elements: one per (row, head) made a 32-node verify at batch 64 launch ~18k programs
-    of 128 elements a layer (0.65 ms of a ~3.8 ms step, H100)."""
+    elements: one per (row, head) would give a large verify at a large batch tens of
+    thousands of programs a layer, each with too few elements to pay for its scheduling."""
     rows, heads, dim = out.shape
     bd, bs = block_d(dim), triton.next_power_of_2(num_splits)
     bh = min(triton.next_power_of_2(heads), max(1, 4096 // (bs * bd)))
@@ -165,8 +165,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      tail_start: torch.Tensor | None = None) -> None:
     """out[b] = attention of q[b] over slots req_to_token[req_rows[b], :seq_lens[b]], or
     with a tail, over req_to_token[req_rows[b], :tail_start[b]] ++ tail[b, :W] (seq_lens
-    unused: the kernel adds W to tail_start itself, where a tree pass spent two launches
-    a depth on the cast and the sum).
+    unused: the kernel adds W to tail_start itself, which spares a tree pass two launches
+    a depth for the cast and the sum).
 
     q, out [B, H, D] (last dim contiguous); k_pool, v_pool [slots, kvH, D]; req_rows [B]
     int64, seq_lens [B] int32, tail_start [B] int32 or int64, tail [B, W] int64, all on
@@ -176,10 +176,14 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     group = heads // k_pool.shape[1]
     assert req_to_token.stride(1) == 1 and 1 <= num_splits <= MAX_SPLITS
     has_tail = tail is not None
-    assert (tail.stride(1) == 1 and tail_start is not None) if has_tail else seq_lens is not None
-    if has_tail:
+    if tail is not None:
+        assert tail.stride(1) == 1 and tail_start is not None
         seq_lens = tail_start  # never dereferenced
+    else:
+        assert seq_lens is not None
     bd = block_d(dim)
+    dst_strides: tuple[int, ...]
+    lse_strides: tuple[int, ...]
     if num_splits == 1:  # write the final output directly; Lse is never dereferenced
         dst, lse, dst_strides, lse_strides = out, seq_lens, (out.stride(0), out.stride(1), 0), (0, 0)
     else:  # per call, not per forward: inside a graph capture they come from the graph's pool
@@ -188,9 +192,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         dst_strides, lse_strides = dst.stride()[:3], lse.stride()[:2]
     _decode_kernel[(bsz, k_pool.shape[1], num_splits)](
         q, k_pool, v_pool, req_to_token, req_rows, seq_lens, tail if has_tail else req_rows,
-        tail_start if has_tail else seq_lens, tail.shape[1] if has_tail else 0, dst, lse, scale * LOG2E,
+        tail_start if has_tail else seq_lens, tail.shape[1] if tail is not None else 0, dst, lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        req_to_token.stride(0), tail.stride(0) if has_tail else 0, *dst_strides, *lse_strides,
+        req_to_token.stride(0), tail.stride(0) if tail is not None else 0, *dst_strides, *lse_strides,
         GROUP=group, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         BLOCK_D=bd, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, PREC=dot_precision(k_pool.dtype),
         HAS_TAIL=has_tail, num_warps=4, num_stages=2, **pdl_flags(q.device))

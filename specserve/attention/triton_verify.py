@@ -4,8 +4,8 @@ against a long cached prefix, split over the keys like decode.
 The extend kernel gives a program one query head and a block of at least 16 new tokens,
 so a verify of 8 tree tokens over a few hundred cached keys is B * H programs, each
 walking the whole prefix alone and loading every K/V block once per query head: at
-batch 1 that is 9 programs on a 132-SM GPU, latency-bound (about 17 us a layer on an
-H100 for SmolLM2, where a decode step's attention takes a few).
+batch 1 that is a handful of programs (SmolLM2: 9) on a GPU of over a hundred SMs, bound
+by one program's latency and many times slower than a decode step's split attention.
 
 Here a program owns (request b, row block, kv head, split): the request's rows are its
 n_b new tokens times the GROUP query heads that share the kv head (row r = token
@@ -157,6 +157,8 @@ def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     group = heads // k_pool.shape[1]
     assert req_to_token.stride(1) == 1 and 1 <= num_splits <= MAX_SPLITS and fits(max_extend, group)
     bd = block_d(dim)
+    dst_strides: tuple[int, ...]
+    lse_strides: tuple[int, ...]
     if num_splits == 1:  # write the final output directly; Lse is never dereferenced
         dst, lse, dst_strides, lse_strides = out, extend_lens, (out.stride(0), out.stride(1), 0), (0, 0)
     else:

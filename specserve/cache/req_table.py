@@ -4,9 +4,8 @@ Rows are handed out to running requests. Committing accepted draft tokens or sha
 cached prefix is a write into this table, never a KV copy. The table lives on the model's
 device so attention kernels can read it directly, and a twin on the host holds every
 request's committed positions [0, kv_len), so releasing a request reads no device memory:
-such a read waits for all queued GPU work, and a request ending inside a pipelined step
-stalled the host for the whole step in flight (H100, batch 64, EAGLE-3: a third of a
-round's host time). Every write goes to both, but those the device makes alone (verify
+such a read waits for all queued GPU work, so a request ending inside a pipelined step
+would stall the host for the whole step in flight. Every write goes to both, but those the device makes alone (verify
 slots past kv_len, the in-graph commit of a pipelined step), whose committed part the host
 writes with `mirror` when it commits them.
 

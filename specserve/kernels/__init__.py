@@ -95,12 +95,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 SKINNY_MAX_TOKENS = 32  # skinny.py pads tokens to 16 or 32
 # The widest activations the few-token path takes with pointer loads: narrow models'
-# layers are latency-bound and gain from the fused forms (SmolLM2's 576-wide: 901 us
-# against 1019 for a 32-node verify graph on an H100). Llama-8B's 4096-wide ones did not:
-# its verify graph of 16 nodes took 7294 us with them (6695 with the qkv projection and
-# RoPE apart) against 6397 with cuBLAS's, where its decode graph took 5410 (H100, PDL,
-# replays timed by CUDA events, one hold). Wider layers take the few-token path where
-# their weights stream through TMA descriptors (`tma_enabled`, skinny.use_tma).
+# layers are latency-bound and gain from the fused forms, while wide ones (4096 and up)
+# are bandwidth-bound and stream their weights faster through cuBLAS than through
+# pointer-loaded tiles. Wider layers take the few-token path only where their weights
+# stream through TMA descriptors (`tma_enabled`, skinny.use_tma).
 SKINNY_MAX_WIDTH = 2048
 _HOPPER: dict[int | None, bool] = {}  # device index -> compute capability >= 9
 
@@ -111,11 +109,10 @@ def pdl_enabled(device: torch.device) -> bool:
     ends (once that one has signalled with gdc_launch_dependents, or ended) and waits
     (gdc_wait) before reading anything an earlier kernel wrote. Every Triton kernel of a
     decoder layer takes it (the GEMVs, norms, SiLU*mul, RoPE + KV write, attention and its
-    split merge), so their launches overlap the kernel before. On an H100 the captured
-    step and prefill graphs stayed token-identical with it (tests/unit/test_spec_pipeline.py,
-    test_fused_kernels.py); with the GEMVs alone bench limit ran at 89.8% of copy bandwidth
-    against 88.8% without, and with every layer kernel at 90.5%, where SmolLM2's decode
-    graph fell from 640 to 469 us (dummy weights, 300 cached tokens)."""
+    split merge), so their launches overlap the kernel before: a small model's step is
+    bound by launch latency, which the overlap hides. Captured step and prefill graphs
+    are token-identical with and without it (tests/unit/test_spec_pipeline.py,
+    test_fused_kernels.py)."""
     return device.type == "cuda" and env.pdl_allowed() and _hopper(device)
 
 
@@ -144,8 +141,8 @@ def use_gemv(x: torch.Tensor, lm_head: bool = False) -> bool:
     (matvec.py), or up to SKINNY_MAX_TOKENS (skinny.py, unless SPECSERVE_SKINNY=0) of at
     most SKINNY_MAX_WIDTH, or of any width where TMA streams the wide weights
     (`tma_enabled`), on the fused kernels' side of the switch. An lm_head (`lm_head`)
-    takes the few-token kernel at any width: Llama-8B's (128256 x 4096) ran in 354 us at
-    16 tokens with pointer loads against cuBLAS's 377 (H100, isolated, three weights in turn)."""
+    takes the few-token kernel at any width: its many rows give every SM whole tiles, so
+    even a wide model's head streams at least as fast with pointer loads as through cuBLAS."""
     if x.dim() != 2 or not use_fused(x):
         return False
     t, width = x.shape
@@ -171,10 +168,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
 
 def _narrow_head(weight: torch.Tensor, gated: bool) -> bool:
     """Whether a one-token product with `weight` takes skinny.py's tiles rather than the
-    GEMV: an lm_head (16384 rows or more) no wider than SKINNY_MAX_WIDTH. Two rows a GEMV
-    program streamed SmolLM2-sized heads at 1.7 TB/s; on skinny.py's 128-row tiles the
-    EAGLE-3 draft's 16384 x 576 head took 9.6 us against 11.1 (its first read of a step,
-    from HBM) and SmolLM2's 49152 x 576 in plain decoding 18.5 against ~28 (H100)."""
+    GEMV: an lm_head (16384 rows or more) no wider than SKINNY_MAX_WIDTH. The GEMV's
+    two-row programs stream such a head's many short rows well below the bandwidth that
+    skinny.py's 128-row tiles reach."""
     return (not gated and weight.shape[0] >= 16384 and weight.shape[1] <= SKINNY_MAX_WIDTH
             and env.skinny_allowed())
 
@@ -243,7 +239,8 @@ def topk_logprobs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None =
 def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
                   states: torch.Tensor | None, tail: torch.Tensor | None, next_slots: torch.Tensor | None,
                   cand: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                  first_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                  first_tokens: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One tree-drafting depth's children into the pass's candidate buffers `cand`, its next
     frontier and moved branch states and tails, in one launch (frontier.py;
     `spec.tree_draft._advance` is the reference)."""

@@ -4,7 +4,7 @@ Between a verify's greedy walk and its read-back, the draft extend and the next 
 trees are queued from the walk on the device. Done with torch ops, turning the walk into
 paths and those into the extend's inputs is some 35 small launches (sort, gathers, masks,
 an index write into the table, copies into the extend graph's static buffers): at batch 1,
-where the step is GPU-bound, that cost more than the overlap saved. Here one program per
+where the step is GPU-bound, that costs more than the overlap saves. Here one program per
 request (and per padding request of the captured batch size) does all of it:
 
   * path position r of on-path node i = number of on-path nodes before i (node order is

@@ -1,9 +1,9 @@
 """Token embedding lookup in one Triton launch: out[t] = weight[ids[t]].
 
-torch's index_select kernel took 3.0-4.6 us for the few rows of a speculative step's
-forwards (H100, SmolLM2; six a step: verify, draft extend, four drafting depths), and
-as a torch kernel it ends the programmatic-dependent-launch chain of the Triton kernels
-around it. One program per token copies its row; an id outside [0, V) gives a zero row
+A speculative step runs several forwards of a few rows each (the verify, the draft
+extend, every drafting depth), and torch's index_select for their ids is a separate,
+general kernel that, as a torch kernel, ends the programmatic-dependent-launch chain of
+the Triton kernels around it. One program per token copies its row; an id outside [0, V) gives a zero row
 (never a read out of bounds). EAGLE-3's drafting forwards launch none: their pair norm
 gathers the rows itself (`norm.rms_norm_pair`'s ids).
 """

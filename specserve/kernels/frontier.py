@@ -84,7 +84,8 @@ def _frontier_kernel(score_ptr, logp_ptr, kid_ptr, frontier_ptr, size,
 
 def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
                   states: torch.Tensor | None, tail: torch.Tensor | None, next_slots: torch.Tensor | None,
-                  cand: Candidates, first_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                  cand: Candidates, first_tokens: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """score [B, k] f32, logp / kid [B*k, k] (f32 / int64), frontier [B, k] int64, and for a
     depth that is not the last the branch states [B*k, H] (or None), tail [B*k, D] int64 and
     next_slots [B*k] int64; the children go into columns size.. of `cand` (contiguous [B, M]
@@ -103,7 +104,7 @@ def tree_frontier(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, fr
     move = tail is not None
     new_states = new_tail = None
     h = d = 1
-    if move:
+    if tail is not None:  # `move`
         assert next_slots is not None and tail.dtype == torch.int64, "a moving depth needs its tail and next slots"
         tail, next_slots = tail.contiguous(), next_slots.contiguous()
         d = tail.shape[1]

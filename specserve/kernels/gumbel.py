@@ -1,8 +1,8 @@
 """Seeded Gumbel noise in one Triton launch: the sampler's counter-based noise for [R, V].
 
 `runner.sampler.uniform_noise` hashes (seed, counter, column) with about twenty-five int64
-torch ops over the whole [R, V] block, each a launch; at batch 1 on an H100 a sampled
-decode step paid ~0.8 ms more than a greedy one for them and the two logs after. Here one
+torch ops over the whole [R, V] block, each a launch; at batch 1, where a step is bound by
+launches, they and the two logs after make a sampled step much slower than a greedy one. Here one
 program owns BLOCK columns of one row and runs the same integer hash (uint32 values held
 in int64, so every product stays below 2**63, as in torch: bit-exact) and the same float32
 steps, u = ((h >> 8) + 0.5) / 2**24 and g = -log(-log(u)). Triton's log may round the last

@@ -152,4 +152,5 @@ def rms_norm_pair(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     out, new_res = _launch(x, residual, weight, eps)
+    assert new_res is not None  # _launch returns the new residual whenever it is given one
     return out, new_res

@@ -44,13 +44,12 @@ def prefetch_step(weight: torch.Tensor, block_k: int, split: int, tma: bool = Fa
 
     Only where a program's loop reads K tiles after the wait (one tile, a split K and TMA
     fetch theirs before it or pipeline them), from a contiguous weight, and not for an
-    lm_head (16384 rows or more), whose programs outnumber what runs at once. SmolLM2's
-    verify gate_up at 32 tokens: 5.1 -> 4.4 us on the step's critical path, the EAGLE-3
-    step graph 940 -> 913-916 us; its 49152-row lm_head took 23.5 -> 25.4 with it, the
-    draft's 6.1 -> 6.9 (H100, PDL). qkv_rope.py's loop (the qkv at 32 tokens) gained nothing."""
+    lm_head (16384 rows or more), whose programs outnumber what runs at once: there the
+    prefetches slow the head down. qkv_rope.py's loop does not prefetch: it gains nothing."""
     if not (weight.is_cuda and L2_PREFETCH):  # the interpreter runs no inline asm
         return 0
-    return prefetch_rule(tuple(weight.shape), tuple(weight.stride()), weight.element_size(), block_k, split, tma)
+    return prefetch_rule((weight.shape[0], weight.shape[1]), (weight.stride(0), weight.stride(1)),
+                         weight.element_size(), block_k, split, tma)
 
 
 def prefetch_rule(shape: tuple[int, int], strides: tuple[int, int], w_bytes: int, block_k: int, split: int,

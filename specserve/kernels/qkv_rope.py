@@ -1,13 +1,14 @@
 """An attention layer's fused qkv projection for a few tokens, with RoPE and the KV-cache
 write in the same launch: `skinny.skinny` then `rope.rope_store_kv`, as one kernel.
 
-A verify or draft forward of 2-32 tokens ran the projection (skinny.py) and then a launch
-of its own that rotated q and k and stored k and v (rope.py): 30 of a SmolLM2 verify's
-launches. Rotate-half pairs dim d of a head with dim d + D/2, so a program here takes the
-16 weight rows of 8 such pairs, interleaved (row 2p is dim d0 + p, row 2p + 1 its partner
-d0 + p + D/2): after the dot the pairs are adjacent columns of [tokens, 16], which
-`tl.split` separates and `tl.join` puts back. A head of 64 dims is 4 programs, the same 16
-rows a program as the plain kernel's, so the grid is the plain kernel's.
+Apart, a verify or draft forward of 2-32 tokens runs the projection (skinny.py) and then a
+launch of its own that rotates q and k and stores k and v (rope.py): one more launch per
+layer in a step that is bound by launches. Rotate-half pairs dim d of a head with dim
+d + D/2, so a program here takes the 16 weight rows of 8 such pairs, interleaved (row 2p
+is dim d0 + p, row 2p + 1 its partner d0 + p + D/2): after the dot the pairs are adjacent
+columns of [tokens, 16], which `tl.split` separates and `tl.join` puts back. A head of 64
+dims is 4 programs, the same 16 rows a program as the plain kernel's, so the grid is the
+plain kernel's.
 
 Rounding is that of the two launches it replaces: the product rounded to x's dtype (the
 qkv tensor), each RoPE product and their sum rounded to the queries' dtype (rope.py's

@@ -13,7 +13,7 @@ The output is a new contiguous [T, heads, D].
 the fused projection qkv [T, H + 2 kvH, D] it rotates the queries into a new [T, H, D]
 and the keys straight into the cache rows of the tokens' slots, and copies the values
 there (rotate, then round to the cache dtype: what apply_rope and then the pool's index
-write give). Per layer that is one launch where there were three.
+write give). Per layer that is one launch where the torch path takes three.
 """
 from __future__ import annotations
 
@@ -75,8 +75,9 @@ def _rope_store_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slots_p
                        sx0, sx1, sc, sk0, sk1, sv0, sv1, D, HALF_D: tl.constexpr, BLOCK: tl.constexpr,
                        BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     """One token's heads [BLOCK_H, BLOCK] a program: H queries, then kvH keys, then kvH
-    values (one program per (token, head) made a 32-node verify at batch 64 launch ~30k
-    programs of 64 elements: 0.9 ms a step on an H100, a quarter of the step's GPU time)."""
+    values. One program per (token, head) would give a large verify at a large batch tens
+    of thousands of programs of a single head row each, too little work to pay for their
+    scheduling."""
     wait_and_release(USE_PDL)
     t = tl.program_id(0)
     j = tl.arange(0, BLOCK_H)[:, None]

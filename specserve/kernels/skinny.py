@@ -4,33 +4,31 @@ A verify of a 16- or 32-node tree, or a decode step of a few requests, still str
 whole weight for a handful of tokens, so it is as bandwidth-bound as a GEMV; cuBLAS picks
 GEMM kernels for it. Each program here owns BLOCK_N weight rows and multiplies them into
 the tokens padded to 16 or 32 (acc [BLOCK_N, BLOCK_T] = W_tile @ x_tile^T: tl.dot wants
-16 or more on every side). On an H100 the plain kernel summed to 5.37 ms for one 16-token
-step of Llama-8B's GEMMs against cuBLAS's 5.64 (5.47 against 5.79 at 32 tokens).
+16 or more on every side). The plain kernel streams such weights at least as fast as
+cuBLAS's GEMM kernels do at these token counts.
 
 The fused forms and their rounding are `matvec.py`'s (norm prologue per token, gated
 SiLU*mul, residual add), so a layer run this way is the one-token layer for T tokens;
 past one tile of 16 tokens the norm is deferred (`product`): its weight scales x before
 the dot, its rsqrt the product after, so no program normalises all T tokens before its
-first dot (that pre-pass cost SmolLM2's qkv 4.99 us against 2.89 without the norm at 32
-tokens; deferred, 3.54 against 2.92, where norm.py's own launch took about 1.5; H100, PDL).
-On by default (SPECSERVE_SKINNY=0 turns it off). On an H100 with PDL, SmolLM2's
-verify graph of a 32-node tree took 913 us with it against 1019 with cuBLAS and the
-separate norms and SiLU*mul (dummy weights, 300 cached tokens, separate processes).
-A row of up to 1024 takes one tile (`_config`). float32 dots run in IEEE
+first dot (such a pre-pass costs more than norm.py's own launch, where the deferred norm
+costs little more than the plain product). On by default (SPECSERVE_SKINNY=0 turns it
+off): a narrow model's verify runs faster this way than through cuBLAS with the separate
+norms and SiLU*mul. A row of up to 1024 takes one tile (`_config`). float32 dots run in IEEE
 fp32, not TF32, so float32 models keep their precision.
 
 K may be split over programs (grid axis 1, `split_range`): each multiplies its part of
 the columns and the last of a row block's programs to finish sums the fp32 parts in a
 fixed order (`split_sum`, through a per-device counter), then applies the epilogue.
-SmolLM2's down_proj (576 rows, K 1536) ran on 36 programs of 16 rows; split 3 ways, each
-part one 512-deep tile fetched before the PDL wait, it took 3.25 us against 4.57 at 32
-tokens (H100, PDL, 30 distinct weights in a graph). The other narrow layers (K 576) did
-not gain from a split.
+A narrow layer with long rows (SmolLM2's down_proj: 576 rows, K 1536) has too few
+programs of 16 rows (36) to stream its weight; split 3 ways, each part one 512-deep tile
+fetched before the PDL wait, it runs on three times as many. Narrow layers with short
+rows (K 576) gain nothing from a split.
 
 Wide weights (both sides past kernels.SKINNY_MAX_WIDTH) stream through TMA descriptors on
-Hopper and later (`use_tma`, `_tma_config`): pointer loads fed Llama-8B's layers at 86-89%
-of copy bandwidth, slower than cuBLAS, where the descriptor's boxes took its verify of 16
-tokens from 1.183x a decode step (cuBLAS) to 1.139x (bench limit, H100, graph replays).
+Hopper and later (`use_tma`, `_tma_config`): pointer loads feed such layers below what
+cuBLAS reaches, and the descriptor's boxes bring a wide model's verify closer to the cost
+of a decode step than cuBLAS does.
 """
 from __future__ import annotations
 
@@ -114,7 +112,7 @@ def _sum_squares(x, ss, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.c
     """ss [BLOCK_N, BLOCK_T] += every token's sum of x^2 over this tile, in each of the
     BLOCK_N rows: a dot of ones with x^2 (x [BLOCK_T, BLOCK_K] fp32), so the sums come out
     in the accumulator's layout. A row reduction (tl.sum) instead, and its conversion to
-    that layout, cost SmolLM2's qkv about 2 us of its 3.6 at 32 tokens (H100). The dot
+    that layout, would cost a narrow layer more than its whole product. The dot
     is fp32 (TF32 products: fp32's range, where half x^2 would overflow fp16 past |x| = 256;
     IEEE for fp32 models)."""
     xsq = tl.trans(x * x)
@@ -325,7 +323,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
         assert residual.shape == (t, n) and residual.dtype == x.dtype, (residual.shape, residual.dtype)
         residual = residual.contiguous()
     norm = norm_weight is not None
-    assert not norm or norm_weight.shape == (k,), norm_weight.shape
+    assert norm_weight is None or norm_weight.shape == (k,), norm_weight.shape
     block_t = 16 if t <= 16 else 32
     tma = use_tma(weight)
     cfg = (_tma_config if tma else _config)(n, k, gated, norm, weight.element_size(), block_t, x.device)
@@ -347,7 +345,8 @@ TMA_OVERRIDE: bool | None = None  # tests: force the descriptor path on (the int
 def use_tma(weight: torch.Tensor) -> bool:
     """Whether `weight` streams through a TMA descriptor (`tma_descriptor`) rather than
     pointer loads: on Hopper or later (`kernels.tma_enabled`), for weights wider and taller
-    than kernels.SKINNY_MAX_WIDTH (the layers measured), rows contiguous and 16-byte aligned."""
+    than kernels.SKINNY_MAX_WIDTH (where pointer loads fall behind cuBLAS), rows contiguous
+    and 16-byte aligned."""
     if TMA_OVERRIDE is not None:
         return TMA_OVERRIDE
     n, k = weight.shape
@@ -397,9 +396,9 @@ def _counts(device: torch.device) -> torch.Tensor:
 def product_flags(x: torch.Tensor, norm: bool, k: int, block_t: int, block_k: int, split: int = 1,
                   tma: bool = False) -> dict:
     """`product`'s constexprs for activations x [T, k] and a K tile of block_k. The norm
-    is deferred but for one tile of up to 16 tokens, where the exact form measured faster
-    (SmolLM2's qkv 3.7-3.9 us against 4.1 deferred and looped, H100); a K split across
-    programs and the TMA path (`use_tma`) always defer it."""
+    is deferred but for one tile of up to 16 tokens, where the exact form is faster (the
+    whole row is in registers: no sums of squares to carry); a K split across programs
+    and the TMA path (`use_tma`) always defer it."""
     one_tile = block_k >= k and split == 1 and not tma
     return dict(NORM=norm, DEFER=norm and not (one_tile and block_t == 16), HALF=x.dtype in _HALF,
                 IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_K=block_k, ONE_TILE=one_tile)
@@ -425,24 +424,22 @@ def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
 
     Rows up to 1024 wide that are not gated take one tile, 64 rows a program with the
     exact norm (16 tokens), 16 without a norm, unless the layer is an lm_head (16384 rows
-    or more: not measured that way) or normed at 32 tokens (SmolLM2's qkv: 4.06 us in one
-    tile against 3.67 looped 16 x 256 deep, deferred norm, H100).
-    SmolLM2 at 16 tokens (H100, PDL, 30 distinct weights in a graph): qkv 3.3 us against
-    4.2 looped, o_proj 2.3 against 2.6 (2.6 at 32 tokens).
-    Otherwise from a sweep of the plain kernel over Llama-8B's shapes at 16 and 32 tokens
-    (H100): 128 rows for the widest layers, 64 for 4096-wide inputs, 32 for down_proj's
-    14336; half as deep a K tile for float32. Each pipeline stage holds one weight tile
-    (two when gated) and one x tile; as many stages as fit the device's shared memory (4
-    stages of gate_up's 64x256 pair need 296 KB), up to 4 (SmolLM2's gate_up and
-    down_proj at 32 tokens: 4.74 and 4.33 us against 5.01 and 4.56 with 3; at 16, 5.18
-    and 4.45 against 5.17 and 4.57; qkv 3.57 against 3.54), 3 for a wide model's lm_head. A narrow model's lm_head at 32 tokens takes
-    64-deep tiles (SmolLM2's 49152 x 576: 26 us against 34 with 128, H100). Narrow layers (SmolLM2's 576 rows) halve
-    BLOCK_N down to tl.dot's 16 until there are about half as many programs as SMs: 9
-    programs cannot stream even a small weight (gate_up 6.2 us and down_proj 4.8 at 32
-    tokens, against cuBLAS + SiLU*mul's 7.1 and cuBLAS's 5.0). A row deeper than 1024 on
+    or more: it takes the general tiles below) or normed at 32 tokens (looping 16 x 256
+    deep with the deferred norm is faster there than one tile). For a narrow model's qkv
+    and o_proj at 16 tokens one tile is faster than the loop.
+    Otherwise the tiles of a sweep of the plain kernel over Llama-8B's shapes at 16 and 32
+    tokens: 128 rows for the widest layers, 64 for inputs up to 4096 wide, 32 for longer
+    rows (down_proj's 14336); half as deep a K tile for float32. Each pipeline stage holds
+    one weight tile (two when gated) and one x tile; as many stages as fit the device's
+    shared memory (4 stages of gate_up's 64x256 pair need 296 KB), up to 4 (a fourth stage
+    helps narrow gated and long-row layers at 32 tokens and costs nothing elsewhere), 3 for
+    a wide model's lm_head. A narrow model's lm_head at 32 tokens takes 64-deep tiles,
+    which stream it faster than 128-deep ones. Narrow layers (SmolLM2's 576 rows) halve
+    BLOCK_N down to tl.dot's 16 until there are about half as many programs as SMs: a
+    handful of programs cannot stream even a small weight. A row deeper than 1024 on
     fewer than half as many 16-row programs as SMs is split into 512-deep parts, one tile
-    each (SmolLM2's down_proj at 32 tokens: 3.25 us against 4.57; at 6 tokens, a drafting
-    depth, 2.97, where no unsplit configuration of the sweep ran under 3.7)."""
+    each (SmolLM2's down_proj, at verify and drafting token counts alike: no unsplit
+    configuration streams it as fast)."""
     smem, sms = _device_limits(device)
     if not gated and k > 1024 and triton.cdiv(n, 16) < sms // 2 and n < 16384:  # SmolLM2's down_proj
         return Config(16, 512, 1, triton.cdiv(k, 512))
@@ -454,11 +451,11 @@ def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     while block_n > 16 and triton.cdiv(n, block_n) < sms // 2:
         block_n //= 2
     block_k = (128 if block_n == 128 else 256) * 2 // w_bytes
-    if block_n == 128 and block_t == 32 and k <= 2048:  # a narrow model's lm_head: 26 us against 34 at 128 deep
+    if block_n == 128 and block_t == 32 and k <= 2048:  # a narrow model's lm_head: faster than 128 deep
         block_k = 64 * 2 // w_bytes
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
-    # A wide model's lm_head: 3 stages (Llama-8B's at 16 tokens: 354 us against 403 with 4)
+    # A wide model's lm_head: 3 stages, which stream it faster than 4
     most = 3 if n >= 16384 and k > 2048 and not gated else 4
     return Config(block_n, block_k, max(1, min(most, smem // stage)))
 
@@ -468,13 +465,11 @@ def _tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: 
     """The launch's Config on the TMA path (`use_tma`): 64 rows a program, boxes 256
     columns deep (128 gated: two boxes a stage), as many stages as fit up to 4.
 
-    A sweep of Llama-8B's shapes at 16 tokens (H100, three weights in turn in a CUDA
-    graph, copy 3023 GB/s; us, against cuBLAS's plain product and the pointer-load kernel):
-    qkv with the norm 20.7 (cuBLAS 21.3, pointer loads 22.8), o_proj with the residual
-    13.8 (16.0, 14.7), down_proj 42.5 (44.4, 43.2), lm_head 353 (376, 354), gate_up with the
-    norm and SiLU*mul 89-92 (83 without them, 87.4). 32 or 128 rows a program or 64-deep
-    boxes ran slower. 3 stages for the normed layers ran gate_up in 85.2 and qkv in 19.9
-    alone, yet the 8B verify graph in 6355 us against 6172 with 4 (bench limit, one hold)."""
+    From a sweep of Llama-8B's shapes at 16 tokens against cuBLAS's plain product and the
+    pointer-load kernel: with these boxes the fused qkv, o_proj, down_proj and lm_head run
+    at least as fast as both; 32 or 128 rows a program, or 64-deep boxes, are slower.
+    Fewer stages can speed a normed layer timed alone, yet slow the whole verify graph, so
+    every layer takes as many as fit, up to 4."""
     smem, _ = _device_limits(device)
     block_n, block_k = 64, (128 if gated else 256) * 2 // w_bytes
     stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes

@@ -8,8 +8,8 @@ launches do it. First, a program per chunk of CHUNK logits takes the chunk's max
 of exponentials and extracts its k largest by k rounds of one max-with-index reduction
 each (a separate max and argmax would be two), masking its winner. Then a program per
 row merges its chunks: the log-sum-exp, and the k best of the chunks' candidates. One
-program per whole row (32000 draft logits, 16 warps) took 8-9 us on an H100, its 8
-block-wide reductions in series over 6 rows.
+program per whole row would run its k block-wide reductions in series over the whole
+vocabulary on only as many programs as there are rows (a handful at batch 1).
 
 Result for row r: vals[r, j] = x[r, i_j] - logsumexp(x[r]) (float32) and ids[r, j] =
 map[i_j] (i_j without a map), j = 0..k-1 in descending value. Ties go to the lower index

@@ -82,7 +82,7 @@ def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict)
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a directory's *.safetensors files."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(f, framework="pt") as sf:
             out |= {n: sf.get_tensor(n) for n in sf.keys()}
@@ -156,7 +156,7 @@ def add_mtp_deepseek(target_dir: Path, seed: int = 0, num_mtp: int = 1) -> Path:
     embed_tokens} + a full decoder layer; config num_nextn_predict_layers."""
     cfg = _config(target_dir)
     g, h, vocab, n = _Gen(seed), cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    extra = {}
+    extra: dict[str, torch.Tensor] = {}
     for j in range(num_mtp):
         p = f"model.layers.{n + j}."
         extra |= {p + "enorm.weight": g.norm(h), p + "hnorm.weight": g.norm(h),
@@ -172,7 +172,7 @@ def add_mtp_mimo(target_dir: Path, seed: int = 0, num_mtp: int = 1) -> Path:
     cfg = _config(target_dir) | {"architectures": ["MiMoForCausalLM"], "model_type": "mimo",
                                  "num_nextn_predict_layers": num_mtp}
     g, h = _Gen(seed), cfg["hidden_size"]
-    extra = {}
+    extra: dict[str, torch.Tensor] = {}
     for j in range(num_mtp):
         p = f"model.mtp_layers.{j}."
         extra |= {p + "token_layernorm.weight": g.norm(h), p + "hidden_layernorm.weight": g.norm(h),

@@ -172,8 +172,8 @@ def _read(path: Path, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _load_weights(draft: DraftModel, path: Path, names: list[str]) -> None:
-    wanted = {n: draft.param_name(n) for n in names if not n.endswith("rotary_emb.inv_freq")}
-    wanted = {n: ours for n, ours in wanted.items() if ours is not None}
+    mapped = {n: draft.param_name(n) for n in names if not n.endswith("rotary_emb.inv_freq")}
+    wanted = {n: ours for n, ours in mapped.items() if ours is not None}
     params = loadable_tensors(draft)
     loaded, unexpected = set(), []
     for name, tensor in _read(path, set(wanted)):

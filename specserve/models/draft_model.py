@@ -52,6 +52,7 @@ class DraftModel(nn.Module, ABC):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 [R, draft_vocab] for h [R, H]: for up to 32 rows on CUDA the half
         logits widened in the GEMV's own launch (not while training: it has no backward)."""
+        assert self.lm_head is not None, "the head is the draft's own or attached by `share`"
         if kernels.use_gemv(h) and not torch.is_grad_enabled():
             return kernels.gemv(h, self.lm_head.weight, out_dtype=torch.float32)
         return F.linear(h, self.lm_head.weight).float()

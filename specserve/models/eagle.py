@@ -29,6 +29,7 @@ class LlamaForCausalLMEagle(DraftModel):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, input_norm=i > 0) for i in range(cfg.num_layers))
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.embed_tokens is not None, "`share` attaches the target's embedding"
         x = self.fc(torch.cat([self.embed_tokens(fb.input_ids), hidden], dim=-1))  # [T, 2H] -> [T, H]
         rope = self.rotary.at(fb.positions)
         for layer in self.layers:

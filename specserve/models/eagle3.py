@@ -60,6 +60,7 @@ class Eagle3MidLayer(nn.Module):
 
 class LlamaForCausalLMEagle3(DraftModel):
     feature_mode = "aux"
+    d2t: torch.Tensor  # [draft_vocab] int64 buffer, registered when the head owns its vocabulary
 
     def __init__(self, cfg: LlamaConfig, target_hidden_size: int, draft_vocab_size: int | None,
                  aux_layers: tuple[int, ...], fc_bias: bool = False, norm_before_residual: bool = False) -> None:
@@ -78,7 +79,7 @@ class LlamaForCausalLMEagle3(DraftModel):
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if hidden.shape[-1] != self.config.hidden_size:  # target aux features [T, 3 * H_target] -> [T, H]
-            # a few rows (a draft extend) take the GEMV: cuBLAS took 4.8 us (H100, SmolLM2);
+            # a few rows (a draft extend) take the GEMV, faster than cuBLAS at so few rows;
             # not while training (the Triton kernels have no backward)
             if self.fc.bias is None and kernels.use_gemv(hidden) and not torch.is_grad_enabled():
                 hidden = kernels.gemv(hidden, self.fc.out_in_weight)

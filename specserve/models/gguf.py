@@ -106,7 +106,10 @@ def hf_config(meta: dict[str, Any], reader: GGUFReader) -> dict[str, Any]:
     arch = meta["general.architecture"]
     if arch not in _ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)})")
-    get = lambda k, default=None: meta.get(f"{arch}.{k}", default)  # noqa: E731
+
+    def get(k: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{k}", default)
+
     tensors = {t.name: t for t in reader.tensors}
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     kv_heads = _single(get("attention.head_count_kv", heads), "attention.head_count_kv")
@@ -227,7 +230,7 @@ def write_safetensors(path: Path, specs: list[tuple[str, tuple[int, ...]]],
         for (name, shape), arr in zip(specs, arrays, strict=True):
             arr = np.ascontiguousarray(arr, dtype="<f4")
             assert arr.shape == shape, (name, arr.shape, shape)
-            f.write(memoryview(arr).cast("B"))
+            f.write(arr.data.cast("B"))  # arr is C-contiguous: its buffer, as bytes
 
 
 def _dequant(t: Any) -> np.ndarray:

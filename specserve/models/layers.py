@@ -2,8 +2,8 @@
 
 `Linear` keeps checkpoint layout ([out, in]) for loading. On CPU, `use_gemv_layout()`
 swaps it for a contiguous [in, out] copy: batch-1 decode is a GEMV that streams every
-weight once, and MKL streams `x @ W` ~15-20% faster than `x @ W.T` at that shape
-(measured on SmolLM2: 45.5 -> 37.3 ms/token, same tokens). GPUs keep `F.linear`.
+weight once, and MKL streams `x @ W` markedly faster than `x @ W.T` at that shape (the
+tokens are the same either way). GPUs keep `F.linear`.
 
 `RMSNorm` runs the fused Triton kernels (`specserve.kernels`) where `use_fused` says so
 (CUDA), else the torch path below, which is the reference the kernels are tested against.
@@ -54,7 +54,9 @@ class Linear(nn.Module):
         """Replace weight [out, in] by a contiguous weight_t [in, out] (after loading)."""
         self.weight_t = nn.Parameter(self.weight.detach().t().contiguous(), requires_grad=False)
         del self.weight
-        self.weight = None
+        # weight is declared a Parameter for every caller that runs before this swap; from
+        # here on it is None and readers go through weight_t / out_in_weight
+        self.weight = None  # type: ignore[assignment]  # tombstone of the [out, in] layout
 
     @property
     def out_in_weight(self) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +133,7 @@ class Attention(nn.Module):
             return self.o_proj(fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale))
         qk, v = qkv[:, :h + kv], qkv[:, h + kv:]
         if self.q_norm is not None:
+            assert self.k_norm is not None  # q_norm and k_norm exist together (cfg.qk_norm)
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
         qk = apply_rope(qk, *rope.tables())  # queries and keys rotated together
         q, k = qk[:, :h], qk[:, h:]
@@ -222,7 +224,9 @@ class DecoderLayer(nn.Module):
                         rope: RopeAt) -> torch.Tensor:
         """The stream [T, hidden] in and out (a few tokens) as one residual tensor, no
         deferred adds: five launches besides the attention kernel (kernels/matvec.py)."""
-        stream = self.self_attn.forward_few_tokens(stream, self.input_layernorm, fb, rope)
+        norm = self.input_layernorm
+        assert isinstance(norm, RMSNorm)  # callers check few_tokens_ready first
+        stream = self.self_attn.forward_few_tokens(stream, norm, fb, rope)
         return self.mlp.forward_few_tokens(stream, self.post_attention_layernorm)
 
 
@@ -262,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             return self._forward_few_tokens(h, fb, rope)
         captured: dict[int, torch.Tensor] = {}
         residual: torch.Tensor | None = None  # the stream is h + residual (see the module docstring)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.model.layers)):  # ModuleList is untyped
             if i in self.aux_layers:  # one extra add per aux layer; the fused norm keeps no copy
                 captured[i] = h if residual is None else residual + h
             h, residual = layer.step(h, residual, fb, rope)
@@ -285,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         """`forward` for a few tokens: the stream is one tensor, each residual add fused into
         the GEMV before it, so the captured aux states are the stream itself."""
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.model.layers)):  # ModuleList is untyped
             if i in self.aux_layers:
                 captured[i] = h
             h = layer.step_few_tokens(h, fb, rope)
@@ -295,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Logits of `hidden` [T, H]: float32, or (float32 False, for an argmax alone) maybe
         in the model's dtype, whose conversion would change no argmax (it is exact and
-        keeps order) and at a verify of 2048 tokens moves 600 MB (H100: ~0.2 ms a step)."""
+        keeps order) and at a verify of 2048 tokens would read and write some 600 MB a step."""
         if kernels.use_gemv(hidden, lm_head=True):  # the float32 logits of the half ones, in the GEMV's launch
             return kernels.gemv(hidden, self.lm_head.weight, out_dtype=torch.float32)
         logits = self.lm_head(hidden)

@@ -91,6 +91,7 @@ class DeepseekNextN(_PrefixRenamed):
         )
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.embed_tokens is not None, "`share` attaches the target's embedding"
         x = torch.cat([self.enorm(self.embed_tokens(fb.input_ids)), self.hnorm(hidden)], dim=-1)
         out = self.decoder(self.eh_proj(x), fb, self.rotary.at(fb.positions))  # [T, 2H] -> [T, H]
         normed = self.shared_head["norm"](out)
@@ -114,6 +115,7 @@ class MiMoMTP(_PrefixRenamed):
         )
 
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.embed_tokens is not None, "`share` attaches the target's embedding"
         embeds = self.embed_tokens(fb.input_ids)
         embeds = embeds.masked_fill((fb.positions == 0)[:, None], 0.0)  # MiMo masks position 0
         x = torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(embeds)], dim=-1)

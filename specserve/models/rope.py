@@ -34,6 +34,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
+    assert scaling is not None  # any other kind was read from it
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     if kind == "linear":
@@ -64,11 +65,12 @@ class RotaryEmbedding(nn.Module):
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [T, 1, D] for positions [T]: views of one gathered [T, 1, 2D]
-        (a launch, where two gathers were two)."""
+        (one gather launch for both tables)."""
         return self.at(positions).tables()
 
     def at(self, positions: torch.Tensor) -> RopeAt:
         """The tables at one forward's positions [T], gathered when a layer first asks."""
+        assert self.table is not None, "build() makes the tables once the weights are placed"
         return RopeAt(self.table, positions, self.head_dim)
 
 

@@ -25,12 +25,15 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from tqdm import tqdm
 
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsRichComparison
 
 logger = logging.getLogger("specserve")
 
@@ -42,6 +45,7 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 T = TypeVar("T")
+K = TypeVar("K", bound="SupportsRichComparison")  # a graph's key: a batch size, or a tuple of sizes
 
 
 @contextmanager
@@ -49,8 +53,8 @@ def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
     """torch.cuda.graph with Python's garbage collector held off for the capture. A
     collection inside it may destroy CUDA objects that earlier work left unreferenced
     (graphs, events, pinned buffers of an engine built before), a call a capture forbids:
-    the capture is invalidated (an intermittent cudaErrorStreamCaptureInvalidated when
-    the GPU tests built engines one after another). SGLang freezes GC while capturing too.
+    the capture is invalidated (an intermittent cudaErrorStreamCaptureInvalidated, e.g.
+    when one process builds engines one after another). SGLang freezes GC while capturing too.
     torch.cuda.graph still collects once before the capture begins."""
     enabled = gc.isenabled()
     gc.disable()
@@ -62,15 +66,16 @@ def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
             gc.enable()
 
 
-def capture_each(sizes: list[int], body: Callable[[int], T], device: torch.device,
-                 prepare: Callable[[int], None] | None = None, desc: str | None = None, pool=None
-                 ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, T]]:
+def capture_each(sizes: list[K], body: Callable[[K], T], device: torch.device,
+                 prepare: Callable[[K], None] | None = None, desc: str | None = None, pool=None
+                 ) -> tuple[dict[K, torch.cuda.CUDAGraph], dict[K, T]]:
     """One graph per size, largest first, in one memory pool (`pool`, or a new one):
     `prepare(bs)` (outside the capture: metadata copies), `body(bs)` twice (compile kernels,
     settle the allocator), then `body(bs)` captured. Returns the graphs and what each
     captured call returned (its outputs: static tensors that every replay rewrites).
     `desc`: a progress bar's label. Every CUDA graph in specserve is captured here."""
-    graphs, outputs = {}, {}
+    graphs: dict[K, torch.cuda.CUDAGraph] = {}
+    outputs: dict[K, T] = {}
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     order = sorted(sizes, reverse=True)
     for bs in (tqdm(order, desc=desc, unit="graph", leave=False) if desc else order):

@@ -108,8 +108,8 @@ class ModelRunner:
 
         Its query block follows the longest extend in a batch, so a request that borrows
         a long cached prefix and extends a few tokens meets a variant no earlier prefill
-        used, and pays a ~2 s compile mid-traffic (likewise an eager verify's tree-mask
-        variants). One dummy EXTEND (and tree VERIFY) per variant over a
+        used, and pays a Triton compile of seconds mid-traffic (likewise an eager verify's
+        tree-mask variants). One dummy EXTEND (and tree VERIFY) per variant over a
         fresh request (prefix 0, table row 0, every K/V into the scratch slot 0, which
         the table's zeros point to) compiles them at start-up. Drafts with the target's
         head layout reuse the same compiled variants."""
@@ -208,9 +208,10 @@ class ModelRunner:
         # ids and positions may already be device tensors (drafted on the GPU).
         vecs = {"ids": batch.input_ids, "pos": positions, "slots": batch.out_slots, "rows": rows,
                 "logit_rows": logit_rows}
-        host = [k for k, v in vecs.items() if not (isinstance(v, torch.Tensor) and v.device.type == self.device.type)]
-        vecs |= dict(zip(host, h2d_many([vecs[k] for k in host], self.device)))
-        ids, pos, slots, req_rows, logit_rows = (_int64(vecs[k]) for k in vecs)
+        on_dev = {k: v for k, v in vecs.items() if isinstance(v, torch.Tensor) and v.device.type == self.device.type}
+        host = [k for k in vecs if k not in on_dev]
+        on_dev |= dict(zip(host, h2d_many([vecs[k] for k in host], self.device)))
+        ids, pos, slots, req_rows, logit_rows = (_int64(on_dev[k]) for k in vecs)
         return ForwardBatch(
             mode=batch.mode, input_ids=ids, positions=pos, out_slots=slots, req_rows=req_rows,
             prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,

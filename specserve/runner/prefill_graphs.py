@@ -1,11 +1,10 @@
 """Prefill CUDA graphs: EXTEND forwards captured at bucketed token counts.
 
 An eager prefill of a small model is bound by the host, not the GPU: SmolLM2-135M's
-30 layers are ~300 kernel launches at ~30-60 us of Python and launch overhead each,
-about 20 ms for a prompt the H100 computes in ~1 ms, and most of a short request's time
-to first token. A batch is no better: 64 MT-bench prompts (7k tokens, two chunks) took
-57-75 ms of host time for ~6 ms of kernels (H100). Graphs of a prefill chunk at
-16..4096 new tokens (any cached prefixes) turn that into one launch.
+30 layers are ~300 kernel launches, each with tens of microseconds of Python and launch
+overhead, many times the GPU time of a short prompt and most of a short request's time
+to first token. A batch of prompts is host-bound the same way. Graphs of a prefill chunk
+at 16..4096 new tokens (any cached prefixes) turn that into one launch.
 
 Each token bucket B has two graphs: one request, and up to `max_reqs` requests (a batch
 of r <= max_reqs replays the latter, the rest of its request rows padding). A chunk of n
@@ -82,7 +81,7 @@ class PrefillGraphs:
         # every pair: a graph's padding requests take no rows, so 3 requests of 20 tokens replay (32, R)
         self.keys = [(b, q) for b in self.sizes for q in self.req_sizes]
         if capture and self.keys:
-            self.graphs, _ = capture_each(self.keys, lambda key: self._body(self._captured), dev,
+            self.graphs, _ = capture_each(self.keys, self._prepared_body, dev,
                                           prepare=self._prepare, desc="Capturing prefill CUDA graphs")
 
     def _prepare(self, key: tuple[int, int]) -> None:
@@ -91,6 +90,11 @@ class PrefillGraphs:
         b, r = key
         self._captured = self._batch(b, r, [0] * r, [b] + [0] * (r - 1))
         self.backend.init_metadata_for_capture(self._captured)
+
+    def _prepared_body(self, key: tuple[int, int]) -> None:
+        """The body of graph `key` over the static batch `_prepare` built for it."""
+        assert self._captured is not None, "capture_each runs _prepare(key) first"
+        self._body(self._captured)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return (fb.mode == ForwardMode.EXTEND and bool(self.sizes) and fb.batch_size <= self.req_sizes[-1]
@@ -112,13 +116,16 @@ class PrefillGraphs:
             self.graphs[key].replay()
         else:
             self._body(static_fb)
-        st, n = self.static, fb.input_ids.numel()
-        return st.logits[:fb.logit_rows.numel()], (st.features[:n] if st.features is not None else None)
+        st, n, rows = self.static, fb.input_ids.numel(), fb.logit_rows
+        assert rows is not None  # can_run admits only batches with logit rows
+        return st.logits[:rows.numel()], (st.features[:n] if st.features is not None else None)
 
     def _fill(self, fb: ForwardBatch) -> ForwardBatch:
         """Copy fb into the static inputs of the smallest graph that holds it, write the
         attention metadata, and return that graph's static batch."""
-        st, n, k = self.static, fb.input_ids.numel(), fb.logit_rows.numel()
+        rows = fb.logit_rows
+        assert rows is not None  # can_run admits only batches with logit rows
+        st, n, k = self.static, fb.input_ids.numel(), rows.numel()
         b, r, real = self.sizes[bisect.bisect_left(self.sizes, n)], self._reqs(fb.batch_size), fb.batch_size
         st.input_ids[:n].copy_(fb.input_ids)
         st.positions[:n].copy_(fb.positions)
@@ -128,7 +135,7 @@ class PrefillGraphs:
         st.out_slots[n:b].zero_()
         st.req_rows[:real].copy_(fb.req_rows)
         st.req_rows[real:r].zero_()
-        st.logit_rows[:k].copy_(fb.logit_rows)
+        st.logit_rows[:k].copy_(rows)
         st.logit_rows[k:r].zero_()  # a stale row of a larger graph would index past b
         pad = r - real
         static_fb = self._batch(b, r, fb.prefix_lens + [0] * pad, fb.extend_lens + [0] * pad)

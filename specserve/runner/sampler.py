@@ -152,7 +152,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
         next_ids = logits.argmax(-1)
     elif kernels.use_fused(logits) and tempered_only(sb, logits.shape[-1]):
         # the same draw as below (the same noise, division and first-index ties), with
-        # no [B, V] noise or scaled logits stored: two launches where the torch ops took ~8
+        # no [B, V] noise or scaled logits stored: two launches where the torch ops take ~8
         next_ids = kernels.sampled_argmax(logits, kernels.Tempered(sb.temperature, sb.greedy, sb.seeds, sb.counters))
     else:
         scaled = filter_logits(logits, sb)
@@ -202,8 +202,8 @@ _GREEDY: dict[tuple[int, int, torch.device], SamplingBatch] = {}  # (B, vocab, d
 def _greedy_batch(reqs: list[Req], vocab_size: int, device: torch.device) -> SamplingBatch:
     """A batch of greedy requests without penalties or logprobs: sampling takes the argmax
     and reads none of the tensors, so they are built once per batch size (temperature 0,
-    no filters, seeds and counters 0) instead of two host->device copies a step (the
-    general path took 14% of a plain batch-1 step's profiled host time on an H100 host)."""
+    no filters, seeds and counters 0) instead of two host->device copies a step (a plain
+    batch-1 step is bound by host work, of which the general path is a sizeable part)."""
     key = (len(reqs), vocab_size, device)
     if key not in _GREEDY:
         b = len(reqs)
