@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ def _time_ours(engine, prompts: list[list[int]], max_new: int) -> tuple[float, i
 
 def _time_hf(model, prompts: list[list[int]], max_new: int, eos: list[int], static: bool, lookup: int):
     dev = next(model.parameters()).device
-    kw = {"cache_implementation": "static"} if static else {}
+    kw: dict[str, Any] = {"cache_implementation": "static"} if static else {}
     if lookup:
         kw["prompt_lookup_num_tokens"] = lookup
     gen = dict(do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos[0], **kw)

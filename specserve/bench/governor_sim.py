@@ -1,16 +1,16 @@
 """`specserve bench governor-sim`: the speculation governor (spec/governor.py) at batch 1 on
 a simulated clock, against always speculating.
 
-A GPU run of MT-bench at batch 1 varies by a few percent from host to host and round to
-round, more than the governor's own cost, so its policy is compared here on a model of
-that run whose every number can be set: 80 requests of 256 tokens, a verify committing 1
+A GPU run of MT-bench at batch 1 varies from host to host and round to round by more
+than the governor's own cost, so its policy is compared here on a model of that run whose
+every number can be set: 80 requests of 256 tokens, a verify committing 1
 to `max_accept` tokens (each further draft token accepted with a probability that drifts
 per stretch of text around the request's own), speculative and plain steps of fixed cost,
 a first speculative step after plain ones `cold_ms` dearer (no tree drafted ahead), a
 drain at each switch, rare host pauses, a prefill between requests. Every policy sees the
 same text (its acceptances are drawn per position, before any step runs), so the ratio
-to always speculating is the policy's cost alone. The numbers default to SmolLM2-135M
-with its EAGLE-3 head on an H100 (steps of 0.90 and 0.53 ms, 3.6 tokens a verify).
+to always speculating is the policy's cost alone. The defaults stand for SmolLM2-135M with
+its EAGLE-3 head on a GPU; docs/benchmarks.md has the measured step costs they come from.
 It is a model, not a measurement: it says which policy loses less on such traffic.
 """
 from __future__ import annotations
@@ -84,6 +84,7 @@ def run(t: Traffic, seed: int, governed: bool) -> dict:
             now += cost / 1e3
             pos, last, steps[spec] = pos + tokens, spec, steps[spec] + 1
             open_step = (spec, landed, start, run_len <= WARM_STEPS)
+        assert last is not None  # MAX_NEW > 0: every request ran at least one step
         gov.unmeasured(1, last)
         now += t.prefill_ms / 1e3
     return {"tok_s": REQUESTS * MAX_NEW / now, "spec_steps": steps[True], "plain_steps": steps[False]}

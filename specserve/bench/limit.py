@@ -18,6 +18,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from specserve import kernels
 from specserve.bench.report import report
 
 VERIFY_NODES = 16  # the verify(16) <= 1.15x decode target
-LLAMA_31_8B = {
+LLAMA_31_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
@@ -205,9 +206,10 @@ def _graph_times(runner, blocks: int = 7, iters: int = 40) -> tuple[float, float
     from specserve.core.forward_batch import ForwardMode
 
     graphs = runner.graphs.graphs if runner.graphs is not None else {}
-    pair = graphs.get((ForwardMode.DECODE, 1)), graphs.get((ForwardMode.VERIFY, 1))
-    if None in pair:
+    decode, verify = graphs.get((ForwardMode.DECODE, 1)), graphs.get((ForwardMode.VERIFY, 1))
+    if decode is None or verify is None:
         return 0.0, 0.0
+    pair = decode, verify
     times: tuple[list[float], list[float]] = ([], [])
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(blocks):
@@ -218,7 +220,8 @@ def _graph_times(runner, blocks: int = 7, iters: int = 40) -> tuple[float, float
             end.record()
             end.synchronize()
             out.append(1e3 * start.elapsed_time(end) / iters)
-    return tuple(sorted(t)[len(t) // 2] for t in times)  # type: ignore[return-value]
+    decode_us, verify_us = (sorted(t)[len(t) // 2] for t in times)
+    return decode_us, verify_us
 
 
 def _verify_ratio(runner, kv, req, slots: torch.Tensor, decode_s: float, nodes: int = VERIFY_NODES,

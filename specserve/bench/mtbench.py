@@ -24,11 +24,11 @@ import argparse
 import gc
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -45,6 +45,16 @@ PLAIN, HF = "plain", "HF transformers"
 # prompts -> (seconds, output ids per prompt, (drafted verifies, accepted drafts, steps run
 # without drafts) summed over prompts)
 Generate = Callable[[list[list[int]]], tuple[float, list[list[int]], tuple[int, int, int]]]
+
+
+class CausalLM(Protocol):
+    """A Hugging Face transformers causal LM, as the HF rows drive it: its parameters (for
+    the device) and GenerationMixin's `generate`, which returns the id tensor (no
+    return_dict_in_generate)."""
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
+    def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -140,13 +150,13 @@ def turn_prompts(tok: Tokenizer, questions: list[list[str]], answers: list[list[
 def run_turns(generate: Generate, tok: Tokenizer, questions: list[list[str]], turns: int) -> Answers:
     """Every question turn by turn; turn t+1 is built from turn t's answers, then generated."""
     ids: list[list[list[int]]] = [[] for _ in questions]
-    seconds, counts = 0.0, (0, 0, 0)
+    seconds, verifies, accepted, plain_steps = 0.0, 0, 0, 0
     for turn in range(turns):
-        s, outs, turn_counts = generate(turn_prompts(tok, questions, ids, turn))
-        seconds, counts = seconds + s, tuple(a + b for a, b in zip(counts, turn_counts))
+        s, outs, (v, a, p) = generate(turn_prompts(tok, questions, ids, turn))
+        seconds, verifies, accepted, plain_steps = seconds + s, verifies + v, accepted + a, plain_steps + p
         for answers, out in zip(ids, outs):
             answers.append(list(out))
-    return Answers(seconds, ids, *counts)
+    return Answers(seconds, ids, verifies, accepted, plain_steps)
 
 
 # ---- methods ---------------------------------------------------------------------------------
@@ -227,7 +237,7 @@ def until_eos(ids: list[int], eos: set[int]) -> list[int]:
     return ids
 
 
-def hf_batches(model: torch.nn.Module, prompts: list[list[int]], max_new: int, bs: int,
+def hf_batches(model: CausalLM, prompts: list[list[int]], max_new: int, bs: int,
                eos: list[int], temperature: float = 0.0) -> list[list[int]]:
     """transformers generate (greedy, or sampling at `temperature`) in batches of bs,
     left-padded, outputs cut after EOS."""
@@ -245,7 +255,7 @@ def hf_batches(model: torch.nn.Module, prompts: list[list[int]], max_new: int, b
     return outs
 
 
-def hf(model: torch.nn.Module, max_new: int, bs: int, eos: list[int], temperature: float = 0.0) -> Generate:
+def hf(model: CausalLM, max_new: int, bs: int, eos: list[int], temperature: float = 0.0) -> Generate:
     """transformers, warmed up like our engines (every prompt reversed, WARM_TOKENS tokens at the
     timed temperature, same batching)."""
     def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], tuple[int, int, int]]:
@@ -257,13 +267,18 @@ def hf(model: torch.nn.Module, max_new: int, bs: int, eos: list[int], temperatur
     return generate
 
 
-def load_hf(model_dir: Path, runtime: Runtime) -> torch.nn.Module:
+def load_hf(model_dir: Path, runtime: Runtime) -> CausalLM:
     import transformers
     from packaging.version import Version
 
     key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **{key: runtime.dtype})
-    return model.to(runtime.device).eval()
+    # Moved and switched to eval in place (nn.Module's `to` and `eval` return the module itself),
+    # through the nn.Module view: transformers' functools.wraps on PreTrainedModel.to hides its
+    # signature from type checkers.
+    module: torch.nn.Module = model
+    module.to(runtime.device).eval()
+    return model
 
 
 def _measure_ours(args: argparse.Namespace, method: Method, bs: int, tok: Tokenizer,

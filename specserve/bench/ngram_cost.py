@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Iterator
+from typing import TypedDict
 
 import numpy as np
 
@@ -30,8 +32,9 @@ class TextLike:
                         for s in self.succ]
         self.vocab, self.copy = vocab, copy
 
-    def stream(self, rnd: random.Random):
-        hist, pending = [rnd.randrange(self.vocab)], []
+    def stream(self, rnd: random.Random) -> Iterator[int]:
+        hist = [rnd.randrange(self.vocab)]
+        pending: list[int] = []  # a copied phrase, reversed: the next token is the last
         while True:
             if not pending and len(hist) > 32 and rnd.random() < self.copy:
                 start = rnd.randrange(len(hist) - 16)
@@ -42,8 +45,18 @@ class TextLike:
             yield t
 
 
-def run(match_type: str, capacity: int, batch: int, history: int, steps: int,
-        seed: int) -> dict[str, np.ndarray | float]:
+class Cost(TypedDict):
+    """One run's timings (us) and what the drafts and the trie did."""
+
+    propose: np.ndarray  # per step: `propose` for the whole batch
+    update: np.ndarray  # per request and step: `on_tokens`
+    update_step: np.ndarray  # per step: `on_tokens` summed over the batch
+    prompt_us: float  # `add_request` per prompt token
+    nodes: float  # draft tokens per request and step
+    evicted: int  # trie nodes evicted
+
+
+def run(match_type: str, capacity: int, batch: int, history: int, steps: int, seed: int) -> Cost:
     d = SpecConfig()
     ngram = NgramProposer(
         min_window=d.ngram_min_match_window_size, max_window=d.ngram_max_match_window_size,
@@ -72,7 +85,7 @@ def run(match_type: str, capacity: int, batch: int, history: int, steps: int,
             update_us.append((time.perf_counter_ns() - t0) / 1e3)
             roots[b] = tokens[-1]
     update = np.asarray(update_us)
-    return dict(propose=np.asarray(propose_us), update=update,
+    return Cost(propose=np.asarray(propose_us), update=update,
                 update_step=update.reshape(steps, batch).sum(1), prompt_us=prompt_us,
                 nodes=nodes / steps / batch, evicted=ngram.trie.evicted)
 

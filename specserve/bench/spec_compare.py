@@ -4,9 +4,9 @@ Greedy, batch size 1 (one prompt after another) or --batch-size B (all prompts i
 batches of B). Prints one summary line per prompt set (tokens/s of each, the ratio, the
 mean accept length, the time of a plain decode step and of a speculative step, and
 whether outputs were token-identical) and appends JSON lines. `--rounds R` times the two
-engines R times, alternating, and reports medians: a run at batch 64 lasts a fraction of
-a second, where one round moved by +-10%, and the first round is the one where the
-governor starts fresh (its ratio is reported apart). `--random-head eagle|eagle3`
+engines R times, alternating, and reports medians: a short run (a large batch finishes
+in a fraction of a second) is noisy from round to round, and the first round is the one
+where the governor starts fresh (its ratio is reported apart). `--random-head eagle|eagle3`
 drafts with a random head of the real layout for the target (accept length ~1): what the
 drafting machinery costs per step, before any head is trained.
 """
@@ -54,9 +54,9 @@ def add_run_args(p: argparse.ArgumentParser, num_prompts: int, max_new_tokens: i
 def warm_up(engine, prompts: list[list[int]], bs: int, temperature: float = 0.0) -> None:
     """Run every prompt *reversed*, batched as the timed run will be, a few tokens each and
     at the timed run's temperature: Triton kernels compile for the paths and shapes they
-    will meet (block sizes depend on lengths, sampling has kernels of its own, and a
-    compile takes ~1 s: a T=1.0 run warmed up greedily once compiled its sampling kernels
-    inside the timed run, 12.9 s against 9.4), while a proposer that learns from traffic
+    will meet (block sizes depend on lengths, and sampling has kernels of its own: a run
+    warmed up greedily but timed at T > 0 would compile them inside the timed run, and one
+    compile costs as much as many decode steps), while a proposer that learns from traffic
     (NGRAM) never sees a benchmark prompt or its answer before the timed run."""
     for i in range(0, len(prompts), bs):
         engine.generate(input_ids=[p[::-1] for p in prompts[i:i + bs]],

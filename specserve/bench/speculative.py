@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _engine_kwargs(args, setting: tuple[int, int, int] | None, draft: str | None) -> dict:
+def _engine_kwargs(args, setting: tuple[int, ...] | None, draft: str | None) -> dict:
+    """setting: (steps, topk, num_draft_tokens) as parsed from --settings; None: no speculation."""
     kw = dict(device=args.device, dtype=args.dtype, log_level="warning", max_total_tokens=args.max_total_tokens,
               max_running_requests=max(int(b) for b in args.batch_sizes.split(",")))
     if setting is None:
@@ -48,7 +49,7 @@ def _engine_kwargs(args, setting: tuple[int, int, int] | None, draft: str | None
             "speculative_eagle_topk": topk, "speculative_num_draft_tokens": n}
 
 
-def _measure(engine, prompts: list[list[int]], bs: int, max_new: int) -> tuple[float, int, int]:
+def _measure(engine, prompts: list[list[int]], bs: int, max_new: int) -> tuple[float, int, int, float]:
     """(seconds, output tokens, decode steps summed over requests, accept length)."""
     seconds, outs = timed_run(engine, prompts, max_new, bs)
     verifies, plain, accept = spec_counts(outs)

@@ -9,7 +9,7 @@ routes or the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -58,7 +58,7 @@ def loc_to_param(loc: Sequence[Any]) -> str | None:
     return out or None
 
 
-def from_validation_errors(errors: Sequence[dict[str, Any]]) -> APIError:
+def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """Turn the first pydantic/FastAPI error into a 400 that names the field and the problem."""
     if not errors:
         return bad_request("Invalid request")

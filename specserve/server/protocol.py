@@ -9,7 +9,7 @@ Response bodies live in `server/responses.py`.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -65,9 +65,10 @@ def prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[st
     """Normalize a prompt field to a batch: one entry per prompt."""
     if isinstance(value, str):
         return [value]
+    # `_check_prompt` admitted only homogeneous lists, so the first item tells which one this is.
     if _is_int(value[0]):
-        return [list(value)]  # type: ignore[list-item]
-    return list(value)  # type: ignore[return-value]
+        return [cast("list[int]", list(value))]
+    return cast("list[str] | list[list[int]]", list(value))
 
 
 def stop_list(value: str | list[str] | None) -> list[str]:
@@ -86,9 +87,9 @@ class StreamOptions(_Strict):
 
 # Fields that would change the output if honoured: refused loudly rather than ignored.
 # Each maps to the value that means "not used".
-UNSUPPORTED_FIELDS = {"tools": (None, []), "functions": (None, []), "logit_bias": (None, {}),
-                      "repetition_penalty": (None, 1, 1.0), "best_of": (None, 1), "guided_json": (None,),
-                      "guided_regex": (None,)}
+UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
+    "tools": (None, []), "functions": (None, []), "logit_bias": (None, {}), "repetition_penalty": (None, 1, 1.0),
+    "best_of": (None, 1), "guided_json": (None,), "guided_regex": (None,)}
 
 
 def _refuse_unsupported(data: Any) -> Any:
@@ -105,7 +106,10 @@ def _refuse_unsupported(data: Any) -> Any:
 class _OpenAIBase(_Strict):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
-    _refuse = model_validator(mode="before")(classmethod(lambda cls, data: _refuse_unsupported(data)))
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        return _refuse_unsupported(data)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
@@ -259,7 +263,8 @@ class CompletionRequest(_OpenAIBase):
 class NativeSamplingParams(_Strict):
     """SGLang's `sampling_params` names; SGLang's defaults (notably max_new_tokens=128)."""
 
-    max_new_tokens: int | None = Field(128, ge=0)
+    # Defaults passed as `default=`: type checkers read only that keyword as a field's default.
+    max_new_tokens: int | None = Field(default=128, ge=0)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -270,7 +275,7 @@ class NativeSamplingParams(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    seed: int | None = Field(None, validation_alias=AliasChoices("seed", "sampling_seed"))
+    seed: int | None = Field(default=None, validation_alias=AliasChoices("seed", "sampling_seed"))
 
 
 class GenerateRequest(_Strict):
@@ -300,7 +305,9 @@ class GenerateRequest(_Strict):
 
     @property
     def prompts(self) -> list[str] | list[list[int]]:
-        return prompt_list(self.text if self.text is not None else self.input_ids)  # type: ignore[arg-type]
+        value = self.text if self.text is not None else self.input_ids
+        assert value is not None, "_one_input admits exactly one of text / input_ids"
+        return prompt_list(value)
 
     def to_sampling_params(self, max_new_tokens: int | None) -> SamplingParams:
         sp = self.sampling_params

@@ -46,7 +46,9 @@ def plan_epoch(lengths: list[int], batch_tokens: int, batch_size: int | None, se
 
 def _cut(indices: list[int], lengths: list[int], batch_tokens: int, batch_size: int | None) -> list[list[int]]:
     """Greedy cut of length-sorted indices; a sequence over the budget is a batch alone."""
-    batches, current, longest = [], [], 0
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
     for i in indices:
         longest_with = max(longest, lengths[i])
         full = batch_size is not None and len(current) >= batch_size

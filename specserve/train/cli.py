@@ -18,23 +18,21 @@ from specserve.train.trainer import TrainConfig, TrainResult, train_draft
 
 _ALGORITHMS = {"EAGLE3": "EAGLE3", "EAGLE": "EAGLE", "EAGLE2": "EAGLE"}  # EAGLE2 spells EAGLE-2
 _DEFAULT_DRAFT_VOCAB = 32000
-# Regeneration's decode steps between admissions. With 512 answers running about two end at
-# each step, and admitting their replacements at once made a third of the steps prefills
-# (H200, dummy SmolLM2 weights, 2048 staggered answers: 634 of 1709 steps; 46 of 1151 with 16).
+# Regeneration's decode steps between admissions. With hundreds of answers running, some end at
+# almost every step; admitting their replacements at once would make a large share of the
+# steps prefills, so finished answers are replaced once per this many decode steps.
 REGEN_DECODE_STEPS = 16
 
-EXAMPLE = """example (the shipped SmolLM2-135M head's first run, on one H100: ~17 min to regenerate 41.8k answers,
-11.7M tokens, greedy and at T=0.7 and 1.0, at 13-19k tok/s, then 2400 steps of 16k tokens, ~2 epochs,
-at ~80k tok/s in 7.5 min, 17.4 GiB peak; held-out acc per TTT step 0.61 0.58 0.55 0.53 0.52):
+EXAMPLE = """example (the shipped SmolLM2-135M head's first run, answers greedy and at T=0.7 and 1.0;
+docs/benchmarks.md has the shipped head's four training commands, with their machines and figures):
   specserve train-draft --model smollm2-135m --algorithm EAGLE3 --output heads/smollm2-eagle3 \\
       --num-prompts 16000 --extra-temperatures 0.7,1.0 --max-new-tokens 384 --max-seq-len 1024 \\
       --shard-size 1024 --max-running-requests 256 --draft-vocab-size 16384 --ttt-steps 5 \\
       --batch-tokens 16384 --max-steps 2400 --save-every 200
 (on a machine lent for a few minutes at a time add --time-limit SECONDS, rerun with --resume)
 then three more runs, each from the head before it (--init-from), on answers to every turn: the
-shipped head's fourth run (H200: 5 min 46 s for 26.5k answers at T=0.7, the greedy ones copied from
-the third run; 2400 steps in 7 min; held-out acc on greedy and T=0.7 answers 0.758 0.733 0.721 0.711
-0.699; docs/benchmarks.md gives every run's command):
+shipped head's fourth run (with the third run's answers copied into --output first, only the T=0.7
+answers are made; docs/benchmarks.md says how):
   specserve train-draft --model smollm2-135m --algorithm EAGLE3 --output heads/smollm2-eagle3-ft \\
       --init-from heads/r3 --turns all --seed 2 --num-prompts 27000 --max-new-tokens 384 \\
       --max-seq-len 1536 --shard-size 4419 --extra-temperatures 0.7 --max-running-requests 512 \\

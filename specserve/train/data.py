@@ -12,7 +12,7 @@ models (regen.py turns prompts into token ids and answers).
     `{"conversations": [{"from": "human", "value": ...}, ...]}` or chat
     `{"messages": [{"role": "user", "content": ...}, ...]}`.
 A prompt is a chat (OpenAI-style messages) that ends on a user turn:
-  * turns="first": the record's first human/user turn alone (what the shipped head used);
+  * turns="first": the record's first human/user turn alone (the default);
   * turns="all": one chat per human/user turn, each with the record's earlier turns before
     it as context (the dataset's own assistant replies; the target answers the last turn).
     ShareGPT has about 44k later turns besides its ~15.6k first ones, so this is how to
@@ -88,6 +88,7 @@ def _record_chats(record: dict, turns: str) -> list[Chat]:
 
 def conversation(record: dict) -> Chat:
     """A record's whole conversation as messages (a bare "prompt" is one user turn)."""
+    raw: list[tuple[str | None, object]]
     if isinstance(record.get("prompt"), str):
         raw = [("user", record["prompt"])]
     elif record.get("conversations"):
@@ -153,7 +154,9 @@ def decode_truncated_array(text: str) -> list[dict]:
     decoder, records = json.JSONDecoder(), []
     i = text.index("[") + 1
     while True:
-        i = _SEPARATORS.match(text, i).end()
+        separators = _SEPARATORS.match(text, i)
+        assert separators is not None  # `[\s,]*` matches anywhere, if only the empty string
+        i = separators.end()
         if i >= len(text) or text[i] == "]":
             break
         try:

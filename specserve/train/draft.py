@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from torch import nn
 
 from specserve import kernels
 from specserve.attention.base import AttentionBackend
-from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.forward_batch import ForwardBatch, ForwardMode, KVStore
 from specserve.models.draft_layouts import eagle2_config, eagle3_config, write_checkpoint
 from specserve.models.draft_model import DraftModel
 from specserve.models.eagle import LlamaForCausalLMEagle
@@ -61,6 +62,7 @@ def head_config(target_cfg: dict, algorithm: str, vocab: DraftVocab | None,
     common = {"tie_word_embeddings": False, "attention_bias": False,
               "torch_dtype": str(save_dtype).removeprefix("torch.")}
     if algorithm == EAGLE3:
+        assert vocab is not None, "an EAGLE-3 head has a draft vocabulary"
         return eagle3_config(target_cfg, vocab.size, [i - 1 for i in aux_layers]) | common
     return eagle2_config(target_cfg, bias=True) | common
 
@@ -72,20 +74,26 @@ def build_draft(head_cfg: dict, algorithm: str, target: LlamaForCausalLM, vocab:
     cfg = LlamaConfig.from_hf({**head_cfg, "architectures": [_TRUNK]})
     cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, max_positions))
     device = target.model.embed_tokens.weight.device
+    draft: DraftModel
     if algorithm == EAGLE3:
-        draft = LlamaForCausalLMEagle3(cfg, target.config.hidden_size, vocab.size, aux_layers)
+        assert vocab is not None, "an EAGLE-3 head has a draft vocabulary"
+        eagle3 = LlamaForCausalLMEagle3(cfg, target.config.hidden_size, vocab.size, aux_layers)
+        _init_weights(eagle3, seed)
+        with torch.no_grad():  # start from the target's own output rows for the draft ids
+            assert eagle3.lm_head is not None  # built with draft_vocab_size: its own head
+            eagle3.lm_head.weight.copy_(target.lm_head.weight[vocab.ids.to(device)].float())
+            eagle3.get_buffer("d2t").copy_(vocab.d2t)
+        draft = eagle3
     else:
         draft = LlamaForCausalLMEagle(cfg, fc_bias=True)
-    _init_weights(draft, seed)
-    if algorithm == EAGLE3:  # start from the target's own output rows for the draft ids
-        with torch.no_grad():
-            draft.lm_head.weight.copy_(target.lm_head.weight[vocab.ids.to(device)].float())
-            draft.d2t.copy_(vocab.d2t)
+        _init_weights(draft, seed)
     draft = draft.to(device=device, dtype=torch.float32)
     draft.rotary.build(device, torch.float32)
     draft.share(target, None)
+    assert draft.embed_tokens is not None  # `share` attached the target's
     draft.embed_tokens.requires_grad_(False)
     if not draft.owns_lm_head:
+        assert draft.lm_head is not None  # `share` attached the target's
         draft.lm_head.requires_grad_(False)
     return draft
 
@@ -124,8 +132,10 @@ class TTTAttention(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         pass
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
+        # pooled_kv is False, so callers always pass this step's k and v (there is no pool to read)
+        assert k is not None and v is not None
         b, t = self.batch, self.seqlen
         heads, dim = q.shape[1], q.shape[2]
         q = q.view(b, t, heads, dim).transpose(1, 2)  # [B, H, T, D]
@@ -187,7 +197,8 @@ def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
 def _grid_batch(ids: torch.Tensor, positions: torch.Tensor, backend: TTTAttention) -> ForwardBatch:
     """A ForwardBatch carrying only what the draft forward reads (ids, positions, backend)."""
     empty = ids.new_zeros(0)
-    return ForwardBatch(ForwardMode.EXTEND, ids, positions, empty, empty, [], [], empty, None, backend)
+    no_pool = cast(KVStore, None)  # TTTAttention keeps each step's K/V itself (pooled_kv = False)
+    return ForwardBatch(ForwardMode.EXTEND, ids, positions, empty, empty, [], [], empty, no_pool, backend)
 
 
 # -- the published layout ----------------------------------------------------------------------

@@ -36,10 +36,14 @@ class Objective:
         cross-entropy weighted `ce_weight`, 0.1 in EAGLE-1/2's recipe)."""
         self.draft, self.decay = draft, decay
         self.feature_loss, self.ce_weight = feature_loss, ce_weight
-        ids = draft.d2t + torch.arange(draft.d2t.numel(), device=draft.d2t.device) if draft.owns_lm_head else None
+        ids = None
+        if draft.owns_lm_head:  # a head with its own lm_head (EAGLE-3) registers its d2t offsets
+            d2t = draft.get_buffer("d2t")
+            ids = d2t + torch.arange(d2t.numel(), device=d2t.device)
         self.token_map = ids  # draft index -> target id (None: identity)
-        self.in_vocab = None
+        self.in_vocab: torch.Tensor | None = None
         if ids is not None:
+            assert draft.embed_tokens is not None  # `share` attached the target's embedding
             self.in_vocab = torch.zeros(draft.embed_tokens.num_embeddings, dtype=torch.bool, device=ids.device)
             self.in_vocab[ids] = True
 
@@ -90,7 +94,8 @@ def scored_indices(rows: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tens
     scored = torch.zeros_like(rows)
     if shift < rows.shape[1]:
         scored[:, :rows.shape[1] - shift] = rows[:, shift:]
-    return scored.nonzero(as_tuple=True)
+    b_idx, i_idx = scored.nonzero(as_tuple=True)  # rows is [B, T]: one index tensor per dimension
+    return b_idx, i_idx
 
 
 def answer_rows(lengths: torch.Tensor, prompt_lens: torch.Tensor, seqlen: int) -> torch.Tensor:

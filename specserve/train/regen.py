@@ -110,7 +110,7 @@ def choose_prompts(chats: list[Chat], tokenizer: Any, cfg: RegenConfig) -> list[
     whose ids fit in half of max_seq_len (the other half is room for the answer)."""
     order = list(range(len(chats)))
     random.Random(cfg.seed).shuffle(order)
-    chosen = []
+    chosen: list[dict] = []
     for i in order:
         if len(chosen) == cfg.num_prompts:
             break

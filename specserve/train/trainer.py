@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import DTYPES, load_model, pick_dtype, read_hf_config
 from specserve.models.source import resolve_model_dir
 from specserve.runner.model_runner import pick_device
@@ -75,7 +76,7 @@ class TrainConfig:
     step_decay: float = 0.8
     epochs: int = 1
     max_steps: int | None = None
-    lr: float = 1e-3  # beat 3e-4 on held-out acc_j in 400-step SmolLM2 runs (H100)
+    lr: float = 1e-3  # peak AdamW learning rate (after the warm-up); the default chosen on held-out acc_j
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
     grad_clip: float = 0.5
@@ -157,7 +158,7 @@ def _engine(model_dir: Path, cfg: TrainConfig) -> Any:
 class _Run:
     """One invocation's state: the head, its optimiser, the data and the progress."""
 
-    def __init__(self, cfg: TrainConfig, out: Path, hf: dict, target: torch.nn.Module,
+    def __init__(self, cfg: TrainConfig, out: Path, hf: dict, target: LlamaForCausalLM,
                  seqs: list[Sequence], eos: list[int]) -> None:
         self.cfg, self.out, self.seqs = cfg, out, seqs
         self.device = target.model.embed_tokens.weight.device
@@ -177,11 +178,12 @@ class _Run:
         self.draft = heads.build_draft(self.head_cfg, cfg.algorithm, target, self.vocab, aux,
                                        cfg.max_seq_len + cfg.ttt_steps + 1, cfg.seed)
         self.teacher = Teacher(target, "aux" if self.eagle3 else "final", aux,
-                               self.vocab.ids if self.eagle3 else None)
+                               self.vocab.ids if self.vocab is not None else None)  # a vocab iff EAGLE-3
         self.objective = Objective(self.draft, cfg.step_decay, feature_loss=not self.eagle3,
                                    ce_weight=1.0 if self.eagle3 else 0.1)
         self.params = heads.trainable(self.draft)
         if init is not None:
+            assert cfg.init_from is not None  # init was read from it
             heads.load_trainable(self.params, init[0], self.draft.config, Path(cfg.init_from))
         self.train_seqs, self.val_seqs = split_validation(seqs, cfg.val_size, cfg.seed)
         self.lengths = [s.ids.numel() for s in self.train_seqs]
@@ -199,7 +201,7 @@ class _Run:
                     cfg.algorithm, sum(p.numel() for p in self.params.values()) / 1e6, self.total,
                     cfg.batch_tokens, len(self.val_seqs),
                     f", draft vocab {self.vocab.size} covering {100 * self.coverage:.1f}% of answer tokens"
-                    if self.vocab is not None else "")
+                    if self.vocab is not None and self.coverage is not None else "")  # both or neither
 
     # -- setup --------------------------------------------------------------------------------
     def _vocab(self, target_vocab: int, eos: list[int], saved: dict | None,
@@ -367,7 +369,7 @@ def _check_same_run(saved: dict, cfg: TrainConfig) -> None:
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
+    state: dict[str, torch.Tensor | list[torch.Tensor]] = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -8,6 +8,7 @@ sorted ascending, `d2t[i] = ids[i] - i` (offsets: target id = i + d2t[i]) and
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,7 @@ def answer_token_counts(seqs: list[Sequence], target_vocab: int) -> torch.Tensor
     return torch.bincount(answers, minlength=target_vocab)
 
 
-def build_draft_vocab(counts: torch.Tensor, size: int, always: list[int] = ()) -> DraftVocab:
+def build_draft_vocab(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> DraftVocab:
     """The `min(size, V)` ids ranked by (forced first, count descending, id ascending)."""
     vocab = counts.numel()
     size = min(size, vocab)
