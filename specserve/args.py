@@ -12,6 +12,7 @@ launcher prints the one-line message and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -285,7 +286,7 @@ def _explicit_flags(argv: Sequence[str]) -> dict[str, str]:
 
 
 def _section(cls: type, values: dict[str, Any], prefix: str = "", **extra: Any) -> Any:
-    names = cls.__dataclass_fields__
+    names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {n: values[prefix + n] for n in names if prefix + n in values}
     kwargs.update({n: values[n] for n in names if n in values and n not in kwargs})
     return cls(**kwargs, **extra)

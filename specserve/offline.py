@@ -10,7 +10,7 @@ same code as the command line. Results have SGLang's shape:
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, cast
 
 from specserve.args import parse_config
 from specserve.core.config import Config
@@ -52,15 +52,16 @@ class Engine:
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
                  input_ids: list[int] | list[list[int]] | None = None) -> dict | list[dict]:
-        single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        single = isinstance(prompt, str) or bool(input_ids and isinstance(input_ids[0], int))
+        batch: list[list[int]]
         if input_ids is None:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt or [])
-            input_ids = [self.tokenizer.encode(p) for p in prompts]
-        elif single:
-            input_ids = [input_ids]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
+            batch = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            batch = [cast(list[int], input_ids)] if single else cast(list[list[int]], input_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
         reqs = [GenerateReq(f"offline-{next(self._ids)}", ids, make_sampling_params(p))
-                for ids, p in zip(input_ids, params)]
+                for ids, p in zip(batch, params)]
         results = self._run(reqs)
         return results[0] if single else results
 

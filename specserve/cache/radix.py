@@ -114,6 +114,7 @@ class RadixCache:
     def _split(self, child: Node, n: int) -> Node:
         """Split `child` after n tokens; return the new upper node (same lock count)."""
         parent = child.parent
+        assert parent is not None  # the root, the only parentless node, is never split
         upper = Node(child.key[:n], child.slots[:n], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
@@ -122,22 +123,25 @@ class RadixCache:
         upper.children[child.key[0]] = child
         return upper
 
-    def lock(self, node: Node) -> None:
-        """A running request starts using the path root..node."""
-        while node is not self.root:
+    def lock(self, node: Node | None) -> None:
+        """A running request starts using the path root..node (None: the caller holds no
+        node, as NoPrefixCache hands out)."""
+        while node is not None and node is not self.root:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
             node.lock_ref += 1
+            assert node.parent is not None  # below the root every node has a parent
             node = node.parent
 
-    def unlock(self, node: Node) -> None:
-        while node is not self.root:
+    def unlock(self, node: Node | None) -> None:
+        while node is not None and node is not self.root:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
+            assert node.parent is not None  # below the root every node has a parent
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
@@ -182,16 +186,16 @@ class NoPrefixCache:
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, None]:
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, Node | None]:
         return _EMPTY, None
 
     def insert(self, key: list[int], slots: torch.Tensor) -> int:
         return len(key)  # "all already cached": the caller frees every slot itself
 
-    def lock(self, node: None) -> None:
+    def lock(self, node: Node | None) -> None:
         pass
 
-    def unlock(self, node: None) -> None:
+    def unlock(self, node: Node | None) -> None:
         pass
 
     def evict(self, num_tokens: int) -> int:

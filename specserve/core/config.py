@@ -9,6 +9,7 @@ rejects invalid combinations. Subsystems take only their own slice (`cfg.cache`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -101,6 +102,25 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.algorithm is not None
+
+    @property
+    def name(self) -> str:
+        """The algorithm, for code that runs only with speculation on."""
+        assert self.algorithm is not None, "speculation is off"
+        return self.algorithm
+
+    @property
+    def tree(self) -> tuple[int, int, int]:
+        """(num_steps, eagle_topk, num_draft_tokens) once start-up resolved them (spec/registry.py)."""
+        steps, topk, n = self.num_steps, self.eagle_topk, self.num_draft_tokens
+        assert steps is not None and topk is not None and n is not None, "the draft tree is resolved at start-up"
+        return steps, topk, n
+
+    @property
+    def draft_path(self) -> Path:
+        """The draft's local directory once start-up resolved it (spec/registry.py)."""
+        assert self.draft_dir is not None, "the draft's directory is resolved at start-up"
+        return Path(self.draft_dir)
 
 
 @dataclass(frozen=True)

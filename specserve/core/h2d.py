@@ -21,8 +21,7 @@ def h2d(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch
 def h2d_many(parts: list, device: torch.device, dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
     """Several index vectors in one copy (each copy is a launch): [len(p)] tensors on `device`."""
     # Every dispatched op costs host time, so conversions that change nothing are skipped:
-    # at batch 1 a plain decode step is bound by its host work (H100 host: 819 us a step
-    # against the decode graph's 473)
+    # at batch 1 a plain decode step is bound by its host work, not by its graph replay
     host = [_flat(p, dtype) for p in parts]
     flat = torch.cat(host).to(device, non_blocking=True)  # cat copies: never a view of a part
     return list(flat.split([h.numel() for h in host]))
@@ -40,8 +39,7 @@ def ready_event(device: torch.device) -> torch.cuda.Event:
     """An event recorded now on `device`'s current stream: it fires once the work queued so
     far (a non_blocking copy to the host) is done. torch's `Event.record()` with no stream
     resolves the current device through a chain of Python helpers; with the device's index
-    the stream lookup is one call (under cProfile, 66 us of a ~1 ms speculative step at
-    batch 1, H100 host)."""
+    the stream lookup is one call, which matters on a host-bound step at batch 1."""
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device.index if device.index is not None else torch.cuda.current_device()))
     return event

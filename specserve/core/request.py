@@ -26,7 +26,7 @@ class Req:
         self.detok = detok  # IncrementalDetokenizer
         self.stops = stops  # StopChecker
         # KV state (see the module docstring)
-        self.row: int | None = None
+        self.table_row: int | None = None  # while it holds KV memory (KVManager.admit .. release)
         self.kv_len = 0
         self.cached_len = 0  # prefix slots borrowed from the prefix cache (locked there)
         self.cache_node: Any = None
@@ -38,6 +38,12 @@ class Req:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (usage stats)
         self.created = time.monotonic()
         self.meta: dict = {}
+
+    @property
+    def row(self) -> int:
+        """The request's row of the request-to-token table, while it holds KV memory."""
+        assert self.table_row is not None, f"request {self.rid} holds no table row"
+        return self.table_row
 
     @property
     def all_ids(self) -> list[int]:
@@ -63,7 +69,7 @@ class Req:
 
     @property
     def in_decode(self) -> bool:
-        return self.row is not None and self.kv_len == self.seq_len - 1
+        return self.table_row is not None and self.kv_len == self.seq_len - 1
 
     @property
     def max_new_tokens(self) -> int:

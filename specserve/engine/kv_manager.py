@@ -65,7 +65,7 @@ class KVManager:
         slots, node = self.prefix_cache.match_prefix(req.all_ids[:-1])
         slots = slots[:max(0, slots.numel() - self.prefix_backoff)]  # node stays locked: a superset
         self.prefix_cache.lock(node)
-        req.row, req.cache_node = row, node
+        req.table_row, req.cache_node = row, node
         req.kv_len = req.cached_len = slots.numel()
         req.cached_tokens = max(req.cached_tokens, min(req.cached_len, len(req.prompt_ids)))
         if slots.numel():
@@ -100,7 +100,7 @@ class KVManager:
     def release(self, req: Req, cacheable: int | None = None) -> None:
         """Hand the request's KV to the prefix cache (or free it) and free its row;
         `cacheable`: only positions below it go to the cache (the rest are freed)."""
-        if req.row is None:
+        if req.table_row is None:
             return
         slots = self.table.read(req.row, 0, req.kv_len)
         if self.check_twin:
@@ -114,7 +114,7 @@ class KVManager:
         self.allocator.free(slots[n:])
         self.prefix_cache.unlock(req.cache_node)
         self.table.free(req.row)
-        req.row, req.cache_node, req.kv_len, req.cached_len = None, None, 0, 0
+        req.table_row, req.cache_node, req.kv_len, req.cached_len = None, None, 0, 0
 
     def flush_cache(self) -> bool:
         return self.prefix_cache.flush()

@@ -80,7 +80,9 @@ def commit_sampled(reqs: list[Req], so: SampleOutput, eos_ids: frozenset[int], c
     """Commit one sampled token per request (a plain decode step), with its logprobs when asked."""
     ids = so.next_ids.tolist()  # the one device->host sync of a step
     lps = so.logprobs.tolist() if so.logprobs is not None else None
-    tops = (so.top_ids.tolist(), so.top_logprobs.tolist()) if so.top_ids is not None else None
+    tops = None
+    if so.top_ids is not None and so.top_logprobs is not None:
+        tops = (so.top_ids.tolist(), so.top_logprobs.tolist())
     for b, (req, tid) in enumerate(zip(reqs, ids)):
         entry = None
         if lps is not None and req.params.logprobs:

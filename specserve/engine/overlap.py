@@ -19,6 +19,7 @@ the token it sampled is the next forward's input.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -42,7 +43,8 @@ class InFlight:
     @staticmethod
     def launch(reqs: list[Req], so: SampleOutput, slots: torch.Tensor) -> InFlight:
         """Queue the device->host copy of `so` behind the step's sampling; do not wait."""
-        host = SampleOutput(**{f.name: _to_host(getattr(so, f.name)) for f in fields(so)})
+        copies: dict[str, Any] = {f.name: _to_host(getattr(so, f.name)) for f in fields(so)}
+        host = SampleOutput(**copies)
         ready = None
         if so.next_ids.device.type == "cuda":
             ready = ready_event(so.next_ids.device)
@@ -79,7 +81,8 @@ def select(so: SampleOutput, idx: list[int]) -> SampleOutput:
     if idx == list(range(so.next_ids.shape[0])):
         return so
     rows = torch.tensor(idx, dtype=torch.int64)
-    return SampleOutput(**{f.name: None if (t := getattr(so, f.name)) is None else t[rows] for f in fields(so)})
+    picked: dict[str, Any] = {f.name: None if (t := getattr(so, f.name)) is None else t[rows] for f in fields(so)}
+    return SampleOutput(**picked)
 
 
 def decode_inputs(reqs: list[Req], prev: InFlight | None, where: dict[int, int],
@@ -87,7 +90,7 @@ def decode_inputs(reqs: list[Req], prev: InFlight | None, where: dict[int, int],
     """Each request's next input token: from the in-flight step's device ids where it is
     in that step (`where` = prev.index_of()), else its last committed token (on the host)."""
     src = [where.get(id(r), -1) for r in reqs]
-    if all(s < 0 for s in src):
+    if prev is None or all(s < 0 for s in src):
         return [r.last_id for r in reqs]
     if src == list(range(len(prev.reqs))):
         return prev.next_ids  # the same batch again: no index op at all

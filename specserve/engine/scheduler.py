@@ -185,7 +185,8 @@ class Scheduler:
         if not reqs:  # every request ends on the in-flight token: nothing to launch
             return self._drain()
         prefix = [r.kv_len for r in reqs]
-        slots = self.kv.extend_each(reqs)  # _can_overlap checked the memory
+        slots = self.kv.extend_each(reqs)
+        assert slots is not None, "_can_overlap checked the memory"
         self._log_decode(reqs, len(reqs))
         batch = ScheduleBatch.decode(reqs, slots, prefix, decode_inputs(reqs, prev, ahead, self.runner.device))
         fb = self.runner.forward_batch(batch, self.kv.table.table)
@@ -257,16 +258,17 @@ class Scheduler:
     def _spec_step(self) -> list[TokenOut]:
         """Speculative decode of every running request (propose, verify, accept, commit);
         a pipelined step commits the one before it (spec/pipeline.py)."""
-        outs = []
-        if not self.spec.continues(self.running) or self.kv.available() < self.spec.slots_needed(self.running):
+        spec, outs = self.spec, []
+        assert spec is not None, "choose() said speculate"
+        if not spec.continues(self.running) or self.kv.available() < spec.slots_needed(self.running):
             outs = self._land_spec()  # before a retraction, or a step that cannot follow it
-        while self.running and self.kv.available() < self.spec.slots_needed(self.running):
+        while self.running and self.kv.available() < spec.slots_needed(self.running):
             self._retract(self.running[-1])
         if not self.running:
             return outs
         reqs = list(self.running)
         before = sum(len(r.output_ids) for r in reqs)
-        landed = self.spec.step(reqs)
+        landed = spec.step(reqs)
         new_tokens = sum(len(r.output_ids) for r in reqs) - before
         self.stats.generation_tokens_total += new_tokens
         self._log_decode(reqs, new_tokens)
@@ -346,7 +348,8 @@ class Scheduler:
             return None
         reqs = list(self.running)
         prefix = [r.kv_len for r in reqs]
-        slots = self.kv.extend_each(reqs)  # available() >= len(reqs): cannot fail
+        slots = self.kv.extend_each(reqs)
+        assert slots is not None, "available() >= len(reqs): cannot fail"
         self._log_decode(reqs, len(reqs))
         return ScheduleBatch.decode(reqs, slots, prefix)
 

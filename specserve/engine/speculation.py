@@ -51,7 +51,10 @@ class Decoded:
 
 
 class SpecStatsView(Protocol):
-    avg_accept_length: float | None  # since start (server info, /metrics)
+    @property
+    def avg_accept_length(self) -> float | None:
+        """Mean accept length since start (server info, /metrics), or None."""
+        ...
 
     def take_window(self) -> float | None:
         """Mean accept length since the last call (the decode log line), or None."""
@@ -61,8 +64,10 @@ class SpecStatsView(Protocol):
 class Speculator(Protocol):
     """The scheduler's handle on speculative decoding (`spec/worker.py` SpecWorker)."""
 
-    stats: SpecStatsView
     pipeline: bool  # leave steps in flight (set by the scheduler on CUDA with overlap on)
+
+    @property
+    def stats(self) -> SpecStatsView: ...
 
     @property
     def num_draft_tokens(self) -> int: ...
@@ -111,7 +116,8 @@ class SpecPlan(Protocol):
     """A resolved speculative set-up (`spec/registry.py` Plan). Picklable: it crosses into
     the engine process, where `build` runs."""
 
-    needs: SpecNeeds
+    @property
+    def needs(self) -> SpecNeeds: ...
 
     def build(self, runner: ModelRunner, kv: KVManager, eos_ids: frozenset[int], context_length: int,
               max_running: int) -> Speculator:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -160,6 +161,7 @@ def walk_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
             logits = gumbel_targets(logits, sampled, drafts.depths())
     packed = kernels.greedy_walk(tok, par, valid, mask, logits, tempered) if fused else None
     if packed is None and tempered is not None:  # trees too large for the kernel
+        assert sampled is not None, "tempered walks are sampled ones"
         logits = gumbel_targets(logits, sampled, drafts.depths())
     if packed is not None:  # kernels/walk.py: the argmax and the same walk in two launches
         on_path, bonus = packed[:, :n], packed[:, 2 * n:]  # views: the readers take nonzero and strides
@@ -304,7 +306,7 @@ def _accept_sampled(drafts: Drafts, tree: tuple[list, list, list], logits: torch
 
 def per_node_batch(sb: SamplingBatch, rows: torch.Tensor, n: int) -> SamplingBatch:
     """The [B] params of requests `rows`, each repeated for its n nodes: [len(rows) * n]."""
-    per_node = {}
+    per_node: dict[str, Any] = {}
     for f in dataclasses.fields(sb):
         value = getattr(sb, f.name)
         if isinstance(value, torch.Tensor) and value.dim() == 1:

@@ -70,12 +70,12 @@ class Drafts:
         assert max(counts) == n, "the longest chain fills the drafted columns"
         parents = [[i - 1 if i < c else 0 for i in range(n)] for c in counts]
         valid = [[int(i < c) for i in range(n)] for c in counts]
-        root, parents, valid = h2d_many([roots, sum(parents, []), sum(valid, [])], drafted.device)
+        root, parent_ids, is_valid = h2d_many([roots, sum(parents, []), sum(valid, [])], drafted.device)
         tokens = torch.cat([root[:, None], drafted], 1)
-        valid = valid.view(bsz, n).bool()
+        mask = is_valid.view(bsz, n).bool()
         if min(counts) < n:  # padding nodes: token 0 (they hang off the root)
-            tokens = torch.where(valid, tokens, 0)
-        return Drafts(tokens, parents.view(bsz, n), valid, list(counts))
+            tokens = torch.where(mask, tokens, 0)
+        return Drafts(tokens, parent_ids.view(bsz, n), mask, list(counts))
 
     @staticmethod
     def roots(tokens: list[int], device: torch.device | str = "cpu") -> Drafts:
@@ -90,12 +90,12 @@ class Drafts:
         n = max(self.num_nodes, other.num_nodes)
         base, other = self.padded(n), other.padded(n)
         idx = torch.tensor(rows, dtype=torch.int64).to(base.tokens.device, non_blocking=True)
-        fields = [t.index_copy(0, idx, o) for t, o in ((base.tokens, other.tokens), (base.parents, other.parents),
-                                                     (base.valid, other.valid))]
+        tokens, parents, valid = (t.index_copy(0, idx, o) for t, o in (
+            (base.tokens, other.tokens), (base.parents, other.parents), (base.valid, other.valid)))
         counts = list(base.valid_counts())
         for r, c in zip(rows, other.valid_counts()):
             counts[r] = c
-        return Drafts(*fields, counts)
+        return Drafts(tokens, parents, valid, counts)
 
     def select(self, rows: list[int], index: torch.Tensor) -> Drafts:
         """The trees of requests `rows` (`index`: the same rows on the trees' device)."""

@@ -6,28 +6,29 @@ free at batch 1 and costs ~N decode steps once the GPU is compute-bound) and on 
 traffic (how often drafts are accepted). So the governor measures instead of modelling:
 per batch-size bucket it keeps each mode's rate (its mean tokens per request over the
 mean seconds of its last 8 steps but the slowest), runs the better mode, and probes the
-other one so the estimate follows the traffic. The mean tokens weigh a sample by its age
-in the bucket's steps, of either mode (an effective window of 128 steps: at batch 1 a
-verify commits 1 to 7 tokens, so fewer give a noisy mean): a mode only probed keeps its
-samples from before it was turned down, and with a plain mean of its last 64, a stretch
-of text the head drafted badly stayed in it for up to 64 probes (batch 1 ran ~650 plain
-steps after such a stretch before speculating again; the likely cause of MT-bench rounds
-on an H100 that ran up to 2000). Probing is an exploration budget: a probe (three steps
-of the other mode, the last the sample: `record`) is due once its expected loss (the
-time its steps take beyond what the chosen mode would take for the same tokens, plus
-what the warm-up steps of both switches, into the other mode and back, take beyond their
-modes' steady steps, measured) is at most EXPLORE_SHARE of the time the bucket ran since
-its last probe, and never sooner than `probe_every` steps after it. Unpriced, the
-warm-ups (the first speculative step after plain ones drafts its tree cold) were part of
-why batch 1 ran 2-5% slower with the governor than without it (H100, SmolLM2 + EAGLE-3,
-MT-bench), against the 1% planned. The drain at a switch is left out: it waits mostly
-for the step in flight, whose tokens are output. `specserve bench governor-sim` compares
-policies on a simulated batch-1 round. A close call costs little
-to probe, so it is probed every `probe_every` steps and its estimate keeps up; a clearly
-slower mode is probed rarely: speculation 1.6x slower with 8 ms steps (batch 64, H100,
-SmolLM2 + EAGLE-3) every ~600 ms, where waits doubling from 32 steps had probed it 4 times
-in one 128-step batch. A probe step faster than the chosen mode (a change of traffic, or
-luck at batch 1) makes the next probe due `probe_every` steps on, so the window catches up.
+other one so the estimate follows the traffic.
+
+The mean tokens weigh a sample by its age in the bucket's steps, of either mode (an
+effective window of 128 steps: at batch 1 a verify commits 1 to 7 tokens, so fewer give a
+noisy mean). A mode only probed keeps its samples from before it was turned down, so
+without ageing a stretch of text the head drafted badly would stay in its mean for as many
+probes as the window holds, and hold the governor on plain decoding long after the text
+changed.
+
+Probing is an exploration budget: a probe (three steps of the other mode, the last the
+sample: `record`) is due once its expected loss (the time its steps take beyond what the
+chosen mode would take for the same tokens, plus what the warm-up steps of both switches,
+into the other mode and back, take beyond their modes' steady steps, measured) is at most
+EXPLORE_SHARE of the time the bucket ran since its last probe, and never sooner than
+`probe_every` steps after it. The warm-ups are priced because they are real (the first
+speculative step after plain ones drafts its tree cold); the drain at a switch is left
+out: it waits mostly for the step in flight, whose tokens are output. A close call costs
+little to probe, so it is probed every `probe_every` steps and its estimate keeps up; a
+clearly slower mode is probed rarely, its probes spaced by their expected loss. A probe
+step faster than the chosen mode (a change of traffic, or luck at batch 1) makes the next
+probe due `probe_every` steps on, so the window catches up. `specserve bench
+governor-sim` compares policies on a simulated batch-1 round.
+
 A bucket not measured yet starts with the mode its nearest measured bucket prefers (batch
 sizes pass through many buckets as requests finish, and measuring the slower mode first in
 each is what exploration would otherwise cost), and prices its probes with that bucket's
@@ -76,9 +77,10 @@ class SpecGovernor:
         self.probe_steps, self.explore_share = probe_steps, explore_share
         # A mode's rate: its mean tokens per step over the step time of its last `window`
         # (`_step_time`). Tokens per step are the noisier (at batch 1 a verify commits 1 to
-        # 7 tokens): a mean of 8 was noisy enough (+-18%) to settle on plain decoding when
-        # speculation was 1.2x faster. The mean weighs a sample by decay ** (its age in the
-        # bucket's steps): an effective window of `token_window` samples while the mode runs.
+        # 7 tokens), so they take a longer window than the step times: a mean of 8 is noisy
+        # enough to settle on the wrong mode when the two are close. The mean weighs a sample
+        # by decay ** (its age in the bucket's steps): an effective window of `token_window`
+        # samples while the mode runs.
         self.window, self.decay = window, 1.0 - 2.0 / (max(window, token_window) + 1)
         self._count: dict[tuple[int, bool], int] = {}  # (bucket, speculated) -> samples taken
         # (bucket, speculated) -> (weighted sum of tokens per request, sum of weights, the
@@ -186,18 +188,15 @@ class SpecGovernor:
         one of the first WARM_STEPS of a run of its mode. Such a step is not a sample (what
         it takes beyond the mode's steady step prices probes: `_warm_up`). The
         first pays for the switch (the other mode's queued work drained, no tree drafted
-        ahead of a verify, no decode step overlapping a plain one): as a probe's only step
-        it made a speculation 1.3x faster at batch 1 look no faster than plain decoding.
-        The second is cheap: it lands the first, which the GPU began while the host was
-        still busy with the switch, so it waits for less than a step's GPU time; taken as
-        the probe's sample, it made speculation at batch 64 look faster than plain decoding
-        when it ran at 0.83x its speed, and the governor speculated on 95% of the steps
-        (both H100, SmolLM2 + EAGLE-3).
+        ahead of a verify, no decode step overlapping a plain one), so as a sample it would
+        make the switched-to mode look slower than it runs. The second is cheap: it lands
+        the first, which the GPU began while the host was still busy with the switch, so it
+        waits for less than a step's GPU time, and as a sample it would make the mode look
+        faster than it runs.
         Nor is a step that committed nothing: the first step of a pipeline (spec/pipeline.py)
-        is launched and left in flight, and its tokens land with the next step. Taken as a
-        sample, its zero stayed in the mean of tokens for 64 steps: a fresh engine at batch
-        1 ran ~90 plain steps before speculation, 3.5x faster, won (H100, SmolLM2 +
-        EAGLE-3). Either still counts as time run since the last probe."""
+        is launched and left in flight, and its tokens land with the next step; its zero
+        would hold down the mean of tokens for a whole window. Either still counts as time
+        run since the last probe."""
         if not self.enabled or seconds <= 0:
             return
         b = self._bucket(bs)
@@ -277,11 +276,11 @@ def _step_time(seconds: list[float]) -> float:
     """What a step costs: the mean of a window but its slowest step and its host pauses
     (steps over PAUSE x its median: a compile, a GC pause, is not the cost), or the median
     of fewer than 3. Not the median of the window: a pipelined speculative step at batch
-    64 drains and restarts its pipeline whenever a request ends (every 2-3 steps, ~10 ms
-    against ~5), and a median counted only the cheap steps, so speculation 0.77x as fast
-    as plain decoding looked as fast and ran on 90% of the steps (H100, SmolLM2 + EAGLE-3).
-    Pauses matter most in a mode only probed: its window takes one sample a probe, so two
-    pauses in it (the slowest step aside) would stay for many probes."""
+    64 drains and restarts its pipeline whenever a request ends (every few steps, each
+    drain about a whole step), and a median would count only the cheap steps, making a
+    slower speculation look as fast as plain decoding. Pauses matter most in a mode only
+    probed: its window takes one sample a probe, so two pauses in it (the slowest step
+    aside) would stay for many probes."""
     if len(seconds) < 3:
         return statistics.median(seconds)
     slowest = max(seconds)

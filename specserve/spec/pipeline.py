@@ -19,9 +19,9 @@ The next speculative step over the same requests, or over those of them still ru
 for them, launches first and then reads the step in flight back; its kv_lens and trees
 are the rows of the step in flight that it continues (`live_rows`). Anything else (a
 plain step, a request added, an abort of a request it carries, a retraction) first
-drains it (`SpecWorker.drain`). At batch 64 a request ends every few steps; a drain
-there costs a whole step with nothing to overlap (H100, SmolLM2 + EAGLE-3: ~10 ms
-against ~5). A prefill may run while it is in flight: it touches only its own
+drains it (`SpecWorker.drain`). At batch 64 a request ends every few steps, and a drain
+costs a whole step with nothing to overlap, so the step that ended a request is not
+drained: its successor takes the other rows. A prefill may run while it is in flight: it touches only its own
 requests' rows and slots, and the batch it adds drains the step before speculating.
 
 Invariant while a step is in flight: req.kv_len, output_ids and the allocator are those

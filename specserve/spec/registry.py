@@ -157,7 +157,7 @@ def plan(spec: SpecConfig, model_dir: Path, target: LlamaConfig) -> Plan | None:
     """The Plan for a parsed SpecConfig (None without speculation): the algorithm's start-up
     resolution, then its defaults for the target's architecture. ValueError names what
     is wrong (a draft path, a token map, a vocabulary)."""
-    if not spec.enabled:
+    if spec.algorithm is None:
         return None
     from specserve.engine.speculation import SpecNeeds
 
@@ -173,6 +173,6 @@ def plan(spec: SpecConfig, model_dir: Path, target: LlamaConfig) -> Plan | None:
 def resolve_defaults(spec: SpecConfig, architecture: str | None) -> SpecConfig:
     """The algorithm's auto rules for omitted flags; idempotent. Parsing calls it with no
     architecture (an omitted EAGLE tree stays unset), start-up again with the target's."""
-    if not spec.enabled:
+    if spec.algorithm is None:
         return spec
     return get(spec.algorithm).defaults(spec, architecture)

@@ -17,7 +17,7 @@ def explicit_draft_dir(spec: SpecConfig) -> Path | None:
     algorithm that takes no draft model. ValueError for a bad path."""
     from specserve.spec import registry
 
-    if spec.draft_model_path is None or not spec.enabled or registry.get(spec.algorithm).draft_model == "none":
+    if spec.draft_model_path is None or spec.algorithm is None or registry.get(spec.algorithm).draft_model == "none":
         return None
     from specserve.models.source import resolve_model_dir
 

@@ -37,10 +37,11 @@ def tree_defaults(spec: SpecConfig, architecture: str | None, auto: Callable[[st
         if triple is None:
             return spec
         spec = _auto(spec, triple, architecture)
-    if spec.eagle_topk == 1 and spec.num_draft_tokens != spec.num_steps + 1:
+    steps, topk, n = spec.tree
+    if topk == 1 and n != steps + 1:
         logger.warning("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 "
                        "when speculative_eagle_topk == 1")
-        spec = replace(spec, num_draft_tokens=spec.num_steps + 1)
+        spec = replace(spec, num_draft_tokens=steps + 1)
     check_tree_budget(spec)
     return spec
 
@@ -57,7 +58,7 @@ def _auto(spec: SpecConfig, triple: Triple, architecture: str | None) -> SpecCon
 
 
 def check_tree_budget(spec: SpecConfig) -> None:
-    steps, topk, n = spec.num_steps, spec.eagle_topk, spec.num_draft_tokens
+    steps, topk, n = spec.tree
     pool = topk + (steps - 1) * topk * topk
     if n - 1 > pool:
         raise ConfigError(

@@ -29,6 +29,7 @@ def verify_batch(reqs: list[Req], drafts: Drafts, slots: list[torch.Tensor], ful
     dev = drafts.tokens.device
     positions = torch.tensor([r.kv_len for r in reqs]).to(dev, non_blocking=True)[:, None] + drafts.depths()
     masks = drafts.tree_mask()
+    custom: torch.Tensor | list[torch.Tensor]
     if all(c == n for c in counts):
         ids, pos, custom = drafts.tokens.reshape(-1), positions.reshape(-1), masks  # [B, N, N]: no per-request views
     else:
@@ -86,8 +87,8 @@ def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: 
     the host twin is written here (req_table.py)."""
     # Python touches the kept nodes alone (a few a request); the dropped rest (at batch 64
     # with 32-node trees ~1900 slots a step) are picked by one mask op. A few dozen slots
-    # (batch 1) are read once as a list instead: each CPU tensor op is a few us of a
-    # step the host already bounds (~1 ms a step at batch 1, H100 host)
+    # (batch 1) are read once as a list instead: each CPU tensor op costs microseconds of a
+    # step the host already bounds at batch 1
     flat = torch.cat(slots) if len(slots) > 1 else slots[0]
     keep_at, start = [], 0
     for s, path, k in zip(slots, paths, kept):

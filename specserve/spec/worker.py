@@ -29,35 +29,10 @@ from specserve.spec.accept import AcceptResult, accept, accept_greedy_later, gum
 from specserve.spec.governor import WARM_STEPS, SpecGovernor
 from specserve.spec.pipeline import InFlightSpec
 from specserve.spec.proposer import DraftsAhead, Proposer, Verified, WholeStep
+from specserve.spec.stats import SpecStats, record_request
 from specserve.spec.verify import commit_kv, decode_batch, pad_rows, verify_batch
 
 SPEC_NOISE_SALT = 1 << 40  # keeps the coin walk's uniforms apart from plain sampling noise
-
-
-class SpecStats:
-    """Accepted-token counters: per log window (log line) and since start (server info)."""
-
-    def __init__(self) -> None:
-        self.window_verifies = self.window_tokens = 0
-        self.total_verifies = self.total_tokens = 0
-
-    def add(self, verifies: int, tokens: int) -> None:
-        self.window_verifies += verifies
-        self.window_tokens += tokens
-        self.total_verifies += verifies
-        self.total_tokens += tokens
-
-    def take_window(self) -> float | None:
-        """Mean tokens committed per request per verify since the last call (SGLang's accept len)."""
-        if not self.window_verifies:
-            return None
-        value = self.window_tokens / self.window_verifies
-        self.window_verifies = self.window_tokens = 0
-        return value
-
-    @property
-    def avg_accept_length(self) -> float | None:
-        return self.total_tokens / self.total_verifies if self.total_verifies else None
 
 
 class SpecWorker:
@@ -124,9 +99,9 @@ class SpecWorker:
         speculate = self.governor.speculate(bs)
         drain = self._open is not None and self._open[1] != speculate
         # The last step is closed before the drain below: its time is what a step of its
-        # mode costs in a run of them. Charged to it, the drain (a pipelined step's whole
-        # next step) halved speculation's first rate at batch 1, and a fresh engine then
-        # ran ~35 plain steps before its first probe (H100, SmolLM2 + EAGLE-3)
+        # mode costs in a run of them. The drain (a pipelined step's whole next step) is no
+        # part of that cost; charged to it, it would halve speculation's first rate at
+        # batch 1 and hold a fresh engine on plain steps until its first probe
         self._close_last_step(self.governor.clock())
         if drain:
             self._drain()
@@ -185,14 +160,14 @@ class SpecWorker:
         # sampled walks run on the device in the step graphs alone, and only when exact (thresholds 1)
         sampled = self.step_graphs is not None and self.step_graphs.can_run(len(reqs)) \
             and self.spec.accept_threshold_single >= 1.0 and self.spec.accept_threshold_acc >= 1.0
-        if not self.pipeline or self.ahead is None or not self.ahead.can_draft_ahead(len(reqs)) \
-                or not pipeline.eligible(reqs, self.spec.num_steps, self.context_length, sampled):
+        ahead = self.ahead
+        if not self.pipeline or ahead is None or not ahead.can_draft_ahead(len(reqs)) \
+                or not pipeline.eligible(reqs, self.spec.tree[0], self.context_length, sampled):
             return False
         prev = self._inflight
         # a run keeps its tree shape: a batch that shrinks across batch_from drains (batch_tree.py)
         return prev is None or (prev.live_rows(reqs) is not None and prev.graphed == self._graphed(len(reqs))
-                                and prev.nodes == self._nodes(len(reqs))
-                                and self.ahead.has_drafted_ahead(prev.reqs))
+                                and prev.nodes == self._nodes(len(reqs)) and ahead.has_drafted_ahead(prev.reqs))
 
     def _graphed(self, bsz: int) -> bool:
         """Whether a pipelined step over `bsz` requests is one step-graph replay."""
@@ -201,7 +176,8 @@ class SpecWorker:
     def _nodes(self, bsz: int) -> int:
         """N of a pipelined step over `bsz` requests: its step graph's tree (the batch tree
         from batch_from requests, batch_tree.py), else the main tree's."""
-        return self.step_graphs.nodes(bsz) if self._graphed(bsz) else self.proposer.max_nodes
+        g = self.step_graphs
+        return g.nodes(bsz) if g is not None and g.can_run(bsz) else self.proposer.max_nodes
 
     def capture_graphs(self, max_bs: int) -> None:
         """Capture graphs of the whole pipelined step for batches up to `max_bs`, when
@@ -213,8 +189,10 @@ class SpecWorker:
         """Queue a greedy step over full trees from the device state `prev` left (or the
         host's, when nothing is in flight) and its draft-ahead; read nothing back. `prev`
         may carry requests that ended (dropped): the step takes the rows of the others."""
-        b, n, dev = len(reqs), self._nodes(len(reqs)), self.runner.device
+        b, n, dev, ahead_drafter = len(reqs), self._nodes(len(reqs)), self.runner.device, self.ahead
+        assert ahead_drafter is not None, "_pipelines checked it"
         slots = self.kv.alloc_each([n] * b)
+        assert slots is not None, "the scheduler made room (slots_needed)"
         live = prev.live_rows(reqs) if prev is not None and prev.dropped else None
         keep = h2d(live, dev) if live is not None else None  # [B] rows of `prev` (device)
         if self._graphed(b):
@@ -225,17 +203,20 @@ class SpecWorker:
         elif keep is None:
             starts = prev.kv_after
         else:
+            assert live is not None
             starts = prev.kv_after.index_select(0, keep)
-            self.ahead.keep_ahead(reqs, live, keep)
+            ahead_drafter.keep_ahead(reqs, live, keep)
         self.kv.table.write_block(rows, starts, flat.view(b, n))
         drafts = self.proposer.propose(reqs, [n] * b)  # after `prev`: its trees, drafted ahead
         positions = (starts[:, None] + drafts.depths()).reshape(-1)
         fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, flat, rows, starts,
                                              drafts.tree_mask(), self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
-        ahead = _DraftAhead(self.ahead, reqs, features.view(b, n, -1), fb.out_slots.view(b, n), True,
+        assert features is not None, "a proposer that drafts ahead has the runner capture features"
+        ahead = _DraftAhead(ahead_drafter, reqs, features.view(b, n, -1), fb.out_slots.view(b, n), True,
                             torch.cat([rows, starts]))
         pending = accept_greedy_later(drafts, logits.view(b, n, -1), ahead)
+        assert ahead.kv_after is not None, "a greedy walk runs the hook before its read-back"
         return InFlightSpec(reqs, slots, pending, ahead.kv_after)
 
     def _launch_graphed(self, reqs: list[Req], prev: InFlightSpec | None, slots: list[torch.Tensor],
@@ -243,12 +224,15 @@ class SpecWorker:
         """_launch as one replay of the step graph: `prev` left its kv_len and trees in the
         graph's buffers (rows `keep` of them when some of its requests ended); a first
         step brings the host's."""
-        b, n, g = len(reqs), self.step_graphs.nodes(len(reqs)), self.step_graphs
+        g, ahead = self.step_graphs, self.ahead
+        assert g is not None and ahead is not None, "_graphed checked them"
+        b, n = len(reqs), g.nodes(len(reqs))
         first = self.proposer.propose(reqs, [n] * b) if prev is None else None
         if keep is not None:
+            assert prev is not None, "rows are kept from the step in flight"
             g.keep_rows(len(prev.reqs), keep)
         packed = g.launch(reqs, torch.cat(slots), first)
-        self.ahead.adopt_ahead(reqs, g.trees(b))
+        ahead.adopt_ahead(reqs, g.trees(b))
         return InFlightSpec(reqs, slots, read_later(packed), g.kv_after(b), graphed=True)
 
     def _land(self, done: InFlightSpec) -> tuple[list[Req], int]:
@@ -303,6 +287,7 @@ class SpecWorker:
         """Propose, verify, accept, commit. Returns tokens committed."""
         budgets = self.budgets(reqs)
         slots = self.kv.alloc_each(budgets)
+        assert slots is not None, "the scheduler made room (slots_needed)"
         self.kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], slots)
         drafts = self.proposer.propose(reqs, budgets)
         if drafts.num_nodes == 1:  # nothing drafted (penalties only): the verify is a decode (DECODE graphs)
@@ -381,6 +366,7 @@ class SpecWorker:
         verify's (None when no request asked for logprobs)."""
         if not req.params.logprobs:
             return tokens[:commit_run(req, tokens, self.eos_ids, self.context_length)]
+        assert logits is not None, "the verify's logits are kept when a request asks for logprobs"
         done = []
         for i, tok in enumerate(tokens):
             commit_token(req, tok, self.eos_ids, self.context_length, _logprob_entry(req, tok, logits[path[i]]))
@@ -390,20 +376,10 @@ class SpecWorker:
         return done
 
     def _record(self, req: Req, committed: int, drafted: bool, nodes: int | None = None) -> None:
-        """Per-request counters in SGLang's names. Only verifies that carried drafts count
-        (spec_verify_ct); steps the governor ran plainly, or root-only trees (penalties),
-        are counted apart (spec_plain_ct), so the accept length is that of speculation.
-        `nodes`: the verified tree's N (default the main tree's)."""
-        meta = req.meta
-        if not drafted:
-            meta["spec_plain_ct"] = meta.get("spec_plain_ct", 0) + 1
-            return
-        meta["spec_verify_ct"] = meta.get("spec_verify_ct", 0) + 1
-        meta["spec_accept_token_num"] = meta.get("spec_accept_token_num", 0) + committed - 1
-        meta["spec_draft_token_num"] = meta.get("spec_draft_token_num", 0) + (nodes or self.proposer.max_nodes) - 1
-        meta["spec_accept_length"] = (meta["spec_accept_token_num"] + meta["spec_verify_ct"]) / meta["spec_verify_ct"]
-        meta["spec_accept_rate"] = meta["spec_accept_token_num"] / max(meta["spec_draft_token_num"], 1)
-        self.stats.add(1, committed)
+        """The step's counters (stats.py); `nodes`: the verified tree's N (default the main tree's)."""
+        record_request(req.meta, committed, drafted, nodes or self.proposer.max_nodes)
+        if drafted:
+            self.stats.add(1, committed)
 
 
 class _DraftAhead:

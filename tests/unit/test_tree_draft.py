@@ -21,7 +21,7 @@ V, ROOT_KID = 4096, 4000  # the root's children are tokens 4000 + j
 
 def _req(kv: KVManager, rid: str, n: int) -> Req:
     req = Req(rid, list(range(10, 10 + n)), SamplingParams(temperature=0), 0, None, None)
-    req.row = kv.table.alloc()
+    req.table_row = kv.table.alloc()
     kv.table.write(req.row, 0, kv.alloc_slots(n))
     req.kv_len = n - 1  # decode state: the last token is the root
     return req

@@ -51,8 +51,8 @@ def defaults(spec: SpecConfig, architecture: str | None) -> SpecConfig:
 def resolve(spec: SpecConfig, model_dir: Path, target: LlamaConfig) -> SpecConfig:
     """The draft's directory and layout, the token map, the head's own tree (module docstring)."""
     draft = Path(spec.draft_dir) if spec.draft_dir else _find_draft(spec, model_dir)
-    check_layout(spec.algorithm, draft)
-    token_map = spec.token_map if LAYOUTS[spec.algorithm] != ("eagle3",) else None  # EAGLE-3: its own d2t
+    check_layout(spec.name, draft)
+    token_map = spec.token_map if LAYOUTS[spec.name] != ("eagle3",) else None  # EAGLE-3: its own d2t
     if token_map is not None:
         from specserve.models.token_map import load_token_map
 
@@ -64,7 +64,7 @@ def _find_draft(spec: SpecConfig, model_dir: Path) -> Path:
     explicit = explicit_draft_dir(spec)
     if explicit is not None:
         return explicit
-    head = shipped_head(model_dir, spec.algorithm)
+    head = shipped_head(model_dir, spec.name)
     if head is not None:
         return head
     from specserve.models.mtp import has_mtp_layers
@@ -90,7 +90,7 @@ def head_default_tree(spec: SpecConfig) -> SpecConfig:
     ahead of SGLang's choice by architecture; and the batch tree (batch_tree.py) resolved:
     auto takes the head's `specserve_batch_tree` with the head's own tree, else off."""
     try:
-        config = json.loads((Path(spec.draft_dir) / "config.json").read_text())
+        config = json.loads((spec.draft_path / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
     tree, from_head = config.get("specserve_default_tree"), spec.num_steps is None
@@ -108,12 +108,12 @@ def draft_kv_shape(spec: SpecConfig, target: LlamaConfig) -> tuple[int, int, int
     return 1, target.num_kv_heads, target.head_dim
 
 
-_COMMON = dict(make_proposer=make_proposer, batch_tree=True, prefix_backoff=1, draft_headroom_mb=2 * 1024,
-               defaults=defaults, resolve=resolve, draft_kv_shape=draft_kv_shape, has_default_draft=has_shipped_head)
 EAGLE = register(Algorithm(
     name="EAGLE", aliases=("NEXTN",), summary="EAGLE-2 heads, or the target's own MTP layers",
-    draft_model="optional", no_draft_note="the target's own MTP layers will be the draft", token_map="supported",
-    **_COMMON))
-EAGLE3 = register(Algorithm(
-    name="EAGLE3", summary="EAGLE-3 heads (the default model ships one)", draft_model="required",
-    token_map="ignored", token_map_note="EAGLE3 models already have a draft vocabulary", **_COMMON))
+    make_proposer=make_proposer, draft_model="optional", has_default_draft=has_shipped_head,
+    no_draft_note="the target's own MTP layers will be the draft", token_map="supported", batch_tree=True,
+    prefix_backoff=1, draft_headroom_mb=2 * 1024, defaults=defaults, resolve=resolve, draft_kv_shape=draft_kv_shape))
+EAGLE3 = replace(EAGLE, name="EAGLE3", aliases=(), summary="EAGLE-3 heads (the default model ships one)",
+                 draft_model="required", no_draft_note="", token_map="ignored",
+                 token_map_note="EAGLE3 models already have a draft vocabulary")
+register(EAGLE3)

@@ -2,15 +2,14 @@
 
 After a plain decode step (the governor turned speculation down), EAGLE's draft KV lacks
 the position the step fed, which pairs the target's feature there with the token the step
-sampled (eagle.py). Extending the draft by that one token every step cost ~300 us of host
-work a step at batch 64 on the H100 (a graph replay and its inputs), and the speculative
-engine's plain steps ran ~0.8x the plain engine's. Instead a plain step only writes its
+sampled (spec/eagle/proposer.py). Extending the draft by that one token every step would put
+a graph replay and its inputs on the host's path at every plain step, and plain steps are
+what the governor chose because they are cheaper. Instead a plain step only writes its
 sampled tokens and the target's features at the fed positions into rings on the device
 (`push`: two index copies, no forward), and the draft catches up over the whole run in one
 extend (`take`) when speculation resumes, or when a request's backlog fills its ring. With CUDA
-graphs that extend is a replay padded to W tokens a request (eagle.py's catch-up graphs):
-eagerly, each new ragged shape compiled attention kernels of its own while serving (H100,
-batch 64: 0.13x plain decoding over five rounds).
+graphs that extend is a replay padded to W tokens a request (the catch-up graphs): eagerly,
+each new ragged shape would compile attention kernels of its own while serving.
 
 Layout: a request's backlog is the span [start, end) of positions fed by plain steps since
 its draft KV was last computed. Position p of table row r lives in ring cell r * W + p % W
@@ -59,9 +58,9 @@ class DraftBacklog:
         self.tokens = torch.zeros(rows * ring, dtype=torch.int64, device=device)
         self.features = torch.zeros(rows * ring, width, dtype=dtype, device=device)
         self.spans: dict[str, list[int]] = {}  # request id -> [start, end)
-        # A kernel's first launch in a process loads its CUDA module: `remainder`'s took
-        # ~22 ms, paid by a fresh engine's first plain step mid-traffic (H100). Load
-        # `push`'s kernels now, writing cell 0 with what it holds.
+        # A kernel's first launch in a process loads its CUDA module, which a fresh
+        # engine's first plain step would pay mid-traffic. Load `push`'s kernels now,
+        # writing cell 0 with what it holds.
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         cells = zero.remainder(ring).add_(zero, alpha=ring)
         self.tokens.index_copy_(0, cells, self.tokens[:1].clone())
@@ -70,6 +69,7 @@ class DraftBacklog:
     def push(self, reqs: list[Req], step: Decoded) -> bool:
         """Queue a plain step's fed positions (device writes only). Returns whether a
         request's ring is now full: the caller catches up before the next push."""
+        assert step.features is not None, "EAGLE's runner captures features for plain steps too"
         cells = step.positions.remainder(self.ring).add_(step.rows, alpha=self.ring)
         self.tokens.index_copy_(0, cells, step.tokens)
         self.features.index_copy_(0, cells, step.features)
@@ -89,7 +89,11 @@ class DraftBacklog:
         behind = [(req, self.spans.pop(req.rid)) for req in reqs if req.rid in self.spans]
         if not behind:
             return None
-        cells, flat, positions, last, stride = [], [], [], [], table.stride(0)
+        cells: list[int] = []
+        flat: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        stride = table.stride(0)
         for req, (start, end) in behind:
             n = end - start
             pad = (pad_to or n) - n
@@ -98,9 +102,10 @@ class DraftBacklog:
             positions += list(range(start, end)) + [0] * pad
             last.append(len(positions) - pad - 1)
         rows = [req.row for req, _ in behind]
-        cells, flat, positions, rows, last = h2d_many([cells, flat, positions, rows, last], self.tokens.device)
+        cells_t, flat_t, positions_t, rows_t, last_t = h2d_many([cells, flat, positions, rows, last],
+                                                                self.tokens.device)
         return CatchUp([req for req, _ in behind], [s for _, (s, _) in behind], [e - s for _, (s, e) in behind],
-                       self.tokens[cells], positions, slots_at(table, flat), cells, rows, last)
+                       self.tokens[cells_t], positions_t, slots_at(table, flat_t), cells_t, rows_t, last_t)
 
     def cacheable(self, req: Req) -> int | None:
         """How much of `req`'s KV the prefix cache may take: below its backlog, or all (None)."""

@@ -4,19 +4,10 @@ At batch 1 a verify of N tree tokens costs about one decode step (the GPU waits 
 reads either way), so the tree that gets the most tokens accepted wins: the shipped SmolLM2
 head drafts 5,6,32 (steps, topk, draft tokens). At batch 64 that verify is 2048 tokens,
 arithmetic the GPU pays for, and the drafting pass runs six branches a request; a small
-tree verifies a fifth of the tokens for fewer accepted (2.3 a verify against 3.0). H100,
-bf16, SmolLM2 + shipped EAGLE-3, 64 MT-bench prompts x 128, against the plain engine in
-the same process (`.gpu` scripts, one hold each):
-  * forced speculation, 3 rounds: 5,6,32 1.09x at batch 64, 3,1,4 1.18x, 3,2,6 1.21x;
-    at batch 16 1.45x / 1.52x / 1.53x;
-  * the governor on, 3 rounds: the head's 5,6,32 with its batch tree 3,2,6 from 9
-    requests ran 1.18x / 1.23x / 1.16x at batch 64 / 32 / 16, without it 1.08x / 1.08x /
-    1.09x;
-  * the same at batch 8 / 4 / 2 with the batch tree from 2 requests up against from 9
-    (the main tree below): 1.36x / 1.35x / 1.46x against 1.29x / 1.24x / 1.31x; at batch
-    1 the main tree stays ahead of every smaller one tried (5,6,32 1.73x, 5,6,24 1.70x,
-    5,4,16 and 4,4,16 1.67x, 4,6,16 1.64x; 30 questions x 256, 2 rounds). Two requests
-    of 32 nodes are 64 tokens, past the few-token kernels' 32 (kernels/skinny.py).
+tree verifies a fraction of the tokens for somewhat fewer accepted, and wins from two
+requests up (the head names its batch tree, 3,2,6, in its config; docs/benchmarks.md has
+the figures). Two requests of 32 nodes are 64 tokens, past the few-token kernels' 32
+(kernels/skinny.py).
 
 So a step graph of at least `batch_tree_from` requests drafts and verifies the batch tree
 (step_graphs.py, keyed by its captured size), and smaller ones the main tree. A pipelined

@@ -2,10 +2,8 @@
 
 After the target prefills a chunk (one launch: runner/prefill_graphs.py), the draft
 extends the same positions with the target's features there and leaves each finished
-request's root state (eagle.py `on_extend`). Eagerly that is ~40 launches behind their
-Python, and the roots' top-k: on an H100 an EAGLE-3 request's first token took 4.40 ms
-against plain decoding's 2.11 (dummy SmolLM2, 100-token prompts, `.gpu` script), and a
-batch of 64 MT-bench prompts spent ~7 ms more than the plain engine in its prefill.
+request's root state (proposer.py `on_extend`). Eagerly that is ~40 launches behind their
+Python, and the roots' top-k, on every request's time to first token; one replay each.
 
 The graphs are keyed as the target's: (tokens, requests), a chunk of n tokens over q
 requests replaying the smallest bucket B >= n of one request or of `max_reqs`. The

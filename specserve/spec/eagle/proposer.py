@@ -35,7 +35,6 @@ while the GPU drafts. The next `propose` over the same requests takes those tree
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
@@ -66,6 +65,9 @@ from specserve.spec.tree.root_states import RootState, RootStates
 logger = logging.getLogger("specserve")
 
 
+_FEATURES = "EAGLE has the runner capture the target's features (capture_features)"
+
+
 def extend_tokens(all_ids: list[int], start: int, end: int) -> list[int]:
     """The tokens paired with features [start, end): each position's *next* token."""
     return all_ids[start + 1:end + 1]
@@ -73,32 +75,32 @@ def extend_tokens(all_ids: list[int], start: int, end: int) -> list[int]:
 
 class EagleProposer(Proposer, DraftsAhead):
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> None:
-        draft = Path(spec.draft_dir)
+        draft, (steps, topk, nodes) = spec.draft_path, spec.tree
         logger.info("Drafting with %s", "the target's own MTP layers" if draft == runner.model_dir else draft)
-        self.model = load_draft(draft, runner.model, LAYOUTS[spec.algorithm], runner.dtype, runner.device,
+        self.model = load_draft(draft, runner.model, LAYOUTS[spec.name], runner.dtype, runner.device,
                                 _token_map(spec, runner))
         runner.capture_features(self.model.feature_mode, self.model.aux_layers)
         c = self.model.config
         self.pool = KVPool(runner.num_slots, c.num_layers, c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
         self.backend = make_backend(spec.draft_attention_backend or runner.attn_backend_name, runner.device)
         self.runner, self.kv = runner, kv
-        self.topk, self.max_nodes = spec.eagle_topk, spec.num_draft_tokens
-        self.scratch_per_req = spec.eagle_topk * (spec.num_steps - 1)
+        self.topk, self.max_nodes = topk, nodes
+        self.scratch_per_req = topk * (steps - 1)
         token_map = self.model.token_map
         self.token_map = token_map.to(runner.device) if token_map is not None else None
-        self.tree = TreeDrafter(kv, self._tree_step, spec.eagle_topk, spec.num_steps, shift=1,
-                                token_map=self.token_map)
+        self.tree = TreeDrafter(kv, self._tree_step, topk, steps, shift=1, token_map=self.token_map)
         # the batch tree (batch_tree.py): drafted by the step graphs of batch_from requests and more
         (self.batch_tree, self.batch_nodes), self.batch_from = self._batch_tree(spec), spec.batch_tree_from
-        self.roots = RootStates(kv.table.table.shape[0], spec.eagle_topk, c.hidden_size, runner.dtype, runner.device)
-        self.extend_len = spec.num_steps + 1  # the most tokens one verify commits
-        self.extend_graphs = self.catchup_graphs = None  # after a verify; after plain steps (backlog.py)
+        self.roots = RootStates(kv.table.table.shape[0], topk, c.hidden_size, runner.dtype, runner.device)
+        self.extend_len = steps + 1  # the most tokens one verify commits
+        self.extend_graphs: DraftExtendGraphs | None = None  # after a verify
+        self.catchup_graphs: DraftExtendGraphs | None = None  # after the governor's plain steps (backlog.py)
         self.backlog = DraftBacklog(kv.table.table.shape[0], self._feature_width(runner), runner.dtype, runner.device)
         self.prefill_graphs: DraftPrefillGraphs | None = None  # after one request's prefill chunk
         # (request ids, their trees) drafted ahead for the next propose over exactly those requests
         self._ahead: tuple[list[str], Drafts] | None = None
         if self._can_capture(runner):
-            self.tree.graphs = self._capture_tree(runner, max_running) if spec.num_steps > 1 else None
+            self.tree.graphs = self._capture_tree(runner, max_running) if steps > 1 else None
             if self.batch_tree is not None:
                 self.batch_tree.graphs = self._capture_tree(runner, max_running, self.batch_tree, self.batch_nodes)
             self.extend_graphs = self._capture_extend(runner, max_running, self.extend_len)
@@ -120,6 +122,7 @@ class EagleProposer(Proposer, DraftsAhead):
     # -- keeping the draft KV in sync -----------------------------------------------------
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
         """Draft-extend the chunk the target just prefilled, over the same slots."""
+        assert features is not None, _FEATURES
         graphs = self.prefill_graphs
         if graphs is not None and graphs.can_run(sum(batch.extend_lens), len(batch.reqs)):
             chunks = [(extend_tokens(req.all_ids, start, start + n), start, req.row, req.row if sampled else None)
@@ -128,7 +131,7 @@ class EagleProposer(Proposer, DraftsAhead):
             graphs.run(chunks, batch.out_slots, features)
             self.roots.mark(batch.sampled_reqs)
             return
-        ids = []
+        ids: list[int] = []
         for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             ids += extend_tokens(req.all_ids, start, start + n)
         draft = ScheduleBatch(ForwardMode.DRAFT_EXTEND, batch.reqs, ids, batch.out_slots,
@@ -139,9 +142,13 @@ class EagleProposer(Proposer, DraftsAhead):
         """Draft-extend each request's committed positions with the target's features there."""
         if verified.extended:  # draft_ahead queued it before the read-back
             return
+        assert verified.features is not None and verified.kv_slots is not None, _FEATURES
         if self.extend_graphs is not None and self.extend_graphs.can_run(len(reqs)):
-            return self._extend_graphed(reqs, verified)
-        ids, starts, lens, nodes = [], [], [], []
+            return self._extend_graphed(reqs, verified, self.extend_graphs)
+        ids: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        nodes: list[int] = []
         n = verified.features.shape[1]
         for b, (req, tokens) in enumerate(zip(reqs, verified.committed)):
             start = req.kv_len - len(tokens)  # commit already advanced kv_len
@@ -174,10 +181,10 @@ class EagleProposer(Proposer, DraftsAhead):
         their last positions."""
         g = self.catchup_graphs
         graphed = g is not None and g.can_run(len(reqs))
-        work = self.backlog.take(reqs, self.kv.table.table, g.L if graphed else None)
+        work = self.backlog.take(reqs, self.kv.table.table, g.L if g is not None and graphed else None)
         if work is None:
             return
-        if graphed:
+        if g is not None and graphed:
             g.replay([work.ids, work.positions, work.slots, work.cells, work.rows, work.last], self.backlog.features,
                      work.prefix_lens)
             self.roots.mark(work.reqs)
@@ -186,10 +193,16 @@ class EagleProposer(Proposer, DraftsAhead):
                               work.extend_lens, [True] * len(work.reqs), positions=work.positions)
         self._set_roots(work.reqs, *self._step(draft, self.backlog.features[work.cells]))
 
-    def _extend_graphed(self, reqs: list[Req], verified: Verified) -> None:
+    def _extend_graphed(self, reqs: list[Req], verified: Verified, graphs: DraftExtendGraphs) -> None:
         """on_verified through the draft-extend graph: every request padded to L tokens."""
+        assert verified.features is not None and verified.kv_slots is not None, _FEATURES
         L, n = self.extend_len, verified.features.shape[1]
-        ids, pos, slots, feat_rows, last, starts = [], [], [], [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        feat_rows: list[int] = []
+        last: list[int] = []
+        starts: list[int] = []
         for b, (req, tokens) in enumerate(zip(reqs, verified.committed)):
             c, pad = len(tokens), L - len(tokens)
             start = req.kv_len - c
@@ -200,7 +213,7 @@ class EagleProposer(Proposer, DraftsAhead):
             last.append(b * L + c - 1)
             starts.append(start)
         features = verified.features.reshape(-1, verified.features.shape[-1])
-        self.extend_graphs.replay_host([ids, pos, slots, feat_rows], [[r.row for r in reqs], last], features, starts)
+        graphs.replay_host([ids, pos, slots, feat_rows], [[r.row for r in reqs], last], features, starts)
         self.roots.mark(reqs)
 
     def can_draft_ahead(self, bsz: int) -> bool:
@@ -236,6 +249,7 @@ class EagleProposer(Proposer, DraftsAhead):
         b = slots.shape[0]
         roots, _, tails, states = self._commit_ahead(walk, features, slots, row_start, inline=True,
                                                      shift=tree.shift, kv_out=kv_out)
+        assert tree.graphs is not None, "step_graphs.supported: the tree pass is captured"
         tree.graphs.run_inline(roots, row_start[:b], tails, scratch, out, states)
 
     def whole_step(self, runner: ModelRunner, kv: KVManager, max_bs: int) -> WholeStep | None:
@@ -268,6 +282,7 @@ class EagleProposer(Proposer, DraftsAhead):
         from specserve.kernels import ahead  # imports triton: CUDA only
 
         ext = self.extend_graphs
+        assert ext is not None, "can_draft_ahead: the extend is captured"
         padded = b if inline else ext.size_for(b)
         prefix32 = ext.prefix_buffer(padded)  # the extend's attention reads it: written by the kernel
         roots, kv_lens, tails = ahead.draft_ahead_index(
@@ -282,6 +297,7 @@ class EagleProposer(Proposer, DraftsAhead):
     def keep_ahead(self, reqs: list[Req], rows: list[int], index: torch.Tensor) -> None:
         """The next step continues over `reqs`, rows `rows` (`index` on the device) of the
         requests drafted ahead; the others ended. Their trees are kept for its propose."""
+        assert self._ahead is not None, "has_drafted_ahead: trees were drafted ahead"
         rids, drafts = self._ahead
         assert [rids[i] for i in rows] == [r.rid for r in reqs], "continues the requests drafted ahead"
         self._ahead = ([r.rid for r in reqs], drafts.select(rows, index))
@@ -310,6 +326,7 @@ class EagleProposer(Proposer, DraftsAhead):
         last = torch.arange(b, device=dev) * L + paths.lens - 1
         index = [torch.where(committed, paths.tokens, 0).reshape(-1), pos.reshape(-1), kept.reshape(-1),
                  feat_rows.reshape(-1), rows, last]
+        assert self.extend_graphs is not None, "can_draft_ahead: the extend is captured"
         self.extend_graphs.replay(index, features, start)
         return paths.tokens.gather(1, (paths.lens - 1)[:, None])[:, 0], start + paths.lens
 
@@ -355,7 +372,7 @@ class EagleProposer(Proposer, DraftsAhead):
         shape = batch_tree.parse_tree(spec.batch_tree if spec.batch_tree != batch_tree.AUTO else batch_tree.OFF)
         if shape is None:
             return None, 0
-        batch_tree.check_against(batch_tree.TreeShape(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens), shape)
+        batch_tree.check_against(batch_tree.TreeShape(*spec.tree), shape)
         logger.info("Batch tree %s (steps, topk, draft tokens) for step graphs of %d requests and more",
                     shape, spec.batch_tree_from)
         drafter = TreeDrafter(self.kv, self._tree_step, shape.topk, shape.steps, shift=1, token_map=self.token_map)

@@ -3,9 +3,8 @@
 A pipelined step (pipeline.py) replays three graphs (verify, draft extend, tree pass) and
 around them the host issues some forty launches with their Python: the table block, the
 positions, the verify's metadata, the argmax and walk, the draft-ahead kernel, the tree
-pass's inputs and scratch slots. At batch 1 that host work outlasts the GPU's (on the
-H100 host, about 1.8 ms against 1.3 ms a step), so the GPU waits. Here the whole step is
-one graph per batch size:
+pass's inputs and scratch slots. At batch 1 that host work outlasts the GPU's, so the
+GPU waits. Here the whole step is one graph per batch size:
 
   table block <- verify slots; positions = kv_len + depth (both one launch:
   verify_prologue.py); VERIFY forward over the trees
@@ -31,9 +30,8 @@ requests: table row `pad_row` (never handed out: cache/req_table.py), verify slo
 scratch slot 0, and kv_len 0 and output-index offset 0 at each replay's start (rows left
 by ended requests or by a larger replay hold stale state; the graph clears it), so a
 padding request reads and writes only the pad row, slot 0 and the root states' and
-trees' padding rows, and the host reads only rows [0, b) of the walk. Above 8 requests a
-step had been ~40 launches around three replays: forced EAGLE-3 at batch 64 ran at 0.77x
-the plain engine with step graphs up to 8, 0.85x with them up to 64 (H100, SmolLM2).
+trees' padding rows, and the host reads only rows [0, b) of the walk. Sizes go up to
+MAX_BS: above it the GPU's verify work, not the host's launches, sets a step's pace.
 
 With a batch tree (batch_tree.py), sizes from the proposer's `batch_from` up draft and
 verify it instead of the main tree: each shape keeps its own static trees (`_Trees`), a
@@ -45,8 +43,9 @@ graphs of their own: the walk runs over `gumbel_targets`, the target logits plus
 Gumbel noise plain sampling would draw at each node's output index, so they reproduce
 seeded plain sampling token for token as the unpipelined step does (worker.py
 `_accept`). On CUDA the walk's argmax kernel forms them as it reads the logits
-(kernels/argmax.py), where torch's ops wrote the noise and three [B, N, V] tensors. The index is kv_len minus a per-request offset (kv_len - len(output_ids),
-fixed for a request's life), so the graph derives it from the kv_len it carries.
+(kernels/argmax.py), so neither the noise nor the targets are stored. The output index is
+kv_len minus a per-request offset (kv_len - len(output_ids), fixed for a request's life),
+so the graph derives it from the kv_len it carries.
 
 On a CPU (tests) the same body runs eagerly with host-built metadata (`capture` False).
 """
@@ -151,8 +150,8 @@ class StepGraphs:
         self.floats = torch.ones(2, max_bs, dtype=torch.float32, device=dev)
         self.ints = torch.zeros(2, max_bs, dtype=torch.int64, device=dev)
         # `keep_rows`'s index_selects load their CUDA modules now (a kernel's first launch
-        # does; small and large sizes take different kernels): a fresh engine's first
-        # shrinking batch paid ~17 ms for them (H100). Each keeps its rows in place.
+        # does; small and large sizes take different kernels), not on a fresh engine's
+        # first shrinking batch mid-traffic. Each keeps its rows in place.
         for size in (1, max_bs):
             self.keep_rows(size, torch.arange(size, device=dev))
         # the verify's int32 prefix lengths, written by the prologue kernel (verify_prologue.py)
@@ -265,6 +264,7 @@ class StepGraphs:
                                              table.table)
         # a greedy walk only argmaxes the logits: in the model's dtype (llama.py compute_logits)
         logits, features = self.runner.forward_inline(fb, static_meta=self.capture, argmax_only=not sampled)
+        assert features is not None, "EAGLE has the runner capture features"
         logits = logits.view(b, n, -1)
         packed, walk = walk_greedy(drafts, logits, None, self._sampling(b, kv_len) if sampled else None)
         # row_start holds kv_len before the commit; kv_len and the trees, read above by the

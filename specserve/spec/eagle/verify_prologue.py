@@ -1,11 +1,11 @@
-"""The start of a pipelined EAGLE step (step_graphs.py) in one launch on CUDA (`kernels/verify_prologue.py`).
+"""The start of a pipelined EAGLE step (step_graphs.py): one launch on CUDA (kernels/verify_prologue.py).
 
 Before its verify forward a step graph (1) sends padding requests to position 0, (2)
 writes the verify slots into the request-to-token table at kv_len.., (3) derives each
 node's RoPE position kv_len + depth from the tree's ancestor mask and (4) hands the
 attention backend its prefix lengths as int32. With torch ops that is ten small launches
-and a copy, each about its latency floor (~1.5-2.5 us on an H100) in a step of ~1 ms at
-batch 1; here one program per request does all of it:
+and a copy, each near its latency floor, in a step that launches bound at batch 1; here one
+program per request does all of it:
 
   row == pad_row (a padding request): kv_len = 0 and its output-index offset = 0;
   table[row, kv_len + i] = slots[b, i]                  for i < N;

@@ -30,7 +30,7 @@ def make_proposer(spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_runn
         min_window=spec.ngram_min_match_window_size, max_window=spec.ngram_max_match_window_size,
         min_bfs_breadth=spec.ngram_min_bfs_breadth, max_bfs_breadth=spec.ngram_max_bfs_breadth,
         match_type=spec.ngram_match_type, branch_length=spec.ngram_branch_length,
-        capacity=spec.ngram_capacity, num_draft_tokens=spec.num_draft_tokens))
+        capacity=spec.ngram_capacity, num_draft_tokens=spec.tree[2]))
 
 
 def check_flags(spec: SpecConfig) -> SpecConfig:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import count, islice
 
@@ -134,6 +135,7 @@ class NgramProposer:
             queue = [(0, (max_window - d) * scale + self.min_bfs, trie_node)]
             for pos, breadth, tn in queue:  # the list grows while we walk it: a FIFO queue
                 k = kids[tn]
+                items: Iterable[tuple[int, int]]
                 if len(k) == 1:
                     items = k.items()
                 elif breadth < 2:

@@ -132,6 +132,7 @@ class NgramTrie:
     # ---- eviction ---------------------------------------------------------------------------
 
     def _push(self, node: int) -> None:
+        assert self._lru is not None, "pushed once eviction has built the LRU"
         self.in_lru[node] = True
         bucket = self._lru.get(self.stamp[node])
         if bucket is None:

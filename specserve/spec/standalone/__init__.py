@@ -52,7 +52,7 @@ def draft_kv_shape(spec: SpecConfig, target: LlamaConfig) -> tuple[int, int, int
     from specserve.models.llama import LlamaConfig
     from specserve.models.loader import read_hf_config
 
-    c = LlamaConfig.from_hf(read_hf_config(Path(spec.draft_dir)))
+    c = LlamaConfig.from_hf(read_hf_config(spec.draft_path))
     return c.num_layers, c.num_kv_heads, c.head_dim
 
 

@@ -23,8 +23,6 @@ whole tree pass replay CUDA graphs (`extend_graphs.py`, `runner/cuda_graph.py`,
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from specserve.cache.kv_pool import KVPool
@@ -53,20 +51,20 @@ Span = tuple[int, int]  # positions [start, end) a request's catch-up feeds
 def kv_shape(spec: SpecConfig) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the draft's own KV pool, which has a slot for each
     of the target's: the runner sizes its KV budget with it before the draft loads."""
-    c = LlamaConfig.from_hf(read_hf_config(Path(spec.draft_dir)))
+    c = LlamaConfig.from_hf(read_hf_config(spec.draft_path))
     return c.num_layers, c.num_kv_heads, c.head_dim
 
 
 class StandaloneProposer(Proposer):
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> None:
-        path = Path(spec.draft_dir)  # checked at start-up (spec/registry.py resolve_spec)
+        path = spec.draft_path  # checked at start-up (spec/standalone: resolve)
         load = random_model if spec.draft_load_format == "dummy" else load_model  # random weights: benchmarks
         self.model = load(path, runner.dtype, runner.device)
         c = self.model.config
         self.pool = KVPool(runner.num_slots, c.num_layers, c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
         self.backend = make_backend(spec.draft_attention_backend or runner.attn_backend_name, runner.device)
         self.runner, self.kv, self.table = runner, kv, kv.table.table
-        self.num_steps, self.max_nodes, self.topk = spec.num_steps, spec.num_draft_tokens, spec.eagle_topk
+        self.num_steps, self.topk, self.max_nodes = spec.tree
         self.tree = TreeDrafter(kv, self._tree_step, self.topk, self.num_steps) if self.topk > 1 else None
         self.scratch_per_req = self.topk * (self.num_steps - 1) if self.tree else 0
         self.roots = RootStates(self.table.shape[0], self.topk, 0, runner.dtype, runner.device)
@@ -153,7 +151,11 @@ class StandaloneProposer(Proposer):
         """The catch-up padded to L tokens a request (padding: token 0 at position 0 into
         the scratch slot 0, after the request's own tokens, so none of them attends to it)."""
         g, stride = self.extend_graphs, self.table.stride(0)
-        ids, pos, index, last = [], [], [], []
+        assert g is not None, "graphed: the catch-up is captured"
+        ids: list[int] = []
+        pos: list[int] = []
+        index: list[int] = []
+        last: list[int] = []
         for b, (req, (s, e)) in enumerate(zip(reqs, spans)):
             pad = [0] * (g.L - (e - s))
             ids += req.all_ids[s:e] + pad
@@ -164,16 +166,19 @@ class StandaloneProposer(Proposer):
 
     def _catch_up_eager(self, reqs: list[Req], spans: list[Span]) -> tuple[torch.Tensor, torch.Tensor]:
         stride = self.table.stride(0)
-        ids, pos, index = [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        index: list[int] = []
         for req, (s, e) in zip(reqs, spans):
             ids += req.all_ids[s:e]
             pos += range(s, e)
             index += [req.row * stride + p for p in range(s, e)]
         lens = [e - s for s, e in spans]
         last = torch.tensor(lens).cumsum(0) - 1
-        ids, pos, index, rows, last = h2d_many([ids, pos, index, [r.row for r in reqs], last], self.runner.device)
-        fb = ForwardBatch(ForwardMode.DRAFT_EXTEND, ids, pos, self.table.view(-1)[index], rows,
-                          [s for s, _ in spans], lens, self.table, self.pool, self.backend, logit_rows=last)
+        ids_d, pos_d, index_d, rows, last_d = h2d_many([ids, pos, index, [r.row for r in reqs], last],
+                                                        self.runner.device)
+        fb = ForwardBatch(ForwardMode.DRAFT_EXTEND, ids_d, pos_d, self.table.view(-1)[index_d], rows,
+                          [s for s, _ in spans], lens, self.table, self.pool, self.backend, logit_rows=last_d)
         return top_children(self._logits(fb), self.topk, None)
 
     # -- drafting -------------------------------------------------------------------------
@@ -198,6 +203,7 @@ class StandaloneProposer(Proposer):
         return Drafts.device_chains([r.last_id for r in reqs], torch.stack(drafted, 1), counts)
 
     def _draft_tree(self, reqs: list[Req], first: tuple[torch.Tensor, torch.Tensor] | None) -> Drafts:
+        assert self.tree is not None, "trees for topk > 1"
         if self.tree.graphed(len(reqs)):  # the graph reads the root states
             if first is not None:
                 self.roots.write(h2d([r.row for r in reqs], self.runner.device), *first, None)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +43,9 @@ from specserve.core.request import Req
 from specserve.engine.kv_manager import KVManager
 from specserve.spec.drafts import Drafts, ancestor_mask
 from specserve.spec.tree.rows import fan_out
+
+if TYPE_CHECKING:
+    from specserve.spec.tree.graphs import TreeDraftGraphs
 
 
 @dataclass
@@ -54,14 +58,15 @@ class TreeStep:
     out_slots: torch.Tensor  # [R] each node's scratch slot (the tail's last column)
     rows: torch.Tensor  # [R] the request's table row (positions < tail_start)
     tail_start: torch.Tensor  # [R] first position read from the tail
-    tail: torch.Tensor  # [R, depth] slots of positions tail_start .. tail_start + depth - 1
+    tail: torch.Tensor | None  # [R, depth] slots of tail_start .. tail_start + depth - 1 (None: depth 1)
     host_tail_start: list[int] | None  # the same on the host; None inside a captured graph
 
 
-# step(frontier, states [R, H] or None) -> (logits [R, V_draft], next states [R, H] or None)
+# step(frontier, states) -> (logits [R, V_draft], next states): states [R, H] for a head fed
+# hidden states (EAGLE), None throughout for a draft LLM (STANDALONE)
 Trees = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # node tokens, node parents, ancestor masks
 Candidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a pass's scores, tokens, parents [B, M]
-DraftStep = Callable[[TreeStep, "torch.Tensor | None"], "tuple[torch.Tensor, torch.Tensor | None]"]
+DraftStep = Callable[[TreeStep, Any], "tuple[torch.Tensor, Any]"]
 
 
 @dataclass
@@ -112,13 +117,11 @@ def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None,
 def row_topk(x: torch.Tensor, k: int, chunks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(x, k) over the last dim of [R, V] rows, in two stages for long rows.
 
-    With few rows torch.topk runs one thread block per row (about 60 us for 4 rows of a
-    16k draft vocabulary on an H100, four times per tree: batch 1); inside a CUDA graph
-    it is slow at 64 rows too (the one-token draft extend EAGLE then ran after each plain
-    step at batch 64, H100, random SmolLM2 weights: plain steps in the EAGLE-3 engine at 9292
-    tok/s with one stage, 14761 with two; the plain engine 13305). Cutting each row into `chunks`
-    pieces gives R * chunks short rows for the first top-k and R rows of chunks * k
-    candidates for the second: the same k best (ties in either order), a few us."""
+    With few rows torch.topk runs one thread block per row, so a long row (a 16k draft
+    vocabulary) is slow at batch 1 and, inside a CUDA graph, at 64 rows too. Cutting each
+    row into `chunks` pieces gives R * chunks short rows for the first top-k and R rows of
+    chunks * k candidates for the second: the same k best (ties in either order), with
+    enough blocks to fill the GPU."""
     r, v = x.shape
     if v < 32 * chunks or k > v // chunks:
         return x.topk(k, dim=-1)
@@ -136,7 +139,7 @@ class TreeDrafter:
                  token_map: torch.Tensor | None = None) -> None:
         self.kv, self.step, self.topk, self.num_steps = kv, step, topk, num_steps
         self.shift, self.token_map = shift, token_map
-        self.graphs = None  # a TreeDraftGraphs, set by a proposer that captured one
+        self.graphs: TreeDraftGraphs | None = None  # set by a proposer that captured one
         self._starts: torch.Tensor | None = None  # see precompute
 
     def precompute(self, max_bs: int, device: torch.device) -> None:
@@ -178,12 +181,12 @@ class TreeDrafter:
         assert scratch is not None, "tree scratch slots were not reserved"
         try:
             start = [r.kv_len + 1 - self.shift for r in reqs]
-            host = [[r.last_id for r in reqs], [r.row for r in reqs], start]
-            if self.graphed(bsz):
-                tokens, parents, mask = self.graphs.replay_host(*host, scratch)
+            root_ids, rows_host = [r.last_id for r in reqs], [r.row for r in reqs]
+            if self.graphs is not None and self.graphed(bsz):
+                tokens, parents, mask = self.graphs.replay_host(root_ids, rows_host, start, scratch)
             else:
                 assert first is not None, "an eager drafting pass needs the root's children"
-                roots, rows, tail_start, slots = h2d_many(host + [scratch], first[0].device)
+                roots, rows, tail_start, slots = h2d_many([root_ids, rows_host, start, scratch], first[0].device)
                 x = TreeInputs(first[0], first[1], states, roots, rows, tail_start,
                                slots.view(self.num_steps - 1, bsz * self.topk), start)
                 tokens, parents, mask = self.expand(x, self.step, num_nodes)
@@ -199,6 +202,7 @@ class TreeDrafter:
         scratch = self.kv.alloc_slots(bsz * self.topk * (self.num_steps - 1))
         if scratch is None:
             return None
+        assert self.graphs is not None, "drafting ahead replays the captured pass"
         try:  # freed at once: whatever reuses the slots is queued behind this pass
             tokens, parents, mask = self.graphs.replay_device(roots, [r.row for r in reqs],
                                                               kv_lens + 1 - self.shift, scratch)
@@ -246,12 +250,13 @@ def _write_first(cand: Candidates, score: torch.Tensor, tokens: torch.Tensor) ->
     """Columns 0..k-1 of the candidate buffers: the root's children (score, tokens [B, k],
     parent -1), with torch ops (the frontier kernel writes them at the first depth)."""
     k = score.shape[1]
-    for buf, value in zip(cand, (score, tokens, -1)):
+    for buf, value in zip(cand, (score, tokens)):
         buf[:, :k] = value
+    cand[2][:, :k] = -1
 
 
 def _advance(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontier: torch.Tensor, size: int,
-             states: torch.Tensor | None, tail: torch.Tensor, next_slots: torch.Tensor | None, cand: Candidates,
+             states: torch.Tensor | None, tail: torch.Tensor | None, next_slots: torch.Tensor | None, cand: Candidates,
              first_tokens: torch.Tensor | None) -> tuple:
     """One depth's bookkeeping after its draft forward: the k*k children's path scores,
     tokens and parents into columns size.. of the candidate buffers `cand` (and at the
@@ -277,6 +282,7 @@ def _advance(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontie
     # flat index (b*k + j) of the branch each new frontier node extends
     src = (torch.arange(bsz, device=score.device)[:, None] * k + pick // k).reshape(-1)
     states = states[src] if states is not None else None
+    assert tail is not None, "a depth with a later forward has a tail"
     tail = torch.cat([tail[src], next_slots[:, None]], dim=1)
     return new_score, new_token, size + pick, states, tail
 

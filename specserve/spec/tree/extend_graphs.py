@@ -64,7 +64,7 @@ class DraftExtendGraphs:
         self.features = torch.zeros(n * self.L, feature_width, dtype=dtype, device=dev) if feature_width else None
         # table_slots: the slots resolved from the indices (kept apart, so a replay never rewrites its own input)
         self.resolved = torch.zeros(n * self.L, dtype=torch.int64, device=dev) if table_slots else None
-        self.graphs = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # B -> `_scatter_plan`
         if capture:
             batches = {bs: self._batch(bs, [0] * bs) for bs in self.sizes}
@@ -165,7 +165,9 @@ class DraftExtendGraphs:
         the backend's graph buffers from the device prefix lengths [B]. Returns the root
         states it wrote (logp [B, topk], ids [B, topk], hidden [B, H] or None), which a
         tree pass in the same capture reads from here rather than gathering them back."""
-        return self._go(b, b, features, prefix_lens, replay=False)
+        state = self._go(b, b, features, prefix_lens, replay=False)
+        assert state is not None, "an unreplayed run returns its root states"
+        return state
 
     def _go(self, bs: int, b: int, features: torch.Tensor | None, prefix_lens: list[int] | torch.Tensor,
             replay: bool = True) -> RootState | None:
@@ -174,6 +176,7 @@ class DraftExtendGraphs:
         itself (inside a caller's capture)."""
         t = bs * self.L
         if self.features is not None:
+            assert features is not None, "a head's extend reads the target's features"
             torch.index_select(features, 0, self.feat_rows[:t], out=self.features[:t])
         if isinstance(prefix_lens, torch.Tensor):
             fb = self._batch(bs, [0] * bs)
@@ -191,13 +194,13 @@ class DraftExtendGraphs:
 
     def _batch(self, bs: int, prefix_lens: list[int]) -> ForwardBatch:
         t = bs * self.L
-        slots = self.resolved if self.table_slots else self.slots
+        slots = self.resolved if self.resolved is not None else self.slots
         return ForwardBatch(self.mode, self.ids[:t], self.pos[:t], slots[:t], self.rows[:bs],
                             prefix_lens, [self.L] * bs, self.table, self.kv_pool, self.backend)
 
     def _run(self, fb: ForwardBatch, bs: int) -> RootState:
         t = bs * self.L
-        if self.table_slots:  # flat table indices -> slots, before the forward writes K/V there
+        if self.resolved is not None:  # flat table indices -> slots, before the forward writes K/V there
             self.resolved[:t].copy_(slots_at(self.table, self.slots[:t]))
         if self.features is None:  # a draft LLM
             h_logits, h_next = self.model(fb)[0], None

@@ -29,6 +29,7 @@ class RootStates:
         """Device only (CUDA graphs capture it): the states of table rows `rows` [B]."""
         for buf, value in ((self.logp, logp), (self.ids, ids), (self.hidden, hidden)):
             if buf is not None:
+                assert value is not None, "a root state kept per row is written with every root"
                 buf.index_copy_(0, rows, value.to(buf.dtype))
 
     def set(self, reqs: list[Req], logp: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor | None) -> None:

@@ -1,15 +1,15 @@
 """A drafting pass's row bookkeeping: the draft extend's root rows, and the fan-out of
 every request into its k first-depth branches; one launch each on CUDA (`kernels/draft_rows.py`).
 
-At batch 1 a speculative step is bound by launches, and each of these was a handful of
-torch gathers, copies and adds of a few rows (~1.5-3 us each on an H100):
+At batch 1 a speculative step is bound by launches, and with torch ops each of these is a
+handful of gathers, copies and adds of a few rows, each launch near its latency floor:
 
-  root_rows (the draft extend's last row per request; was two gathers and a copy):
+  root_rows (the draft extend's last row per request; two gathers and a copy in torch):
     x_last[b] = h_logits[last[b]]         the lm_head's input for the root's children
     hidden[b] = h_next[last[b]]           the root state's hidden ...
     buf[dst[b]] = hidden[b]               ... also kept per table row (RootStates.hidden)
 
-  fan_out (a tree pass's start; was three repeat_interleaves and an add):
+  fan_out (a tree pass's start; three repeat_interleaves and an add in torch):
     rows_k[b*k + j] = rows[b]             tail_k[b*k + j] = tail[b]
     positions[d, b*k + j] = tail[b] + d   for d < depths (depth d + 1's RoPE positions)
     states_k[b*k + j] = states[b]         the first depth's input hidden, when there is one
@@ -38,6 +38,7 @@ def root_rows_torch(h_logits: torch.Tensor, h_next: torch.Tensor | None, last: t
                     buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = h_next[last] if h_next is not None else None
     if hidden is not None:
+        assert buf is not None, "a hidden state needs its per-row buffer"
         buf.index_copy_(0, dst, hidden.to(buf.dtype))
     return h_logits[last], hidden
 
