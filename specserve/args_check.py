@@ -117,6 +117,9 @@ def check_unsupported(cfg: Config, ctx: CheckContext) -> Config:
     if cfg.model.trust_remote_code:
         logger.info("--trust-remote-code is not needed: specserve runs its built-in "
                     "architectures and never executes code from a model repository")
+    if "speculative_attention_mode" in ctx.explicit:
+        logger.info("--speculative-attention-mode %s changes nothing here: one attention kernel runs "
+                    "verify and draft extend in either mode", cfg.spec.attention_mode)
     return cfg
 
 

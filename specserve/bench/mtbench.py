@@ -36,6 +36,7 @@ from specserve.args import positive_int
 from specserve.bench.prompts import MT_BENCH
 from specserve.bench.report import report
 from specserve.bench.spec_compare import WARM_TOKENS, _spec_kwargs, timed_run
+from specserve.spec import registry
 
 if TYPE_CHECKING:
     from specserve import Engine
@@ -191,7 +192,7 @@ def engine_kwargs(args: argparse.Namespace, method: Method) -> dict[str, Any]:
                               max_running_requests=max(batch_sizes(args)))
     if method.algorithm is None:
         return kw
-    if method.algorithm in ("EAGLE", "EAGLE3") and not method.draft:
+    if registry.get(method.algorithm).draft_model != "none" and not method.draft:
         raise ValueError(f"{method.label}: no draft model path given ({method.draft!r})")
     spec = SimpleNamespace(algorithm=method.algorithm, spec_args=args.spec_args)
     return kw | _spec_kwargs(spec, method.draft)

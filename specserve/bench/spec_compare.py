@@ -20,6 +20,7 @@ import time
 from specserve.bench.prompts import mt_bench_first_turns
 from specserve.bench.repetitive import repetitive_prompts
 from specserve.bench.report import report
+from specserve.spec import registry
 
 WARM_TOKENS = 8  # a warm-up answer's length: past the first token, a few decode (or speculative) steps
 
@@ -27,7 +28,7 @@ WARM_TOKENS = 8  # a warm-up answer's length: past the first token, a few decode
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench spec")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE", "EAGLE", "EAGLE3"))
+    p.add_argument("--algorithm", default="NGRAM", type=str.upper, choices=registry.names())
     p.add_argument("--draft", default=None, help="draft model (STANDALONE, EAGLE, EAGLE3)")
     p.add_argument("--random-head", choices=("eagle", "eagle3"), default=None,
                    help="draft with a random head of this layout, written for the target")

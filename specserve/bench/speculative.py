@@ -14,12 +14,13 @@ import tempfile
 from specserve.bench.prompts import mt_bench_first_turns
 from specserve.bench.report import report
 from specserve.bench.spec_compare import random_head, spec_counts, timed_run
+from specserve.spec import registry
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench speculative")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE", "EAGLE", "EAGLE3"))
+    p.add_argument("--algorithm", default="NGRAM", type=str.upper, choices=registry.names())
     p.add_argument("--draft", default=None)
     p.add_argument("--random-head", choices=("eagle", "eagle3"), default=None)
     p.add_argument("--batch-sizes", default="1,8,32")
@@ -43,7 +44,7 @@ def _engine_kwargs(args, setting: tuple[int, ...] | None, draft: str | None) -> 
         return kw
     steps, topk, n = setting
     kw["speculative_algorithm"] = args.algorithm
-    if args.algorithm == "NGRAM":
+    if not registry.get(args.algorithm).tree_flags:  # NGRAM: its tree comes from its own flags
         return {**kw, "speculative_num_draft_tokens": n}
     return {**kw, "speculative_draft_model_path": draft, "speculative_num_steps": steps,
             "speculative_eagle_topk": topk, "speculative_num_draft_tokens": n}

@@ -221,6 +221,12 @@ def test_trust_remote_code_is_accepted_and_logged(caplog: pytest.LogCaptureFixtu
     assert "--trust-remote-code is not needed" in caplog.text
 
 
+def test_an_attention_mode_that_changes_nothing_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="specserve")
+    assert cfg(*EAGLE, "--speculative-attention-mode", "decode").spec.attention_mode == "decode"
+    assert "--speculative-attention-mode decode changes nothing here" in caplog.text
+
+
 def test_cuda_and_unquant_accepted_when_possible() -> None:
     assert cfg("--device", "cuda", cuda=True).model.device == "cuda"
     c = cfg(*EAGLE, "--speculative-draft-model-quantization", "unquant")
