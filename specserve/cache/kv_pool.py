@@ -7,7 +7,21 @@ slots between requests. Draft models get their own `KVPool` addressed by the sam
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros of `shape`. On the CPU they are fresh anonymous pages, which the kernel zeroes
+    when first touched, so the slots a server never uses cost no memory (torch.zeros writes
+    every page: a 32k-slot pool of the default model would hold 1.5 GB from the start)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    pages = mmap.mmap(-1, max(1, count * torch.empty((), dtype=dtype).element_size()))
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # the tensor keeps `pages`
 
 
 class KVPool:
@@ -18,10 +32,9 @@ class KVPool:
         self.num_slots = num_slots
         shape = (num_slots + 1, num_kv_heads, head_dim)
         # Zeros, not empty: attention multiplies masked-out padding keys' values by a zero
-        # weight, and 0 * NaN from recycled memory would poison real rows. (On CPU zeros
-        # come from calloc, so untouched pages still cost nothing.)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # weight, and 0 * NaN from recycled memory would poison real rows.
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, kv_heads, head_dim]) of T new tokens at `slots` ([T])."""

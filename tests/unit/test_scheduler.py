@@ -63,12 +63,23 @@ def test_prefix_cache_hit_gives_identical_output(engine_no_leak):
     assert 0 < third["meta_info"]["cached_tokens"] < len(ids)
 
 
+BATCH_PARAMS = {"temperature": 0, "max_new_tokens": 40}
+
+
+@pytest.fixture(scope="module")
+def batch_reference(smollm2_engine) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, greedy outputs) of PROMPTS in one batch on the shared engine, computed once."""
+    ids = [_chat(smollm2_engine, p) for p in PROMPTS]
+    outs = smollm2_engine.generate(input_ids=ids, sampling_params=BATCH_PARAMS)
+    smollm2_engine.scheduler.kv.flush_cache()
+    return ids, [r["output_ids"] for r in outs]
+
+
 @pytest.mark.parametrize("flags", [{"chunked_prefill_size": 7}, {"disable_radix_cache": True},
                                    {"max_total_tokens": 260}])
-def test_chunked_prefill_no_cache_and_retraction_give_identical_output(engine_no_leak, smollm2_dir, flags):
-    ids = [_chat(engine_no_leak, p) for p in PROMPTS]
-    params = {"temperature": 0, "max_new_tokens": 40}
-    expected = [r["output_ids"] for r in engine_no_leak.generate(input_ids=ids, sampling_params=params)]
+def test_chunked_prefill_no_cache_and_retraction_give_identical_output(batch_reference, smollm2_dir, flags):
+    ids, expected = batch_reference
+    params = BATCH_PARAMS
     other = Engine(str(smollm2_dir), log_level="warning", **flags)
     got = [r["output_ids"] for r in other.generate(input_ids=ids, sampling_params=params)]
     assert got == expected

@@ -26,7 +26,7 @@ PROMPTS = [
     "Give me three tips for learning to cook.",
     "Copy this list: apple, banana, cherry, apple, banana, cherry, apple, banana, cherry.",
 ]
-GREEDY = {"temperature": 0, "max_new_tokens": 48}
+GREEDY = {"temperature": 0, "max_new_tokens": 32}
 # the governor stays off: on a GPU it may turn speculation down, hiding the acceptance under test
 FIXED = {"speculative_adaptive": "off"}
 
@@ -94,7 +94,7 @@ def test_standalone_with_the_target_as_draft_accepts_everything(smollm2_dir, ref
     assert engine.scheduler.spec.stats.avg_accept_length > 3.0
 
 
-@pytest.mark.parametrize("steps,topk,n", [(1, 1, 2), (5, 1, 6), (3, 4, 8)])
+@pytest.mark.parametrize("steps,topk,n", [(1, 1, 2), (3, 4, 8)])  # a 5-step chain: the stops test
 def test_standalone_with_a_random_draft_is_still_exact(smollm2_dir, reference, tmp_path, steps, topk, n):
     draft = save_tiny_hf("llama", tmp_path / "draft", vocab_size=49152, max_position_embeddings=8192)
     engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
