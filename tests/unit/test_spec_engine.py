@@ -104,10 +104,14 @@ def test_standalone_with_a_random_draft_is_still_exact(smollm2_dir, reference, t
     assert all(r["meta_info"]["spec_accept_length"] < 1.5 for r in results)
 
 
-def test_standalone_with_dummy_draft_weights_is_exact(smollm2_dir, reference):
-    """--speculative-draft-load-format dummy: the draft's config with random weights."""
+def test_standalone_with_dummy_draft_weights_is_exact(smollm2_dir, reference, tmp_path):
+    """--speculative-draft-load-format dummy: the draft's config with random weights (its
+    safetensors are never read: here they are deleted first)."""
+    draft = save_tiny_hf("llama", tmp_path / "draft", vocab_size=49152, max_position_embeddings=8192)
+    for weights in draft.glob("*.safetensors"):
+        weights.unlink()
     engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
-                    speculative_draft_model_path=str(smollm2_dir), speculative_draft_load_format="dummy")
+                    speculative_draft_model_path=str(draft), speculative_draft_load_format="dummy")
     results = _check(engine, reference, batch_sizes=(8,))
     assert all(r["meta_info"]["spec_accept_length"] < 1.5 for r in results)
 
@@ -216,7 +220,7 @@ def test_eagle_heads_on_smollm2_are_exact(smollm2_dir, reference, tmp_path, algo
     engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm=algo,
                     speculative_draft_model_path=str(head), speculative_num_steps=steps,
                     speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
-    _check(engine, reference)
+    _check(engine, reference, batch_sizes=(8,))  # batch 1 on the real model: test_shipped_head.py
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(smollm2_dir):
