@@ -79,8 +79,8 @@ class ModelRunner:
             self.model.compiled = CompiledForward(self.model.forward_eager, runner_cfg.torch_compile_max_bs)
             if self.device.type == "cuda":
                 logger.warning("--enable-torch-compile: batches of up to %d requests run torch-native ops "
-                               "compiled by inductor in place of the fused kernels, which measured faster on "
-                               "an H100 (docs/benchmarks.md, bench compile)", runner_cfg.torch_compile_max_bs)
+                               "compiled by inductor in place of the fused kernels, which measured faster "
+                               "(docs/benchmarks.md, bench compile)", runner_cfg.torch_compile_max_bs)
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.context_length = model_cfg.context_length or cfg.max_position_embeddings
