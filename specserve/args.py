@@ -155,8 +155,24 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
                    help="enable torch.compile for kernel-level optimizations")
     g.add_argument("--torch-compile-max-bs", type=int, default=_R.torch_compile_max_bs,
                    help="maximum batch size for torch.compile")
-    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int,
-                   default=_R.tp_size, help="tensor parallel size")
+    _add_parallel(p)
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Parallelism (tensor, data, hosts)")
+    g.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=int,
+                   default=_R.tp_size, help="tensor-parallel size: GPUs (or CPU processes) one model is sharded over")
+    g.add_argument("--dp-size", "--dp", "--data-parallel-size", dest="dp_size", type=int, default=_R.dp_size,
+                   help="data-parallel size: engine replicas (each --tp-size GPUs) behind the one server, "
+                        "requests routed by load and shared prefix")
+    g.add_argument("--nnodes", type=int, default=_R.nnodes, help="hosts one tensor-parallel group spans")
+    g.add_argument("--node-rank", type=int, default=_R.node_rank,
+                   help="this host's index among --nnodes; node 0 serves HTTP, the others run their ranks only")
+    g.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=_R.dist_init_addr,
+                   help="host:port where the ranks of a multi-node group meet (port + 1 carries the hosts' "
+                        "heartbeats); required with --nnodes > 1 (default: None, a free local port)")
+    g.add_argument("--base-gpu-id", type=int, default=_R.base_gpu_id,
+                   help="the first GPU this host's ranks use")
 
 
 def _add_speculative(p: argparse.ArgumentParser) -> None:

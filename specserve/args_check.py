@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from specserve.args_parallel import check_parallel
 from specserve.core.config import Config, ConfigError
 from specserve.spec import registry
 from specserve.spec.eagle.batch_tree import AUTO, OFF, parse_tree
@@ -98,9 +99,7 @@ def _check_quantization(flag: str, value: str | None, allowed: tuple[str | None,
 
 
 def check_unsupported(cfg: Config, ctx: CheckContext) -> Config:
-    tp, page = cfg.runner.tp_size, cfg.cache.page_size
-    if tp > 1:
-        raise ConfigError(f"--tp-size {tp}: tensor parallelism is not supported yet")
+    page = cfg.cache.page_size
     if page > 1:
         raise ConfigError(f"--page-size {page}: page sizes above 1 are not supported yet "
                           "(the KV cache is allocated per token)")
@@ -293,7 +292,7 @@ def apply_spec_defaults(cfg: Config, ctx: CheckContext) -> Config:
 # SGLang's order where it has one: the Spec v2 topk check runs before auto-tuning.
 RULES: tuple[Rule, ...] = (
     normalize_algorithm, reject_stray_spec_flags, check_ranges, check_algorithm_flags,
-    check_unsupported, check_spec_v2, check_step_triple, check_batch_tree, require_draft_model,
+    check_unsupported, check_parallel, check_spec_v2, check_step_triple, check_batch_tree, require_draft_model,
     check_draft_options, warn_ignored_spec_flags, warn_lossy_thresholds, note_on_cpu,
     default_max_running_requests, apply_spec_defaults,
 )

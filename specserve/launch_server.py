@@ -4,7 +4,10 @@ With no flags it serves the embedded default model (SmolLM2-135M-Instruct) on CP
 there is no GPU. Bad flags print one clear line and exit with status 2; a taken port or a
 bad model, tokenizer or draft source exits with status 1 before any weights load
 (`preflight.py`). SIGINT (Ctrl-C) and SIGTERM shut down the same way: the HTTP server
-stops, the engine process is told to stop and waited for, and the exit status is 0.
+stops, the engine processes are told to stop and waited for, and the exit status is 0. An
+engine process (or, with --nnodes, another host) that dies while serving stops the server
+with one error line and exit status 1. With --node-rank > 0 this host runs its ranks
+only (`follower_node.py`); node 0 serves HTTP.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import socket
 import sys
 from contextlib import closing
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specserve.args import ConfigError, parse_config
 from specserve.core.config import Config
@@ -22,6 +25,7 @@ from specserve.engine.process import setup_logging
 
 if TYPE_CHECKING:
     from specserve.engine.client import ProcessEngineClient
+    from specserve.engine.nodes import NodeWatch
 
 logger = logging.getLogger("specserve")
 
@@ -55,25 +59,63 @@ def _serve(cfg: Config) -> int:
     from specserve.engine.client import ProcessEngineClient
     from specserve.preflight import bind_port, resolve_sources
 
+    if cfg.runner.node_rank > 0:
+        from specserve.follower_node import serve_follower_node
+
+        return serve_follower_node(cfg)
     try:
         sock = bind_port(cfg.server.host, cfg.server.port)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    stopper = _Stopper()
     with closing(sock):
+        watch = _watch_nodes(cfg, stopper)
         try:
-            client = ProcessEngineClient(*resolve_sources(cfg))
+            client = ProcessEngineClient(*resolve_sources(cfg), on_death=stopper.stop)
         except (RuntimeError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
+            if watch is not None:
+                watch.report(str(e))
             return 1
         try:
-            _run_http(client, sock)
+            _run_http(client, sock, stopper)
         finally:
             client.shutdown()
+            if watch is not None:
+                watch.close()
+    if stopper.why is not None:
+        if watch is not None:
+            watch.report(stopper.why)
+        print(f"error: {stopper.why}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _run_http(client: ProcessEngineClient, sock: socket.socket) -> None:
+class _Stopper:
+    """Ends the HTTP server from another thread when an engine process or a host dies."""
+
+    def __init__(self) -> None:
+        self.why: str | None = None
+        self.server: Any = None  # the uvicorn.Server, once it exists
+
+    def stop(self, why: str) -> None:
+        if self.why is None:
+            self.why = why
+        if self.server is not None:
+            self.server.should_exit = True
+
+
+def _watch_nodes(cfg: Config, stopper: _Stopper) -> NodeWatch | None:
+    if cfg.runner.nnodes == 1:
+        return None
+    from specserve.engine.nodes import NodeWatch
+
+    assert cfg.runner.dist_init_addr is not None  # args_parallel.py
+    return NodeWatch(cfg.runner.dist_init_addr, cfg.runner.nnodes, 0, stopper.stop)
+
+
+def _run_http(client: ProcessEngineClient, sock: socket.socket, stopper: _Stopper) -> None:
     import uvicorn
 
     from specserve.server.http import build_app
@@ -82,6 +124,9 @@ def _run_http(client: ProcessEngineClient, sock: socket.socket) -> None:
     server = uvicorn.Server(uvicorn.Config(
         build_app(client), log_level=cfg.log_level if cfg.log_level != "info" else "warning",
         timeout_keep_alive=5))
+    stopper.server = server
+    if stopper.why is not None:  # an engine died before the server existed
+        return
     logger.info("The server is fired up and ready to roll! http://%s:%d (model %s, context %d)",
                 cfg.host, cfg.port, client.info.served_model_name, client.info.context_length)
     server.run(sockets=[sock])

@@ -1,7 +1,8 @@
 """The offline API: `Engine(model=...).generate(prompts, sampling_params)`.
 
 Runs the same Scheduler as the server, in this process, stepping until every request it
-was given has finished. Keyword arguments are the server's flags with underscores
+was given has finished; with `tp_size` > 1 the scheduler runs in one engine process per
+rank (engine/ranks.py), as the server's does, and `shutdown()` stops them. Keyword arguments are the server's flags with underscores
 (`speculative_algorithm="NGRAM"`, `disable_radix_cache=True`, ...), validated by the
 same code as the command line. Results have SGLang's shape:
 {"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
@@ -13,9 +14,11 @@ import itertools
 from typing import Any, cast
 
 from specserve.args import parse_config
-from specserve.core.config import Config
+from specserve.core.config import Config, ConfigError
 from specserve.core.messages import GenerateReq, TokenOut
 from specserve.core.sampling_params import SamplingParams
+from specserve.engine.client import on_gpu
+from specserve.engine.ranks import Layout, Replica
 from specserve.engine.scheduler import Scheduler
 from specserve.preflight import resolve_sources
 
@@ -47,8 +50,22 @@ class Engine:
     def __init__(self, model: str | None = None, *, config: Config | None = None, **kwargs: Any) -> None:
         start, self.tokenizer = resolve_sources(config or parse_config(kwargs_to_argv(model, kwargs)))
         self.config = start.config
-        self.scheduler = Scheduler(start, self.tokenizer)
+        r = self.config.runner
+        if r.dp_size > 1 or r.nnodes > 1:
+            raise ConfigError("the offline Engine runs one replica on one host: --dp-size and --nnodes "
+                              "above 1 need the server")
         self._ids = itertools.count()
+        self.scheduler: Scheduler | None = None
+        self._ranks: Replica | None = None
+        if r.tp_size == 1:
+            self.scheduler = Scheduler(start, self.tokenizer)
+            return
+        self._ranks = Replica(start, Layout.of(self.config, on_gpu(self.config)).places(0))
+        try:
+            self._ranks.wait_ready()
+        except BaseException:
+            self._ranks.stop(grace_s=0)
+            raise
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
                  input_ids: list[int] | list[list[int]] | None = None) -> dict | list[dict]:
@@ -69,6 +86,8 @@ class Engine:
         acc: dict[str, dict] = {r.rid: {"text": "", "output_ids": [], "meta_info": {}} for r in reqs}
         pending = set(acc)
         outs: list[TokenOut] = []
+        if self.scheduler is None:
+            return self._run_ranks(reqs, acc, pending)
         for r in reqs:
             outs += self.scheduler.add_request(r)
         while True:
@@ -81,8 +100,34 @@ class Engine:
             outs = self.scheduler.step()
         return [acc[r.rid] for r in reqs]
 
+    def _run_ranks(self, reqs: list[GenerateReq], acc: dict[str, dict], pending: set[str]) -> list[dict]:
+        ranks = self._ranks
+        assert ranks is not None and ranks.inbox is not None and ranks.outbox is not None
+        for r in reqs:
+            ranks.inbox.send(r)
+        while pending:
+            while not ranks.outbox.poll(0.5):
+                dead = ranks.dead()
+                if dead is not None:
+                    raise RuntimeError(dead)
+            for out in ranks.outbox.recv():
+                _accumulate(acc[out.rid], out)
+                if out.finished:
+                    pending.discard(out.rid)
+        return [acc[r.rid] for r in reqs]
+
     def shutdown(self) -> None:
-        """Nothing to stop: the engine runs in this process. Kept for SGLang parity."""
+        """Stop the engine processes (tp_size > 1); with one rank the engine runs in this
+        process and there is nothing to stop."""
+        if self._ranks is not None:
+            self._ranks.stop()
+            self._ranks = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
 
 def _accumulate(res: dict, out: TokenOut) -> None:

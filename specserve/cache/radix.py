@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 
 import torch
 
 from specserve.cache.kv_pool import SlotAllocator
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+# Recency is a logical clock, not the wall clock: eviction order then depends only on the
+# sequence of operations, the same on every tensor-parallel rank.
+_TICKS = itertools.count()
 
 
 class Node:
@@ -32,7 +36,7 @@ class Node:
         self.parent = parent
         self.children: dict[int, Node] = {}
         self.lock_ref = 0
-        self.last_access = time.monotonic()
+        self.last_access = next(_TICKS)
         self.id = next(Node._ids)
 
     def __lt__(self, other: Node) -> bool:  # heap order for eviction
@@ -65,7 +69,7 @@ class RadixCache:
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, Node]:
         """Longest cached prefix of `key`: (its slots, the node where it ends)."""
         node, parts, pos = self.root, [], 0
-        now = time.monotonic()
+        now = next(_TICKS)
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
@@ -96,7 +100,7 @@ class RadixCache:
         """
         assert len(key) == slots.numel()
         node, pos = self.root, 0
-        now = time.monotonic()
+        now = next(_TICKS)
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:

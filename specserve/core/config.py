@@ -60,7 +60,12 @@ class RunnerConfig:
     disable_cuda_graph: bool = False
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel ranks per replica (engine/ranks.py)
+    dp_size: int = 1  # engine replicas behind the one HTTP server
+    nnodes: int = 1  # hosts one tensor-parallel group spans
+    node_rank: int = 0  # this host's index among them (0 serves HTTP)
+    dist_init_addr: str | None = None  # "host:port" where the ranks meet (needed with nnodes > 1)
+    base_gpu_id: int = 0  # the first GPU this host's ranks use
 
 
 @dataclass(frozen=True)

@@ -1,80 +1,89 @@
-"""ProcessEngineClient: the HTTP process's handle on the engine process.
+"""ProcessEngineClient: the HTTP process's handle on the engine replicas.
 
-Implements `engine.protocol.EngineClient`. A reader thread receives the engine's
-messages and hands them to the asyncio loop (`call_soon_threadsafe`), one queue per
-request; control questions are futures keyed by a token. If the engine process dies,
-every waiting request ends with an abort and `is_alive()` turns False.
+Implements `engine.protocol.EngineClient`. It starts `--dp-size` replicas (each
+`--tp-size` processes, engine/ranks.py) and routes each request to one (`router.py`).
+A reader thread per replica receives its messages and hands them to the asyncio loop
+(`call_soon_threadsafe`), one queue per request; control questions go to every replica
+and their answers are merged (`merge.py`). A watcher thread waits on every engine
+process: if one exits while serving, every waiting request ends with an abort,
+`is_alive()` turns False, the other processes are stopped and `on_death` (the launcher's:
+stop the server with an error) is called with what happened.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import multiprocessing as mp
 import threading
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import wait
 from typing import Any
 
 from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
-from specserve.engine.process import engine_main
+from specserve.engine.merge import merge_metrics, merge_model_info, merge_server_info
 from specserve.engine.protocol import EngineStart, ModelInfo
+from specserve.engine.ranks import Layout, Replica
+from specserve.engine.router import Router
 from specserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve")
-START_TIMEOUT_S = 1800.0
 
 
 class ProcessEngineClient:
-    def __init__(self, start: EngineStart, tokenizer: Tokenizer) -> None:
-        """Start the engine process on what start-up resolved (preflight.py) and wait
-        until it serves; RuntimeError if it fails to start."""
-        self.config, self.tokenizer = start.config, tokenizer
-        ctx = mp.get_context("spawn")
-        inbox_r, self._inbox = ctx.Pipe(duplex=False)
-        self._outbox, outbox_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=engine_main, args=(start, inbox_r, outbox_w),
-                                 daemon=True, name="specserve-engine")
-        self._proc.start()
-        inbox_r.close()
-        outbox_w.close()
+    def __init__(self, start: EngineStart, tokenizer: Tokenizer,
+                 on_death: Callable[[str], None] | None = None) -> None:
+        """Start the engine replicas on what start-up resolved (preflight.py) and wait
+        until they serve; RuntimeError if one fails to start."""
+        self.config, self.tokenizer, self.on_death = start.config, tokenizer, on_death
+        layout = Layout.of(self.config, on_gpu(self.config))
         self._closing = False
+        self._replicas: list[Replica] = []
         try:
-            self.info: ModelInfo = self._wait_ready()
+            for d in range(self.config.runner.dp_size):  # all load at once
+                self._replicas.append(Replica(start, layout.places(d), d))
+            infos = [r.wait_ready() for r in self._replicas]
         except BaseException:  # a failed start, or Ctrl-C / SIGTERM while loading: no orphan
-            self._stop_process(grace_s=0)
+            self._stop_all(grace_s=0)
             raise
+        self.info: ModelInfo = merge_model_info(infos)
+        self.router = Router(len(self._replicas))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._controls: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count(1)
         self._alive = True
-        threading.Thread(target=self._reader, daemon=True, name="engine-reader").start()
+        self._lock = threading.Lock()
+        for r in self._replicas:
+            threading.Thread(target=self._reader, args=(r,), daemon=True, name=f"engine-reader-{r.index}").start()
+        threading.Thread(target=self._watch, daemon=True, name="engine-watch").start()
 
-    def _wait_ready(self) -> ModelInfo:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._outbox.poll(0.5):
-            if not self._proc.is_alive():
-                raise RuntimeError(f"the engine process exited during start-up (code {self._proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError("the engine process did not start in time")
-        kind, payload = self._outbox.recv()
-        if kind == "error":
-            raise RuntimeError(f"the engine failed to start: {payload}")
-        return payload
-
-    # -- reader thread -------------------------------------------------------------------
-    def _reader(self) -> None:
+    # -- threads -------------------------------------------------------------------------
+    def _reader(self, replica: Replica) -> None:
+        assert replica.outbox is not None
         try:
             while True:
-                msg = self._outbox.recv()
+                msg = replica.outbox.recv()
                 self._call_in_loop(self._dispatch, msg)
         except (EOFError, OSError):
             pass
-        self._alive = False
-        if not self._closing:
-            logger.error("the engine process exited (code %s)", self._proc.exitcode)
+        self._died(replica.dead() or f"replica {replica.index}'s engine closed its pipe")
+
+    def _watch(self) -> None:
+        wait([s for r in self._replicas for s in r.sentinels()])
+        self._died(next((d for r in self._replicas if (d := r.dead()) is not None), "an engine process exited"))
+
+    def _died(self, what: str) -> None:
+        with self._lock:
+            if not self._alive:
+                return
+            self._alive = False
+        if self._closing:
+            return
+        logger.error("%s: stopping the server", what)
         self._call_in_loop(self._fail_all)
+        threading.Thread(target=self._stop_all, daemon=True, name="engine-stop").start()
+        if self.on_death is not None:
+            self.on_death(what)
 
     def _call_in_loop(self, fn: Any, *args: Any) -> None:
         """Run fn(*args) on the HTTP event loop, unless it is gone (shutdown)."""
@@ -105,10 +114,10 @@ class ProcessEngineClient:
                 fut.set_exception(RuntimeError("the engine process died"))
 
     # -- EngineClient protocol ---------------------------------------------------------
-    def _send(self, msg: Any) -> None:
-        if not self._alive:
+    def _send(self, replica: Replica, msg: Any) -> None:
+        if not self._alive or replica.inbox is None:
             raise RuntimeError("the engine process is not running")
-        self._inbox.send(msg)
+        replica.inbox.send(msg)
 
     async def generate(self, req: GenerateReq) -> AsyncIterator[TokenOut]:
         if len(req.input_ids) >= self.info.context_length:
@@ -118,49 +127,63 @@ class ProcessEngineClient:
         self._loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[req.rid] = queue
+        d = self.router.pick(req.input_ids)
+        replica = self._replicas[d]
         finished = False
         try:
-            self._send(req)
+            self._send(replica, req)
             while not finished:
                 out = await queue.get()
                 finished = out.finished
                 yield out
         finally:
+            self.router.done(d)
             self._queues.pop(req.rid, None)
-            if not finished and self._alive:
-                self._inbox.send(AbortReq(req.rid))
+            if not finished and self._alive and replica.inbox is not None:
+                replica.inbox.send(AbortReq(req.rid))
 
     async def abort(self, rid: str) -> None:
         if self._alive:
-            self._inbox.send(AbortReq(rid))
+            for r in self._replicas:
+                self._send(r, AbortReq(rid))
 
     async def control(self, op: str) -> Any:
+        """Ask every replica; one replica's answer as it is, several merged."""
         self._loop = asyncio.get_running_loop()
-        token = next(self._tokens)
-        fut = self._loop.create_future()
-        self._controls[token] = fut
-        self._send(ControlReq(op, token))
-        return await asyncio.wait_for(fut, timeout=60)
+        futs = []
+        for r in self._replicas:
+            token = next(self._tokens)
+            fut = self._loop.create_future()
+            self._controls[token] = fut
+            self._send(r, ControlReq(op, token))
+            futs.append(fut)
+        results = await asyncio.wait_for(asyncio.gather(*futs), timeout=60)
+        if len(results) == 1:
+            return results[0]
+        if op == "flush_cache":
+            return all(results)
+        if op == "server_info":
+            return merge_server_info(results, self.router.routed)
+        return merge_metrics(results)
 
     def is_alive(self) -> bool:
-        return self._alive and self._proc.is_alive()
+        return self._alive and all(r.dead() is None for r in self._replicas)
 
     def shutdown(self) -> None:
-        """Stop the engine process and wait for it (at most ~10 s)."""
+        """Stop every engine process and wait for them (at most ~10 s)."""
         self._closing = True
-        try:
-            self._inbox.send(None)
-        except (OSError, BrokenPipeError):
-            pass
-        self._stop_process()
+        self._stop_all()
 
-    def _stop_process(self, grace_s: float = 5) -> None:
-        """Wait `grace_s` for the engine process to exit, then terminate it, then kill it."""
+    def _stop_all(self, grace_s: float = 5) -> None:
         self._closing = True
-        self._proc.join(timeout=grace_s)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(timeout=3)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
+        for r in self._replicas:
+            r.stop(grace_s)
+
+
+def on_gpu(cfg: Any) -> bool:
+    """Whether the engine runs on CUDA (--device, or auto with a GPU present)."""
+    if cfg.model.device != "auto":
+        return cfg.model.device == "cuda"
+    import torch
+
+    return bool(torch.cuda.is_available())

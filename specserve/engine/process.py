@@ -1,19 +1,28 @@
-"""The engine's own process: receive requests, step the scheduler, send deltas back.
+"""An engine process: one tensor-parallel rank that receives requests, steps the scheduler
+and (rank 0) sends deltas back.
 
-The HTTP server's event loop and the scheduler's hot loop must not share one GIL, so
-the scheduler runs here. Messages are the dataclasses of `messages.py` over two
-one-way multiprocessing pipes. A step that raises aborts the requests it touched (with
-the error) instead of killing the process: no client can crash the server.
+The HTTP server's event loop and the scheduler's hot loop must not share one GIL, so the
+scheduler runs here. Messages are the dataclasses of `messages.py`: rank 0 reads them from
+a one-way multiprocessing pipe and answers on another; under tensor parallelism it
+broadcasts each batch it read to the other ranks (`core/parallel.py`), which handle the
+same messages and run the same steps (engine/ranks.py says why). At tp 1 a step that
+raises aborts the requests it touched (with the error) instead of killing the process: no
+client can crash the server. Under tensor parallelism a failed step ends the process with
+an error instead: the ranks could no longer be trusted to run the same steps, and the
+launcher takes the whole replica down.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from specserve.core import parallel
 from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq
-from specserve.engine.protocol import EngineStart, ModelInfo
+from specserve.engine.protocol import EngineStart, ModelInfo, RankPlace
 
 logger = logging.getLogger("specserve")
 
@@ -22,49 +31,105 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
 
 
-def engine_main(start: EngineStart, inbox: Connection, outbox: Connection) -> None:
+def engine_main(start: EngineStart, place: RankPlace, inbox: Connection | None,
+                outbox: Connection | None) -> None:
+    """Run rank `place.rank`; rank 0 alone has the pipes (`inbox`, `outbox`)."""
     # Ctrl-C reaches the whole process group; the front end decides when this process stops
     # (it sends None, then waits), so SIGINT here would only print a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cfg = start.config
-    setup_logging(cfg.server.log_level)
+    if place.gpu is not None:  # before CUDA starts: this rank sees its one GPU as cuda:0
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(place.gpu)
+    # One rank speaks for the group: the others log warnings and errors only
+    setup_logging(start.config.server.log_level if place.rank == 0 else "warning")
+    if place.gpu is None and place.tp_size > 1:
+        _share_cores(place)
     try:
-        from specserve.engine.scheduler import Scheduler
-        from specserve.tokenizer.tokenizer import load_tokenizer
-
-        sched = Scheduler(start, load_tokenizer(start.tokenizer_dir))
+        sched = _build(start, place)
     except Exception as e:  # report, don't hang the parent
-        outbox.send(("error", f"{type(e).__name__}: {e}"))
+        if outbox is not None:
+            outbox.send(("error", f"{type(e).__name__}: {e}"))
+        logger.error("rank %d failed to start: %s: %s", place.rank, type(e).__name__, e)
+        sys.exit(1)
+    if inbox is None or outbox is None:
+        _follow(sched, place)
         return
+    cfg = start.config
     served = cfg.model.served_model_name or cfg.model.model_path
     try:
         outbox.send(("ready", ModelInfo(served, sched.context_length, sched.runner.vocab_size,
                                         sched.max_running, sched.kv.num_slots)))
-        _loop(sched, inbox, outbox)
+        _loop(sched, inbox, outbox, place.tp_size > 1)
     except (BrokenPipeError, EOFError, OSError):
         return  # the front end went away: nothing left to serve
 
 
-def _loop(sched, inbox: Connection, outbox: Connection) -> None:
+def _share_cores(place: RankPlace) -> None:
+    """CPU ranks of one host split its cores: more threads than cores would stall every
+    collective on the slowest rank."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.tp_size))
+
+
+def _build(start: EngineStart, place: RankPlace):
+    from dataclasses import replace
+
+    from specserve.engine.scheduler import Scheduler
+    from specserve.engine.tp_group import join_tp_group
+    from specserve.tokenizer.tokenizer import load_tokenizer
+
+    if place.tp_size > 1:
+        join_tp_group(place)
+        # Unseeded requests draw their seeds from the scheduler's generator: one seed for all ranks
+        sc = start.config.scheduler
+        seed = parallel.broadcast_object(sc.random_seed if sc.random_seed is not None
+                                         else int.from_bytes(os.urandom(7), "little"))
+        start = replace(start, config=replace(start.config, scheduler=replace(sc, random_seed=seed)))
+    return Scheduler(start, load_tokenizer(start.tokenizer_dir))
+
+
+def _loop(sched, inbox: Connection, outbox: Connection, shared: bool) -> None:
+    """Rank 0: read what the front end sent, share it with the other ranks, handle it, step."""
     while True:
-        outs = []
+        msgs = []
         timeout = 0.0 if sched.has_work else 0.05
         try:
             while inbox.poll(timeout):
-                msg = inbox.recv()
-                if msg is None:
-                    return
-                outs += _handle(sched, msg, outbox)
+                msgs.append(inbox.recv())
                 timeout = 0.0
+                if msgs[-1] is None:
+                    break
         except (EOFError, OSError):
-            return  # the front end is gone
+            msgs.append(None)  # the front end is gone: the other ranks stop too
+        if shared:
+            parallel.broadcast_object(msgs)
+        outs = []
+        for msg in msgs:
+            if msg is None:
+                return
+            outs += _handle(sched, msg, outbox)
         if sched.has_work:
-            outs += _safe_step(sched)
+            outs += _safe_step(sched, shared)
         if outs:
             outbox.send(outs)
 
 
-def _handle(sched, msg, outbox: Connection) -> list:
+def _follow(sched, place: RankPlace) -> None:
+    """Ranks above 0: handle what rank 0 shared, step as it does."""
+    try:
+        while True:
+            for msg in parallel.broadcast_object(None):
+                if msg is None:
+                    return
+                _handle(sched, msg, None)
+            if sched.has_work:
+                sched.step()
+    except Exception as e:
+        logger.error("rank %d stopped: %s: %s", place.rank, type(e).__name__, e)
+        sys.exit(1)
+
+
+def _handle(sched, msg, outbox: Connection | None) -> list:
     if isinstance(msg, GenerateReq):
         return sched.add_request(msg)
     if isinstance(msg, AbortReq):
@@ -72,14 +137,18 @@ def _handle(sched, msg, outbox: Connection) -> list:
     if isinstance(msg, ControlReq):
         ops = {"flush_cache": sched.flush_cache, "server_info": sched.server_info, "metrics": sched.metrics}
         result = ops[msg.op]() if msg.op in ops else {"error": f"unknown control op {msg.op}"}
-        outbox.send(ControlOut(msg.token, result))
+        if outbox is not None:
+            outbox.send(ControlOut(msg.token, result))
     return []
 
 
-def _safe_step(sched) -> list:
+def _safe_step(sched, shared: bool) -> list:
     try:
         return sched.step()
     except Exception as e:
+        if shared:  # the ranks may now differ: end the replica (engine/ranks.py stops the rest)
+            logger.error("step failed on rank 0; stopping the tensor-parallel group:\n%s", traceback.format_exc())
+            sys.exit(1)
         logger.error("step failed, aborting its requests:\n%s", traceback.format_exc())
         outs = []
         for req in list(sched.waiting) + sched.prefilling + sched.running:

@@ -28,6 +28,16 @@ class EngineStart:
 
 
 @dataclass(frozen=True)
+class RankPlace:
+    """Where one engine process runs: its tensor-parallel rank and device (picklable)."""
+
+    tp_size: int = 1
+    rank: int = 0
+    dist_addr: str = ""  # "host:port" where the group meets (tp_size > 1)
+    gpu: int | None = None  # the physical GPU index; None on the CPU
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     served_model_name: str
     context_length: int  # prompt + completion tokens must fit in this

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import kernels
+from specserve.core import parallel
 from specserve.core.forward_batch import ForwardBatch
 from specserve.models.layers import Linear
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
@@ -54,8 +55,8 @@ class DraftModel(nn.Module, ABC):
         logits widened in the GEMV's own launch (not while training: it has no backward)."""
         assert self.lm_head is not None, "the head is the draft's own or attached by `share`"
         if kernels.use_gemv(h) and not torch.is_grad_enabled():
-            return kernels.gemv(h, self.lm_head.weight, out_dtype=torch.float32)
-        return F.linear(h, self.lm_head.weight).float()
+            return parallel.gather_vocab(kernels.gemv(h, self.lm_head.weight, out_dtype=torch.float32))
+        return parallel.gather_vocab(F.linear(h, self.lm_head.weight).float())
 
     # -- checkpoint names <-> parameter names (overridden by layouts that rename) ---------
     def param_name(self, ckpt_name: str) -> str | None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from specserve import kernels
+from specserve.core import parallel
 from specserve.core.forward_batch import ForwardBatch
 from specserve.core.rope import RopeAt
 from specserve.models.draft_model import DraftModel
@@ -40,7 +41,8 @@ class Eagle3MidLayer(nn.Module):
                 rope: RopeAt) -> torch.Tensor:
         """The layer over tokens `ids` [T] (embedded by `embed`, the target's) and hidden h [T, H]."""
         table = embed.weight
-        if kernels.use_fused(h) and table.dtype == h.dtype and not torch.is_grad_enabled():
+        if (kernels.use_fused(h) and table.dtype == h.dtype and not torch.is_grad_enabled()
+                and parallel.tp_size() == 1):  # a vocab-parallel table is looked up by `embed`
             # the embedding gather, both norms (one eps) and the cat: one launch
             x = kernels.rms_norm_pair(table, self.input_layernorm.weight, h, self.hidden_norm.weight,
                                       self.hidden_norm.eps, ids=ids)
@@ -72,7 +74,7 @@ class LlamaForCausalLMEagle3(DraftModel):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         if draft_vocab_size is not None:
             self.owns_lm_head = True
-            self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
+            self.lm_head = nn.Linear(h, parallel.vocab_per_rank(draft_vocab_size), bias=False)  # vocab-parallel
             # Offsets: draft index i is target token i + d2t[i]. A buffer, so that loading
             # and `.to(device)` treat it like a weight (integer buffers keep their dtype).
             self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import kernels
+from specserve.core import parallel
 
 
 class RMSNorm(nn.Module):
@@ -73,9 +74,26 @@ class Linear(nn.Module):
 
 class Embedding(nn.Embedding):
     """nn.Embedding whose lookup of a flat id vector is one Triton gather where the fused
-    kernels run (`kernels.embedding`), outside autograd (the kernel has no backward)."""
+    kernels run (`kernels.embedding`), outside autograd (the kernel has no backward).
+
+    Vocab-parallel under tensor parallelism (core/parallel.py): each rank holds the rows
+    [vocab_start, vocab_start + num_embeddings) of the table; an id outside them looks up
+    zeros, and the ranks' lookups are summed."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        local = parallel.vocab_per_rank(num_embeddings)
+        super().__init__(local, embedding_dim)
+        self.vocab_start = parallel.tp_rank() * local
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if parallel.tp_size() > 1:
+            local = ids - self.vocab_start
+            inside = (local >= 0) & (local < self.num_embeddings)
+            rows = self._lookup(torch.where(inside, local, torch.zeros_like(local)))
+            return parallel.all_reduce(rows * inside.unsqueeze(-1).to(rows.dtype))
+        return self._lookup(ids)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() == 1 and kernels.use_fused(self.weight) and not torch.is_grad_enabled():
             return kernels.embedding(ids, self.weight)
         return super().forward(ids)

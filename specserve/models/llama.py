@@ -31,12 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import kernels
+from specserve.core import parallel
 from specserve.core.forward_batch import ForwardBatch
 from specserve.core.rope import RopeAt
 from specserve.models.compile import CompiledForward
 from specserve.models.compile import attention as compiled_attention
 from specserve.models.layers import Embedding, Linear, RMSNorm
 from specserve.models.rope import RotaryEmbedding, apply_rope
+from specserve.models.tp_shard import shard
 
 logger = logging.getLogger("specserve")
 
@@ -86,6 +88,20 @@ class LlamaConfig:
             num_nextn_predict_layers=d.get("num_nextn_predict_layers") or 0,
         )
 
+    @property
+    def heads_per_rank(self) -> int:
+        """Query heads on this tensor-parallel rank (core/parallel.py `head_shard`)."""
+        return parallel.head_shard(self.num_heads, self.num_kv_heads)[1]
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads on this rank: what its KV pool holds."""
+        return parallel.kv_heads_per_rank(self.num_kv_heads)
+
+    @property
+    def intermediate_per_rank(self) -> int:
+        return parallel.split(self.intermediate_size, "the MLP's intermediate size")
+
 
 def _rope_params(d: dict) -> tuple[float, dict | None]:
     """(theta, scaling) from transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)."""
@@ -113,7 +129,7 @@ class Attention(nn.Module):
         """`in_features` defaults to hidden_size (EAGLE-3's midlayer feeds 2 * hidden_size)."""
         super().__init__()
         self.layer_id = layer_id
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.heads_per_rank, cfg.kv_heads_per_rank, cfg.head_dim
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.qkv_proj = Linear(in_features or cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=cfg.attention_bias)
@@ -130,7 +146,8 @@ class Attention(nn.Module):
             pool = fb.kv_pool
             caches = pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots
             q = kernels.rope_store_kv(qkv, h, *rope.tables(), *caches)
-            return self.o_proj(fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale))
+            return parallel.all_reduce(self.o_proj(fb.attn_backend.forward(q, None, None, self.layer_id, fb,
+                                                                           self.scale)))
         qk, v = qkv[:, :h + kv], qkv[:, h + kv:]
         if self.q_norm is not None:
             assert self.k_norm is not None  # q_norm and k_norm exist together (cfg.qk_norm)
@@ -139,7 +156,7 @@ class Attention(nn.Module):
         q, k = qk[:, :h], qk[:, h:]
         if torch.compiler.is_compiling():  # opaque to inductor: the backend behind a custom op
             return self.o_proj(compiled_attention(q, k, v, self.layer_id, self.scale))
-        return self.o_proj(fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale))
+        return parallel.all_reduce(self.o_proj(fb.attn_backend.forward(q, k, v, self.layer_id, fb, self.scale)))
 
     @property
     def few_tokens_ready(self) -> bool:
@@ -153,7 +170,8 @@ class Attention(nn.Module):
         (residual: the stream itself unless given; norm None: none): the norm rides on the
         qkv GEMV and the residual add on o_proj's (kernels/matvec.py, kernels/skinny.py), and
         for 2 or more tokens RoPE and the KV write too (kernels/qkv_rope.py); needs a pooled
-        KV cache."""
+        KV cache. Under tensor parallelism rank 0 alone adds the residual, and the all-reduce
+        after o_proj sums it once with every rank's share."""
         h, kv, pool = self.heads, self.kv_heads, fb.kv_pool
         norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         caches = pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots
@@ -163,29 +181,38 @@ class Attention(nn.Module):
             qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=norm_weight, eps=eps)
             q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope.tables(), *caches)
         out = fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale)
-        return kernels.gemv(out.reshape(stream.shape[0], -1), self.o_proj.out_in_weight,
-                            residual=stream if residual is None else residual)
+        residual = _rank0_residual(stream if residual is None else residual)
+        return parallel.all_reduce(kernels.gemv(out.reshape(stream.shape[0], -1), self.o_proj.out_in_weight,
+                                                residual=residual))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_per_rank
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         if kernels.use_fused(gate_up):
-            return self.down_proj(kernels.silu_and_mul(gate_up))
+            return parallel.all_reduce(self.down_proj(kernels.silu_and_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return parallel.all_reduce(self.down_proj(F.silu(gate) * up))
 
     def forward_few_tokens(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """stream [T, hidden] + mlp(norm(stream)) in two GEMVs (the norm and SiLU*mul ride on
         gate_up's, the residual add on down_proj's)."""
         act = kernels.gemv(stream, self.gate_up_proj.out_in_weight, norm_weight=norm.weight, eps=norm.eps,
                            gated=True)
-        return kernels.gemv(act, self.down_proj.out_in_weight, residual=stream)
+        return parallel.all_reduce(kernels.gemv(act, self.down_proj.out_in_weight,
+                                                residual=_rank0_residual(stream)))
+
+
+def _rank0_residual(stream: torch.Tensor) -> torch.Tensor | None:
+    """The residual a row-parallel GEMV adds: all of it on rank 0, none elsewhere (the
+    all-reduce after it adds it once)."""
+    return stream if parallel.tp_rank() == 0 else None
 
 
 class DecoderLayer(nn.Module):
@@ -245,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, parallel.vocab_per_rank(cfg.vocab_size), bias=False)
         # Residual stream captured *before* these layers; num_layers means after the last
         # layer (pre-norm).
         self.aux_layers: tuple[int, ...] = ()
@@ -301,8 +328,8 @@ class LlamaForCausalLM(nn.Module):
         in the model's dtype, whose conversion would change no argmax (it is exact and
         keeps order) and at a verify of 2048 tokens would read and write some 600 MB a step."""
         if kernels.use_gemv(hidden, lm_head=True):  # the float32 logits of the half ones, in the GEMV's launch
-            return kernels.gemv(hidden, self.lm_head.weight, out_dtype=torch.float32)
-        logits = self.lm_head(hidden)
+            return parallel.gather_vocab(kernels.gemv(hidden, self.lm_head.weight, out_dtype=torch.float32))
+        logits = parallel.gather_vocab(self.lm_head(hidden))
         return logits.float() if float32 else logits
 
     def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -343,23 +370,29 @@ class LlamaForCausalLM(nn.Module):
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 
 
+def _local_sizes(cfg: LlamaConfig) -> tuple[int, int, int]:
+    """Rows of q, of k (and v) and of gate (and up) in this rank's fused projections."""
+    return (cfg.heads_per_rank * cfg.head_dim, cfg.kv_heads_per_rank * cfg.head_dim,
+            cfg.intermediate_per_rank)
+
+
 def _fused_target(name: str, cfg: LlamaConfig) -> tuple[str, int]:
     """Map an HF tensor name to (our parameter name, first row it fills)."""
+    q, kv, inter = _local_sizes(cfg)
     for proj, idx in _QKV.items():
         if f".self_attn.{proj}." in name:
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             return name.replace(proj, "qkv_proj"), [0, q, q + kv][idx]
     if ".mlp.gate_proj." in name:
         return name.replace("gate_proj", "gate_up_proj"), 0
     if ".mlp.up_proj." in name:
-        return name.replace("up_proj", "gate_up_proj"), cfg.intermediate_size
+        return name.replace("up_proj", "gate_up_proj"), inter
     return name, 0
 
 
 def _hf_name(key: str, cfg: LlamaConfig) -> str:
     """Inverse of `_fused_target` for messages: 'x.qkv_proj.weight@64' -> 'x.k_proj.weight'."""
     name, offset = key.rsplit("@", 1)
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, kv, _ = _local_sizes(cfg)
     if "qkv_proj" in name:
         return name.replace("qkv_proj", {0: "q_proj", q: "k_proj", q + kv: "v_proj"}[int(offset)])
     if "gate_up_proj" in name:
@@ -375,16 +408,20 @@ def loadable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_tensor(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str,
                 tensor: torch.Tensor) -> str | None:
     """Copy one HF-named tensor (in our module paths) into `params`; q/k/v and gate/up land
-    in row blocks of the fused projections. Returns the slice key 'param@first_row', or None
-    when no parameter has that name. A shape that does not fit raises ValueError."""
+    in row blocks of the fused projections; under tensor parallelism only this rank's slice
+    (`tp_shard.py`). Returns the slice key 'param@first_row', or None when no parameter has
+    that name. A shape that does not fit raises ValueError."""
     target, offset = _fused_target(name, cfg)
     if target not in params:
         return None
+    full = tuple(tensor.shape)
+    tensor = shard(name, tensor, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     param = params[target]
     rows = tensor.shape[0] if tensor.dim() else 1
     dest = param[offset:offset + rows] if param.dim() else param
     if dest.shape != tensor.shape:
-        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        shards = f" (this rank's slice of {full})" if full != tuple(tensor.shape) else ""
+        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}{shards}, expected {tuple(dest.shape)}")
     with torch.no_grad():
         dest.copy_(tensor.to(param.dtype))
     return f"{target}@{offset}"
@@ -394,7 +431,7 @@ def check_complete(model: nn.Module, cfg: LlamaConfig, loaded: set[str], skip: C
                    display: Callable[[str], str] = lambda name: name) -> None:
     """Raise ValueError naming the tensors (HF names, through `display`) that `loaded`
     (slice keys from `load_tensor`) lacks; parameters in `skip` are not expected."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q, kv, inter = _local_sizes(cfg)
     expected = set()
     for name in loadable_tensors(model):
         if name in skip:
@@ -402,7 +439,7 @@ def check_complete(model: nn.Module, cfg: LlamaConfig, loaded: set[str], skip: C
         if "qkv_proj" in name:
             expected |= {f"{name}@0", f"{name}@{q}", f"{name}@{q + kv}"}
         elif "gate_up_proj" in name:
-            expected |= {f"{name}@0", f"{name}@{cfg.intermediate_size}"}
+            expected |= {f"{name}@0", f"{name}@{inter}"}
         else:
             expected.add(f"{name}@0")
     missing = sorted(display(_hf_name(key, cfg)) for key in expected - loaded)

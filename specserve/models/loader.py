@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from specserve.core import parallel
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 
 logger = logging.getLogger("specserve")
@@ -49,7 +50,7 @@ def iter_safetensors(model_dir: Path, desc: str = "Loading weights"):
             names += [(f, n) for n in sf.keys()]
     handles = {}
     try:
-        for f, name in tqdm(names, desc=desc, unit="tensor", leave=False):
+        for f, name in tqdm(names, desc=desc, unit="tensor", leave=False, disable=parallel.tp_rank() > 0):
             if f not in handles:
                 handles[f] = safe_open(f, framework="pt").__enter__()
             yield name, handles[f].get_tensor(name)
@@ -66,8 +67,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
     model.finalize(device, dtype)
     model.eval().requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info("Loaded %s (%s, %.1fM parameters, %s on %s)", Path(model_dir).name,
-                cfg.architecture, n_params / 1e6, str(dtype).removeprefix("torch."), device)
+    shard = f" on each of {parallel.tp_size()} tensor-parallel ranks" if parallel.tp_size() > 1 else ""
+    logger.info("Loaded %s (%s, %.1fM parameters%s, %s on %s)", Path(model_dir).name,
+                cfg.architecture, n_params / 1e6, shard, str(dtype).removeprefix("torch."), device)
     return model
 
 

@@ -14,6 +14,7 @@ import torch
 from specserve.attention.base import AttentionBackend
 from specserve.attention.torch_ref import TorchRefBackend
 from specserve.cache.kv_pool import KVPool
+from specserve.core import parallel
 from specserve.core.batch import ScheduleBatch
 from specserve.core.config import CacheConfig, ModelConfig, RunnerConfig
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
@@ -89,7 +90,7 @@ class ModelRunner:
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         self.runner_cfg_max_bs = runner_cfg.cuda_graph_max_bs
         self.num_slots = self._kv_budget(cache_cfg)
-        self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+        self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.kv_heads_per_rank, cfg.head_dim,
                               self.dtype, self.device)
         self.attn_backend_name = runner_cfg.attention_backend
         self.attn_backend = make_backend(runner_cfg.attention_backend, self.device)
@@ -163,13 +164,13 @@ class ModelRunner:
 
     def _kv_budget(self, cache_cfg: CacheConfig) -> int:
         cfg = self.model.config
-        per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.kv_heads_per_rank, cfg.head_dim, self.dtype)
         if cache_cfg.max_total_tokens:
             n = cache_cfg.max_total_tokens
         elif self.device.type == "cuda":
             # A draft's own KV pool has a slot for each of ours: counted in here rather than
             # left to the fixed headroom, which a large pool outgrows
-            draft = KVPool.bytes_per_slot(*self.draft_kv_shape, self.dtype) if self.draft_kv_shape else 0
+            draft = self._draft_bytes_per_slot()
             n = self._gpu_budget(cache_cfg, per_slot + draft)
         else:
             n = min(CPU_KV_BUDGET_BYTES // per_slot, 4 * self.context_length)
@@ -177,7 +178,17 @@ class ModelRunner:
             logger.warning("KV budget of %d tokens is below the context length %d: context "
                            "length reduced to %d", n, self.context_length, n - 1)
             self.context_length = n - 1
-        return n
+        # The scheduler's decisions depend on the budget, and every tensor-parallel rank must
+        # make the same ones: all take the smallest rank's
+        return parallel.min_int(n)
+
+    def _draft_bytes_per_slot(self) -> int:
+        """A draft's own KV bytes per target slot; its KV heads (given for the whole model)
+        are split over the tensor-parallel ranks as the target's are."""
+        if self.draft_kv_shape is None:
+            return 0
+        layers, kv_heads, head_dim = self.draft_kv_shape
+        return KVPool.bytes_per_slot(layers, parallel.kv_heads_per_rank(kv_heads), head_dim, self.dtype)
 
     def _gpu_budget(self, cache_cfg: CacheConfig, per_slot: int) -> int:
         free, total = torch.cuda.mem_get_info(self.device)

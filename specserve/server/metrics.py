@@ -62,8 +62,30 @@ class _Snapshot(Collector):
         return GaugeMetricFamily(name, doc, value=value)
 
 
+class _Replicas(Collector):
+    """Each data-parallel replica's numbers as `specserve:replica_<name>{dp_rank="d"}` gauges."""
+
+    def __init__(self, replicas: list[Mapping[str, Any]]):
+        self.replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        names = sorted({k for r in self.replicas for k, v in r.items() if _number(v) is not None})
+        for raw_name in names:
+            name = PREFIX + "replica_" + _BAD_CHARS.sub("_", str(raw_name))
+            family = GaugeMetricFamily(name, f"specserve engine metric {raw_name}, per replica", labels=["dp_rank"])
+            for d, replica in enumerate(self.replicas):
+                value = _number(replica.get(raw_name))
+                if value is not None:
+                    family.add_metric([str(d)], value)
+            yield family
+
+
 def render_metrics(values: Mapping[str, Any]) -> bytes:
-    """The Prometheus text format (version 0.0.4) of one metrics snapshot."""
+    """The Prometheus text format (version 0.0.4) of one metrics snapshot; with data
+    parallelism the totals, then each replica's ("replicas": a list of snapshots)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(values))
+    replicas = values.get("replicas")
+    if isinstance(replicas, list):
+        registry.register(_Replicas(replicas))
     return generate_latest(registry)

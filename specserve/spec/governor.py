@@ -49,6 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from specserve.core import parallel
 from specserve.runner.cuda_graph import capture_sizes
 
 # A probe's expected loss may be at most this share of the time its bucket ran since the
@@ -291,3 +292,27 @@ def _step_time(seconds: list[float]) -> float:
             return statistics.median(seconds)
         slowest = max(seconds)
     return (sum(seconds) - slowest) / (len(seconds) - 1)
+
+
+class RankZeroGovernor:
+    """Under tensor parallelism the governor's choices are rank 0's: its clock differs from
+    the others', and every rank must run the same steps (core/parallel.py). Rank 0's
+    `speculate` and `leaning` are broadcast; everything else is the wrapped governor's."""
+
+    def __init__(self, inner: SpecGovernor) -> None:
+        self.inner = inner
+
+    def speculate(self, bs: int) -> bool:
+        return parallel.broadcast_flag(self.inner.speculate(bs) if parallel.tp_rank() == 0 else False)
+
+    def leaning(self, bs: int) -> bool:
+        return parallel.broadcast_flag(self.inner.leaning(bs) if parallel.tp_rank() == 0 else False)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def make_governor(adaptive: bool) -> SpecGovernor | RankZeroGovernor:
+    """The governor a worker consults: rank 0's choices under tensor parallelism."""
+    governor = SpecGovernor(adaptive)
+    return RankZeroGovernor(governor) if adaptive and parallel.tp_size() > 1 else governor

@@ -26,7 +26,7 @@ from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import apply_penalties, sampling_batch, uniform_noise
 from specserve.spec import pipeline
 from specserve.spec.accept import AcceptResult, accept, accept_greedy_later, gumbel_targets, read_later
-from specserve.spec.governor import WARM_STEPS, SpecGovernor
+from specserve.spec.governor import WARM_STEPS, make_governor
 from specserve.spec.pipeline import InFlightSpec
 from specserve.spec.proposer import DraftsAhead, Proposer, Verified, WholeStep
 from specserve.spec.stats import SpecStats, record_request
@@ -47,7 +47,7 @@ class SpecWorker:
         self.eos_ids, self.context_length = eos_ids, context_length
         self.stats = SpecStats()
         adaptive = spec.adaptive == "on" or (spec.adaptive == "auto" and runner.device.type == "cuda")
-        self.governor = SpecGovernor(adaptive)
+        self.governor = make_governor(adaptive)
         # the last step: (bs, speculated, tokens, start, switched: one of the first WARM_STEPS of its mode)
         self._open: tuple[int, bool, int, float, bool] | None = None
         self._start = 0.0  # when the step `choose` was asked about started

@@ -25,9 +25,11 @@ LAYERS: dict[str, int] = {
     "specserve.server": 6,      # FastAPI routes, OpenAI protocol
     "specserve.args": 7,        # command line -> Config (SGLang's flags, rules and messages)
     "specserve.args_check": 7,
+    "specserve.args_parallel": 7,
     "specserve.preflight": 8,   # entry points: start-up checks, offline Engine, server, CLIs
     "specserve.offline": 8,
     "specserve.launch_server": 8,
+    "specserve.follower_node": 8,
     "specserve.cli": 8,
     "specserve.bench": 8,
     "specserve.train": 8,

@@ -81,7 +81,7 @@ class EagleProposer(Proposer, DraftsAhead):
                                 _token_map(spec, runner))
         runner.capture_features(self.model.feature_mode, self.model.aux_layers)
         c = self.model.config
-        self.pool = KVPool(runner.num_slots, c.num_layers, c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
+        self.pool = KVPool(runner.num_slots, c.num_layers, c.kv_heads_per_rank, c.head_dim, runner.dtype, runner.device)
         self.backend = make_backend(spec.draft_attention_backend or runner.attn_backend_name, runner.device)
         self.runner, self.kv = runner, kv
         self.topk, self.max_nodes = topk, nodes

