@@ -15,9 +15,10 @@ from typing import Any, cast
 
 from specserve.args import parse_config
 from specserve.core.config import Config, ConfigError
-from specserve.core.messages import GenerateReq, TokenOut
+from specserve.core.messages import ControlOut, ControlReq, GenerateReq, TokenOut
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.client import on_gpu
+from specserve.engine.process import kv_leak
 from specserve.engine.ranks import Layout, Replica
 from specserve.engine.scheduler import Scheduler
 from specserve.preflight import resolve_sources
@@ -115,6 +116,17 @@ class Engine:
                 if out.finished:
                     pending.discard(out.rid)
         return [acc[r.rid] for r in reqs]
+
+    def kv_leak(self) -> str | None:
+        """Flush the prefix cache; how the KV memory differs from idle, or None (tests)."""
+        if self.scheduler is not None:
+            return kv_leak(self.scheduler)
+        ranks = self._ranks
+        assert ranks is not None and ranks.inbox is not None and ranks.outbox is not None
+        ranks.inbox.send(ControlReq("kv_leak", 0))
+        msg = ranks.outbox.recv()
+        assert isinstance(msg, ControlOut), msg
+        return msg.result
 
     def shutdown(self) -> None:
         """Stop the engine processes (tp_size > 1); with one rank the engine runs in this

@@ -96,3 +96,9 @@ def torch_compile_mode() -> str:
 def cache_dir() -> str | None:
     """SPECSERVE_CACHE_DIR: where fetched and converted models live (default ~/.cache/specserve)."""
     return os.environ.get("SPECSERVE_CACHE_DIR") or None
+
+
+def use_only_gpu(index: int) -> None:
+    """Make GPU `index` the only one this process sees (as cuda:0): an engine rank's GPU,
+    set before CUDA starts (engine/process.py)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(index)

@@ -20,7 +20,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from specserve.core import parallel
+from specserve.core import env, parallel
 from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq
 from specserve.engine.protocol import EngineStart, ModelInfo, RankPlace
 
@@ -38,7 +38,7 @@ def engine_main(start: EngineStart, place: RankPlace, inbox: Connection | None,
     # (it sends None, then waits), so SIGINT here would only print a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if place.gpu is not None:  # before CUDA starts: this rank sees its one GPU as cuda:0
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(place.gpu)
+        env.use_only_gpu(place.gpu)
     # One rank speaks for the group: the others log warnings and errors only
     setup_logging(start.config.server.log_level if place.rank == 0 else "warning")
     if place.gpu is None and place.tp_size > 1:
@@ -135,11 +135,25 @@ def _handle(sched, msg, outbox: Connection | None) -> list:
     if isinstance(msg, AbortReq):
         return sched.abort(msg.rid)
     if isinstance(msg, ControlReq):
-        ops = {"flush_cache": sched.flush_cache, "server_info": sched.server_info, "metrics": sched.metrics}
+        ops = {"flush_cache": sched.flush_cache, "server_info": sched.server_info, "metrics": sched.metrics,
+               "kv_leak": lambda: kv_leak(sched)}
         result = ops[msg.op]() if msg.op in ops else {"error": f"unknown control op {msg.op}"}
         if outbox is not None:
             outbox.send(ControlOut(msg.token, result))
     return []
+
+
+def kv_leak(sched) -> str | None:
+    """Flush the prefix cache and say how the KV memory differs from idle (None: it is
+    idle), for tests: after their requests every slot must be back."""
+    if sched.has_work:
+        return "requests are still running"
+    sched.kv.flush_cache()
+    try:
+        sched.kv.assert_no_leak()
+    except AssertionError as e:
+        return str(e)
+    return None
 
 
 def _safe_step(sched, shared: bool) -> list:

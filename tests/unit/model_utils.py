@@ -43,7 +43,7 @@ class BareRunner:
         cfg = model.config
         dev = next(model.parameters()).device
         self.model = model
-        self.pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+        self.pool = KVPool(num_slots, cfg.num_layers, cfg.kv_heads_per_rank, cfg.head_dim,
                            next(model.parameters()).dtype, dev)
         self.table = ReqToTokenTable(max_reqs, 512, dev)
         self.backend = TorchRefBackend()

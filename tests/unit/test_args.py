@@ -27,7 +27,7 @@ DESIGN_FLAGS = """--model --model-path --tokenizer-path --host --port --dtype --
 --max-total-tokens --chunked-prefill-size --page-size --disable-radix-cache --cuda-graph-max-bs
 --disable-cuda-graph --enable-torch-compile --torch-compile-max-bs --attention-backend
 --quantization --served-model-name --api-key --random-seed --log-level --enable-metrics
---tp-size --decode-log-interval --max-prefill-tokens --schedule-policy --revision
+--tp-size --dp-size --nnodes --node-rank --dist-init-addr --base-gpu-id --decode-log-interval --max-prefill-tokens --schedule-policy --revision
 --load-format""".split()
 REFERENCE_FLAGS = """--speculative-algorithm --speculative-draft-model-path
 --speculative-draft-model-revision --speculative-draft-load-format --speculative-num-steps
@@ -199,7 +199,11 @@ def test_ngram_parameter_errors(argv: list[str], message: str) -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tp-size", "2"], "--tp-size 2: tensor parallelism is not supported yet"),
+    (["--tp-size", "2", "--enable-torch-compile"], "--enable-torch-compile with --tp-size > 1 is not supported yet"),
+    (["--tp", "2", "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "d",
+      "--speculative-token-map", "m.pt"], "--speculative-token-map with --tp-size > 1 is not supported yet"),
+    (["--nnodes", "2", "--tp", "2", "--dist-init-addr", "h:1", "--dp", "2"],
+     "--dp-size > 1 with --nnodes > 1 is not supported yet"),
     (["--page-size", "16"], "--page-size 16: page sizes above 1 are not supported yet"),
     (["--quantization", "fp8"],
      "--quantization fp8 is not supported yet (planned: int8 weight-only"),
@@ -213,6 +217,28 @@ def test_ngram_parameter_errors(argv: list[str], message: str) -> None:
 ])
 def test_unsupported_fails_loudly(argv: list[str], message: str) -> None:
     assert error_of(*argv).startswith(message)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dp-size", "0"], "--dp-size must be >= 1, got 0"),
+    (["--nnodes", "2", "--tp", "2"], "--nnodes 2 needs --dist-init-addr host:port"),
+    (["--nnodes", "2", "--tp", "3", "--dist-init-addr", "127.0.0.1:5000"],
+     "--tp-size 3 must be a multiple of --nnodes 2"),
+    (["--nnodes", "2", "--node-rank", "2", "--tp", "2", "--dist-init-addr", "h:1"],
+     "--node-rank must be in 0..1 (--nnodes 2), got 2"),
+    (["--dist-init-addr", "nowhere"], "--dist-init-addr must be host:port"),
+    (["--base-gpu-id", "-1"], "--base-gpu-id must be >= 0, got -1"),
+])
+def test_parallel_flag_errors(argv: list[str], message: str) -> None:
+    assert error_of(*argv).startswith(message)
+
+
+def test_parallel_flags_take_sglangs_names() -> None:
+    cfg = parse_config(["--tp", "4", "--dp", "2", "--base-gpu-id", "1"]).runner
+    assert (cfg.tp_size, cfg.dp_size, cfg.base_gpu_id) == (4, 2, 1)
+    cfg = parse_config(["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+                        "--dist-init-addr", "10.0.0.1:5000"]).runner
+    assert (cfg.tp_size, cfg.nnodes, cfg.node_rank, cfg.dist_init_addr) == (2, 2, 1, "10.0.0.1:5000")
 
 
 def test_trust_remote_code_is_accepted_and_logged(caplog: pytest.LogCaptureFixture) -> None:

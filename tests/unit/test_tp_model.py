@@ -1,0 +1,135 @@
+"""Tensor parallelism in the model: what each rank loads, and that the ranks together
+compute what one process computes.
+
+The sharding tests set a rank's place (core/parallel.py) without a process group: loading
+runs no collective. The logits tests run real gloo ranks (tests/unit/tp_utils.py) over
+tiny Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norms) configs, one whose KV heads are fewer
+than the ranks (replicated), and SmolLM2, whose 3 KV groups split 1 + 2 over two ranks.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.core import parallel
+from specserve.core.forward_batch import ForwardMode
+from specserve.models.llama import LlamaConfig, LlamaForCausalLM
+from specserve.models.loader import iter_safetensors, load_model, read_hf_config
+from tests.unit.model_utils import BareRunner, save_tiny_hf
+from tests.unit.tp_utils import run_ranks
+
+CONFIGS = {  # name -> (kind, overrides)
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "one-kv-head": ("llama", {"num_key_value_heads": 1}),
+    "three-groups": ("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp")
+    return {name: save_tiny_hf(kind, root / name, **over) for name, (kind, over) in CONFIGS.items()}
+
+
+@pytest.fixture(autouse=True)
+def _one_rank():
+    yield
+    parallel.set_tp(parallel.TPGroup())
+
+
+def _load_as(path: Path, tp: int, rank: int) -> LlamaForCausalLM:
+    parallel.set_tp(parallel.TPGroup(tp, rank))
+    cfg = LlamaConfig.from_hf(read_hf_config(path))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu")
+    model.load_weights(iter_safetensors(path))
+    return model
+
+
+@pytest.mark.parametrize("heads, kv, tp, want", [
+    (4, 2, 2, [(0, 2, 0, 1), (2, 2, 1, 1)]),
+    (9, 3, 2, [(0, 3, 0, 1), (3, 6, 1, 2)]),  # SmolLM2: whole groups, as even as they go
+    (4, 1, 2, [(0, 2, 0, 1), (2, 2, 0, 1)]),  # one KV head, replicated; its queries split
+    (8, 2, 4, [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]),
+    (4, 4, 1, [(0, 4, 0, 4)]),
+])
+def test_head_shards(heads, kv, tp, want):
+    got = []
+    for r in range(tp):
+        parallel.set_tp(parallel.TPGroup(tp, r))
+        got.append(parallel.head_shard(heads, kv))
+        assert parallel.kv_heads_per_rank(kv) == got[-1][3]
+    assert got == want
+
+
+def test_heads_that_do_not_fit_are_refused():
+    parallel.set_tp(parallel.TPGroup(4, 0))
+    with pytest.raises(ValueError, match="does not fit 6 attention heads in 2 KV groups"):
+        parallel.head_shard(6, 2)  # KV heads replicated on 2 ranks each, 3 query heads per group
+    with pytest.raises(ValueError, match="vocabulary size .* not divisible by the tensor-parallel size 4"):
+        parallel.vocab_per_rank(49150)
+
+
+@pytest.mark.parametrize("name, tp", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("one-kv-head", 2),
+                                      ("three-groups", 2), ("llama", 4)])
+def test_gathered_shards_equal_the_full_tensors(tiny_dirs, name, tp):
+    full = dict(_load_as(tiny_dirs[name], 1, 0).named_parameters())
+    cfg = LlamaConfig.from_hf(read_hf_config(tiny_dirs[name]))
+    ranks = [dict(_load_as(tiny_dirs[name], tp, r).named_parameters()) for r in range(tp)]
+    d = cfg.head_dim
+    for key, whole in full.items():
+        parts = [shards[key] for shards in ranks]
+        if "qkv_proj" in key:
+            q = cfg.num_heads * d
+            kv = cfg.num_kv_heads * d
+            queries = []
+            for r, part in enumerate(parts):
+                parallel.set_tp(parallel.TPGroup(tp, r))
+                _, qn, kv0, kvn = parallel.head_shard(cfg.num_heads, cfg.num_kv_heads)
+                queries.append(part[:qn * d])
+                k_rows = slice(q + kv0 * d, q + (kv0 + kvn) * d)
+                v_rows = slice(q + kv + kv0 * d, q + kv + (kv0 + kvn) * d)
+                assert torch.equal(part[qn * d:], torch.cat([whole[k_rows], whole[v_rows]]))
+            assert torch.equal(torch.cat(queries), whole[:q])
+        elif "gate_up_proj" in key:
+            halves = [p.chunk(2) for p in parts]
+            assert torch.equal(torch.cat([g for g, _ in halves] + [u for _, u in halves]), whole)
+        elif key.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(parts, dim=1), whole)
+        elif key.endswith(("embed_tokens.weight", "lm_head.weight")):
+            assert torch.equal(torch.cat(parts), whole)
+        else:  # norms: replicated
+            assert all(torch.equal(p, whole) for p in parts), key
+
+
+def _logits(path: str) -> torch.Tensor:
+    """Prefill two prompts, decode one token each, verify a 3-node tree: every logit row."""
+    model = load_model(Path(path), torch.float32, torch.device("cpu"))
+    run = BareRunner(model)
+    rows = [run.forward([0, 1], [0, 0], [[5, 9, 2, 7], [3, 3, 8]])]
+    rows.append(run.forward([0, 1], [4, 3], [[11], [12]], mode=ForwardMode.DECODE))
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    rows.append(run.forward([0], [5], [[4, 6, 13]], positions=[[5, 6, 6]], masks=[mask], mode=ForwardMode.VERIFY))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("name, tp", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("one-kv-head", 2),
+                                      ("three-groups", 2), ("llama", 4)])
+def test_ranks_compute_the_single_process_logits(tiny_dirs, name, tp):
+    want = _logits(str(tiny_dirs[name]))
+    got = run_ranks(_logits, tp, str(tiny_dirs[name]))
+    for r in range(tp):  # every rank holds the whole gathered logits
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+
+
+def test_smollm2_at_tp2_computes_its_logits(smollm2_dir):
+    want = _logits(str(smollm2_dir))
+    got = run_ranks(_logits, 2, str(smollm2_dir))
+    # 30 layers whose partial sums add in another order: logits of magnitude ~20 agree to ~1e-4
+    torch.testing.assert_close(got[0], want, rtol=1e-3, atol=5e-3)
+    assert torch.equal(got[0].argmax(-1), want.argmax(-1))
