@@ -66,6 +66,7 @@ class ProcessEngineClient:
                 self._call_in_loop(self._dispatch, msg)
         except (EOFError, OSError):
             pass
+        replica.procs[0].join(timeout=2)  # reaped, its exit code says how it ended
         self._died(replica.dead() or f"replica {replica.index}'s engine closed its pipe")
 
     def _watch(self) -> None:

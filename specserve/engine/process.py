@@ -61,6 +61,11 @@ def engine_main(start: EngineStart, place: RankPlace, inbox: Connection | None,
         _loop(sched, inbox, outbox, place.tp_size > 1)
     except (BrokenPipeError, EOFError, OSError):
         return  # the front end went away: nothing left to serve
+    except Exception as e:  # a collective failed: another rank is gone (the launcher says which)
+        if place.tp_size == 1:
+            raise
+        logger.error("rank 0 stopped: %s: %s", type(e).__name__, str(e).splitlines()[0][:300])
+        sys.exit(1)
 
 
 def _share_cores(place: RankPlace) -> None:

@@ -67,7 +67,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Lla
     model.finalize(device, dtype)
     model.eval().requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
-    shard = f" on each of {parallel.tp_size()} tensor-parallel ranks" if parallel.tp_size() > 1 else ""
+    shard = f" on rank {parallel.tp_rank()} of {parallel.tp_size()}" if parallel.tp_size() > 1 else ""
     logger.info("Loaded %s (%s, %.1fM parameters%s, %s on %s)", Path(model_dir).name,
                 cfg.architecture, n_params / 1e6, shard, str(dtype).removeprefix("torch."), device)
     return model
