@@ -117,13 +117,22 @@ class Engine:
                     pending.discard(out.rid)
         return [acc[r.rid] for r in reqs]
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (False while requests run), as SGLang's Engine does."""
+        return self.scheduler.flush_cache() if self.scheduler is not None else self._control("flush_cache")
+
+    def server_info(self) -> dict:
+        """What /get_server_info answers: the config, KV slots, device and dtype."""
+        return self.scheduler.server_info() if self.scheduler is not None else self._control("server_info")
+
     def kv_leak(self) -> str | None:
         """Flush the prefix cache; how the KV memory differs from idle, or None (tests)."""
-        if self.scheduler is not None:
-            return kv_leak(self.scheduler)
+        return kv_leak(self.scheduler) if self.scheduler is not None else self._control("kv_leak")
+
+    def _control(self, op: str) -> Any:
         ranks = self._ranks
         assert ranks is not None and ranks.inbox is not None and ranks.outbox is not None
-        ranks.inbox.send(ControlReq("kv_leak", 0))
+        ranks.inbox.send(ControlReq(op, 0))
         msg = ranks.outbox.recv()
         assert isinstance(msg, ControlOut), msg
         return msg.result

@@ -1,6 +1,6 @@
-"""`specserve bench limit`: how close batch-1 decode gets to the GPU's memory bandwidth.
+"""`specserve bench limit`: how close batch-1 decode gets to the GPUs' memory bandwidth.
 
-A Llama-3.1-8B-shaped model with random bf16 weights (--load-format dummy: made on the
+A Llama-3.1-8B-shaped (or --shape 70b) model with random bf16 weights (--load-format dummy: made on the
 device, no download) decodes after a short prompt at batch size 1 through the server's own
 Scheduler (its attention backend, CUDA graphs and overlapped decode; and once more with
 overlap off, in the same run). Achieved bandwidth = bytes one step must read (every weight
@@ -10,6 +10,10 @@ a 16-node tree against one decode step on the same model two ways: through the b
 runner with a read-back after each (host work included; the verify of a speculative step
 is read back at once), and as the GPU time of their captured graphs' replays (CUDA
 events, the two graphs alternated in blocks), which host noise does not move.
+
+With --tp-sizes 1,2 (or 4) each size runs in turn, sharded over GPUs 0..N-1 (one process
+a rank, bench/ranks.py); the bandwidth is every rank's bytes over the step time, against
+the GPUs' summed copy rate, and each size's speed is also given as a ratio to the first.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 
 from specserve import kernels
+from specserve.bench.ranks import run_on_ranks
 from specserve.bench.report import report
 
 VERIFY_NODES = 16  # the verify(16) <= 1.15x decode target
@@ -36,8 +41,16 @@ LLAMA_31_8B: dict[str, Any] = {
 }
 
 
+LLAMA_31_70B: dict[str, Any] = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672,
+                                 "num_hidden_layers": 80, "num_attention_heads": 64}
+SHAPES = {"8b": LLAMA_31_8B, "70b": LLAMA_31_70B}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench limit")
+    p.add_argument("--shape", default="8b", choices=tuple(SHAPES), help="Llama-3.1 shape of the random model")
+    p.add_argument("--tp-sizes", default="1",
+                   help="tensor-parallel sizes to time in turn, e.g. 1,2 (each on GPUs 0..N-1, one process each)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--attention-backend", default=None, choices=("torch", "triton"))
@@ -62,20 +75,50 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, iters: int = 20)
 
 
 def step_bytes(model, kv_len: int) -> int:
-    """Bytes one decode step reads: all weights but the embedding (one row), plus the KV."""
+    """Bytes one decode step reads on this rank: its weights but the embedding (one row),
+    plus its KV."""
     c = model.config
     size = next(model.parameters()).element_size()
     weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * size
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * kv_len * size
+    kv = 2 * c.num_layers * c.kv_heads_per_rank * c.head_dim * kv_len * size
     return weights + c.hidden_size * size + kv
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    sizes = [int(t) for t in args.tp_sizes.split(",")]
+    first: dict | None = None
+    for tp in sizes:
+        row = _measure(args) if sizes == [1] else _combine(run_on_ranks(_measure, tp, args))
+        first = first or row
+        row["tp_size"], row["speedup_vs_first"] = tp, row["tok_s"] / first["tok_s"]
+        report(f"limit: {args.shape}-shaped bf16 TP {tp} bs=1 {row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms/step, "
+               f"{row['speedup_vs_first']:.2f}x TP {sizes[0]}), {row['achieved_GBps']:.0f} GB/s = "
+               f"{100 * row['fraction_of_copy']:.1f}% of copy {row['copy_GBps']:.0f} GB/s (no overlap: "
+               f"{row['no_overlap_step_ms']:.2f} ms, {100 * row['no_overlap_fraction']:.1f}%); verify(16) = "
+               f"{row['verify16_over_decode']:.2f}x a decode step ({_graph_note((row['graph_decode_us'], row['graph_verify16_us']))}) "
+               f"({row['attention_backend']}, graphs {'on' if row['cuda_graphs'] else 'off'}, "
+               f"PDL {'on' if row['pdl'] else 'off'}, TMA {'on' if row['tma'] else 'off'}, {row['device']})",
+               row, args.output)
+    return 0
+
+
+def _combine(rows: list[dict]) -> dict:
+    """Rank 0's timings; bytes and copy bandwidth summed over the ranks (each its GPU's)."""
+    row = dict(rows[0])
+    for key in ("achieved_GBps", "copy_GBps"):
+        row[key] = sum(r[key] for r in rows)
+    row["fraction_of_copy"] = row["achieved_GBps"] / row["copy_GBps"]
+    row["no_overlap_fraction"] = sum(r["no_overlap_fraction"] * r["copy_GBps"] for r in rows) / row["copy_GBps"]
+    return row
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    """Every figure of one model on this process's GPU (one rank of a group, or alone)."""
     device = torch.device("cuda")
     copy_bw = copy_bandwidth(device)
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(LLAMA_31_8B))
+        (Path(tmp) / "config.json").write_text(json.dumps(SHAPES[args.shape]))
         sched = _scheduler(Path(tmp), args)
     runner, model = sched.runner, sched.runner.model
     # A server without a draft captures no VERIFY graphs: capture them too (a speculative
@@ -88,25 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     step_s, kv_mid, verify_ratio, graph_us = _decode(runner, sched.kv, args.prompt_len, args.steps)
     weights = step_bytes(model, kv_mid)
     bw = weights / overlap_s
-    row = {"bench": "limit", "model": "llama-3.1-8b-shaped", "dtype": "bfloat16", "batch_size": 1,
-           "device": torch.cuda.get_device_name(device), "attention_backend": type(runner.attn_backend).__name__,
-           "cuda_graphs": runner.graphs is not None, "pdl": kernels.pdl_enabled(device),
-           "tma": kernels.tma_enabled(device), "tok_s": 1 / overlap_s, "step_ms": 1e3 * overlap_s,
-           "achieved_GBps": bw / 1e9, "copy_GBps": copy_bw / 1e9, "fraction_of_copy": bw / copy_bw,
-           "no_overlap_step_ms": 1e3 * plain_s, "no_overlap_fraction": weights / plain_s / copy_bw,
-           "runner_loop_step_ms": 1e3 * step_s, "verify16_over_decode": verify_ratio,
-           "graph_decode_us": graph_us[0], "graph_verify16_us": graph_us[1],
-           "graph_verify16_over_decode": graph_us[1] / graph_us[0] if graph_us[0] else None,
-           "prompt_len": args.prompt_len, "steps": args.steps}
-    report(f"limit: 8B-shaped bf16 bs=1 {row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms/step), "
-           f"{row['achieved_GBps']:.0f} GB/s = {100 * row['fraction_of_copy']:.1f}% of copy "
-           f"{row['copy_GBps']:.0f} GB/s (no overlap: {row['no_overlap_step_ms']:.2f} ms, "
-           f"{100 * row['no_overlap_fraction']:.1f}%); verify(16) = {verify_ratio:.2f}x a decode step "
-           f"({_graph_note(graph_us)}) "
-           f"({row['attention_backend']}, graphs {'on' if row['cuda_graphs'] else 'off'}, "
-           f"PDL {'on' if row['pdl'] else 'off'}, TMA {'on' if row['tma'] else 'off'}, {row['device']})",
-           row, args.output)
-    return 0
+    return {"bench": "limit", "model": f"llama-3.1-{args.shape}-shaped", "dtype": "bfloat16", "batch_size": 1,
+            "device": torch.cuda.get_device_name(device), "attention_backend": type(runner.attn_backend).__name__,
+            "cuda_graphs": runner.graphs is not None, "pdl": kernels.pdl_enabled(device),
+            "tma": kernels.tma_enabled(device), "tok_s": 1 / overlap_s, "step_ms": 1e3 * overlap_s,
+            "achieved_GBps": bw / 1e9, "copy_GBps": copy_bw / 1e9, "fraction_of_copy": bw / copy_bw,
+            "no_overlap_step_ms": 1e3 * plain_s, "no_overlap_fraction": weights / plain_s / copy_bw,
+            "runner_loop_step_ms": 1e3 * step_s, "verify16_over_decode": verify_ratio,
+            "graph_decode_us": graph_us[0], "graph_verify16_us": graph_us[1],
+            "graph_verify16_over_decode": graph_us[1] / graph_us[0] if graph_us[0] else None,
+            "prompt_len": args.prompt_len, "steps": args.steps}
 
 
 def _scheduler(model_dir: Path, args: argparse.Namespace):
@@ -123,7 +157,7 @@ def _scheduler(model_dir: Path, args: argparse.Namespace):
     if args.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
     start = EngineStart(parse_config(argv), model_dir, model_dir)  # no tokenizer files: a word tokenizer
-    return Scheduler(start, _word_tokenizer(LLAMA_31_8B["vocab_size"]))
+    return Scheduler(start, _word_tokenizer(SHAPES[args.shape]["vocab_size"]))
 
 
 def _word_tokenizer(vocab_size: int):

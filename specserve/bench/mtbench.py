@@ -36,6 +36,7 @@ from specserve.args import positive_int
 from specserve.bench.prompts import MT_BENCH
 from specserve.bench.report import report
 from specserve.bench.spec_compare import WARM_TOKENS, _spec_kwargs, timed_run
+from specserve.bench.spec_compare import engine_kwargs as pairs
 from specserve.spec import registry
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-args", default="",
                    help="extra flags of every speculative engine, e.g. 'speculative_num_steps=3,"
                         "speculative_eagle_topk=1,speculative_num_draft_tokens=4'")
+    p.add_argument("--engine-args", default="",
+                   help="flags of every specserve engine, e.g. 'tp_size=2' or 'max_total_tokens=65536'")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers generate")
     p.add_argument("--turns", type=int, default=1, choices=(1, 2))
     p.add_argument("--batch-sizes", default="1,8")
@@ -190,6 +193,7 @@ def engine_kwargs(args: argparse.Namespace, method: Method) -> dict[str, Any]:
     kw: dict[str, Any] = dict(device=args.device, dtype=args.dtype, log_level="warning",
                               tokenizer_path=args.tokenizer_path, max_total_tokens=args.max_total_tokens,
                               max_running_requests=max(batch_sizes(args)))
+    kw |= pairs(args.engine_args)
     if method.algorithm is None:
         return kw
     if registry.get(method.algorithm).draft_model != "none" and not method.draft:
@@ -286,7 +290,8 @@ def _measure_ours(args: argparse.Namespace, method: Method, bs: int, tok: Tokeni
                   questions: list[list[str]]) -> tuple[Answers, Runtime]:
     engine = start_engine(args, method)
     try:
-        runtime = Runtime(engine.scheduler.runner.device, engine.scheduler.runner.dtype)
+        info = engine.server_info()
+        runtime = Runtime(torch.device(info["device"]), getattr(torch, info["dtype"].removeprefix("torch.")))
         generate = ours(engine, args.max_new_tokens, bs, args.temperature)
         rounds = [run_turns(generate, tok, questions, args.turns) for _ in range(args.rounds)]
         return middle_round(rounds), runtime

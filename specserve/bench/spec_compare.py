@@ -62,7 +62,7 @@ def warm_up(engine, prompts: list[list[int]], bs: int, temperature: float = 0.0)
     for i in range(0, len(prompts), bs):
         engine.generate(input_ids=[p[::-1] for p in prompts[i:i + bs]],
                         sampling_params={"temperature": temperature, "max_new_tokens": WARM_TOKENS, "seed": 0})
-    engine.scheduler.kv.flush_cache()
+    engine.flush_cache()
 
 
 def timed_run(engine, prompts: list[list[int]], max_new: int, bs: int,
@@ -76,7 +76,7 @@ def timed_run(engine, prompts: list[list[int]], max_new: int, bs: int,
         params = [{"temperature": temperature, "max_new_tokens": max_new, "seed": j}
                   for j in range(i, min(i + bs, len(prompts)))]
         outs += engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)
-        engine.scheduler.kv.flush_cache()
+        engine.flush_cache()
     return time.perf_counter() - start, outs
 
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         plain_s, spec_s = sum(p[0] for p, _ in rounds), sum(s[0] for _, s in rounds)
         n_plain = sum(len(o["output_ids"]) for (_, outs), _ in rounds for o in outs)
         row = {"bench": "spec", "set": name, "algorithm": args.algorithm, "model": args.model,
-               "device": str(plain.scheduler.runner.device), "batch_size": args.batch_size,
+               "device": plain.server_info()["device"], "batch_size": args.batch_size,
                "num_prompts": len(prompts), "rounds": args.rounds,
                "plain_tok_s": statistics.median(_tok_s(p) for p, _ in rounds),
                "spec_tok_s": statistics.median(_tok_s(s) for _, s in rounds),

@@ -82,7 +82,7 @@ def _row(args, engine, prompts, bs: int, setting) -> dict:
     name = "plain" if setting is None else f"{args.algorithm} {setting[0]},{setting[1]},{setting[2]}"
     steps = verifies / bs if verifies else tokens / bs
     row = {"bench": "speculative", "model": args.model, "setting": name, "batch_size": bs,
-           "device": str(engine.scheduler.runner.device), "tok_s": tokens / seconds, "accept_length": accept,
+           "device": engine.server_info()["device"], "tok_s": tokens / seconds, "accept_length": accept,
            "step_ms": 1e3 * seconds / max(steps, 1), "num_prompts": len(prompts),
            "max_new_tokens": args.max_new_tokens, "random_head": args.random_head}
     report(f"speculative[{name}] bs={bs}: {row['tok_s']:.1f} tok/s, accept len {accept:.2f}, "

@@ -93,12 +93,20 @@ def torch_compile_mode() -> str:
     return os.environ.get("SPECSERVE_TORCH_COMPILE_MODE", "default")
 
 
+def tp_all_reduce() -> str:
+    """SPECSERVE_TP_ALLREDUCE: "auto" (symmetric-memory all-reduce for small tensors on GPUs,
+    NCCL for the rest) or "nccl" (NCCL always; engine/tp_group.py)."""
+    return os.environ.get("SPECSERVE_TP_ALLREDUCE", "auto").strip().lower() or "auto"
+
+
 def cache_dir() -> str | None:
     """SPECSERVE_CACHE_DIR: where fetched and converted models live (default ~/.cache/specserve)."""
     return os.environ.get("SPECSERVE_CACHE_DIR") or None
 
 
 def use_only_gpu(index: int) -> None:
-    """Make GPU `index` the only one this process sees (as cuda:0): an engine rank's GPU,
-    set before CUDA starts (engine/process.py)."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
+    """Make GPU `index` (of those this process was given: CUDA_VISIBLE_DEVICES when set) the
+    only one it sees, as cuda:0: an engine rank's GPU, set before CUDA starts
+    (engine/process.py)."""
+    given = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    os.environ["CUDA_VISIBLE_DEVICES"] = given[index] if index < len(given) else str(index)
