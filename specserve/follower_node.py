@@ -39,8 +39,14 @@ def serve_follower_node(cfg: Config) -> int:
         why.append(what)
         failed.set()
 
+    layout = Layout.of(cfg, on_gpu(cfg))
+    try:
+        layout.check_gpus(1)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     watch = NodeWatch(r.dist_init_addr, r.nnodes, r.node_rank, on_failure)
-    replica = Replica(start, Layout.of(cfg, on_gpu(cfg)).places(0))
+    replica = Replica(start, layout.places(0))
     logger.info("Node %d runs tensor-parallel ranks %s", r.node_rank, [p.rank for p in replica.places])
     try:
         return _wait(replica, watch, failed, why)

@@ -2,9 +2,10 @@
 
 Runs the same Scheduler as the server, in this process, stepping until every request it
 was given has finished; with `tp_size` > 1 the scheduler runs in one engine process per
-rank (engine/ranks.py), as the server's does, and `shutdown()` stops them. Keyword arguments are the server's flags with underscores
-(`speculative_algorithm="NGRAM"`, `disable_radix_cache=True`, ...), validated by the
-same code as the command line. Results have SGLang's shape:
+rank (engine/ranks.py), as the server's does, and `shutdown()` (or leaving a `with`
+block) stops them. Keyword arguments are the server's flags with underscores
+(`speculative_algorithm="NGRAM"`, `disable_radix_cache=True`, ...), validated by the same
+code as the command line. Results have SGLang's shape:
 {"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
  "cached_tokens", "finish_reason", ...}}.
 """
@@ -61,7 +62,9 @@ class Engine:
         if r.tp_size == 1:
             self.scheduler = Scheduler(start, self.tokenizer)
             return
-        self._ranks = Replica(start, Layout.of(self.config, on_gpu(self.config)).places(0))
+        layout = Layout.of(self.config, on_gpu(self.config))
+        layout.check_gpus(1)
+        self._ranks = Replica(start, layout.places(0))
         try:
             self._ranks.wait_ready()
         except BaseException:

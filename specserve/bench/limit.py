@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                f"{row['speedup_vs_first']:.2f}x TP {sizes[0]}), {row['achieved_GBps']:.0f} GB/s = "
                f"{100 * row['fraction_of_copy']:.1f}% of copy {row['copy_GBps']:.0f} GB/s (no overlap: "
                f"{row['no_overlap_step_ms']:.2f} ms, {100 * row['no_overlap_fraction']:.1f}%); verify(16) = "
-               f"{row['verify16_over_decode']:.2f}x a decode step ({_graph_note((row['graph_decode_us'], row['graph_verify16_us']))}) "
+               f"{row['verify16_over_decode']:.2f}x a decode step "
+               f"({_graph_note((row['graph_decode_us'], row['graph_verify16_us']))}) "
                f"({row['attention_backend']}, graphs {'on' if row['cuda_graphs'] else 'off'}, "
                f"PDL {'on' if row['pdl'] else 'off'}, TMA {'on' if row['tma'] else 'off'}, {row['device']})",
                row, args.output)

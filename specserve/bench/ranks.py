@@ -41,12 +41,12 @@ def run_on_ranks(fn: Callable[..., Any], tp: int, *args: Any) -> list[Any]:
 
 
 def _main(fn, place: RankPlace, results, args) -> None:
-    from specserve.core import env
+    from specserve.engine.process import use_gpu
     from specserve.engine.tp_group import join_tp_group
 
     try:
         assert place.gpu is not None
-        env.use_only_gpu(place.gpu)
+        use_gpu(place.gpu)
         if place.tp_size > 1:
             join_tp_group(place)
         results.put((place.rank, pickle.dumps(fn(*args)), None))

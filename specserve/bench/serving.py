@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     proc, url = (None, args.url) if args.url else _start(args.server_args)
     try:
-        prompts = mt_bench_first_turns(args.num_prompts)
+        turns = mt_bench_first_turns()
+        prompts = [turns[i % len(turns)] for i in range(args.num_prompts)]  # the 80 questions, cycled
         with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
             model = json.load(resp)["data"][0]["id"]
         _one(url, model, "Say hello.", 8)  # warm-up, not a benchmark prompt

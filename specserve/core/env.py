@@ -103,10 +103,3 @@ def cache_dir() -> str | None:
     """SPECSERVE_CACHE_DIR: where fetched and converted models live (default ~/.cache/specserve)."""
     return os.environ.get("SPECSERVE_CACHE_DIR") or None
 
-
-def use_only_gpu(index: int) -> None:
-    """Make GPU `index` (of those this process was given: CUDA_VISIBLE_DEVICES when set) the
-    only one it sees, as cuda:0: an engine rank's GPU, set before CUDA starts
-    (engine/process.py)."""
-    given = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    os.environ["CUDA_VISIBLE_DEVICES"] = given[index] if index < len(given) else str(index)

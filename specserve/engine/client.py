@@ -36,6 +36,7 @@ class ProcessEngineClient:
         until they serve; RuntimeError if one fails to start."""
         self.config, self.tokenizer, self.on_death = start.config, tokenizer, on_death
         layout = Layout.of(self.config, on_gpu(self.config))
+        layout.check_gpus(self.config.runner.dp_size)
         self._closing = False
         self._replicas: list[Replica] = []
         try:

@@ -42,7 +42,7 @@ class NodeWatch:
         self._stop.set()
 
     def _run(self) -> None:
-        beat, last, seen = 0, {}, {}
+        beat, last, seen = 0, dict[int, bytes](), dict[int, float]()
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 beat += 1

@@ -20,7 +20,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from specserve.core import env, parallel
+from specserve.core import parallel
 from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq
 from specserve.engine.protocol import EngineStart, ModelInfo, RankPlace
 
@@ -37,8 +37,8 @@ def engine_main(start: EngineStart, place: RankPlace, inbox: Connection | None,
     # Ctrl-C reaches the whole process group; the front end decides when this process stops
     # (it sends None, then waits), so SIGINT here would only print a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if place.gpu is not None:  # before CUDA starts: this rank sees its one GPU as cuda:0
-        env.use_only_gpu(place.gpu)
+    if place.gpu is not None:  # every GPU stays visible (peers map each other's memory)
+        use_gpu(place.gpu)
     # One rank speaks for the group: the others log warnings and errors only
     setup_logging(start.config.server.log_level if place.rank == 0 else "warning")
     if place.gpu is None and place.tp_size > 1:
@@ -66,6 +66,14 @@ def engine_main(start: EngineStart, place: RankPlace, inbox: Connection | None,
             raise
         logger.error("rank 0 stopped: %s: %s", type(e).__name__, str(e).splitlines()[0][:300])
         sys.exit(1)
+
+
+def use_gpu(index: int) -> None:
+    """Make GPU `index` this process's current device, before anything is allocated: the
+    engine's tensors go to torch.device("cuda"), the current one."""
+    import torch
+
+    torch.cuda.set_device(index)
 
 
 def _share_cores(place: RankPlace) -> None:

@@ -31,6 +31,7 @@ import socket
 import time
 from contextlib import closing
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from specserve.core.config import Config
 from specserve.engine.process import engine_main
@@ -59,6 +60,17 @@ class Layout:
     def per_node(self) -> int:
         return self.tp_size // self.nnodes
 
+    def check_gpus(self, replicas: int) -> None:
+        """RuntimeError, before any process starts, if this host has too few GPUs."""
+        if not self.on_gpu:
+            return
+        import torch
+
+        need, have = self.base_gpu_id + replicas * self.per_node, torch.cuda.device_count()
+        if need > have:
+            raise RuntimeError(f"{replicas} replica(s) of {self.per_node} rank(s) from GPU {self.base_gpu_id} "
+                               f"need {need} GPUs on this host; {have} found")
+
     def places(self, replica: int) -> list[RankPlace]:
         """This node's ranks of `replica`."""
         addr = self.dist_init_addr or f"127.0.0.1:{free_port()}"
@@ -83,7 +95,7 @@ class Replica:
         self.inbox = self.outbox = None
         self.procs: list = []
         for place in places:
-            ends = (None, None)
+            ends: tuple[Connection | None, Connection | None] = (None, None)
             if place.rank == 0:
                 inbox_r, self.inbox = ctx.Pipe(duplex=False)
                 self.outbox, outbox_w = ctx.Pipe(duplex=False)

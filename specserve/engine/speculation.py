@@ -33,7 +33,8 @@ class SpecNeeds:
     """What the engine sizes before the speculator exists."""
 
     draft_headroom_mb: int = 0  # GPU memory kept back for draft weights, trees and graphs
-    draft_kv_shape: tuple[int, int, int] | None = None  # a draft's own KV per target slot: (layers, KV heads of the whole model, head dim)
+    # a draft's own KV per target slot: (layers, KV heads of the whole model, head dim)
+    draft_kv_shape: tuple[int, int, int] | None = None
     prefix_backoff: int = 0  # cached-prefix positions to recompute when a prefix is borrowed
     verify_tokens: int = 0  # tree nodes a verify holds per request (table columns past kv_len)
 

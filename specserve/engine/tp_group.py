@@ -27,8 +27,6 @@ def join_tp_group(place: RankPlace) -> None:
     import torch.distributed as dist
 
     on_gpu = place.gpu is not None
-    if on_gpu:
-        torch.cuda.set_device(0)  # the one GPU this process sees (engine/process.py)
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://{place.dist_addr}",
                             world_size=place.tp_size, rank=place.rank, timeout=TIMEOUT)
     world = dist.group.WORLD
@@ -63,9 +61,9 @@ class SymmetricAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.name, self.one_shot = group.group_name, group.size() == 2
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9
+        if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):  # needed before 2.9, deprecated since
             symm_mem.enable_symm_mem_for_group(self.name)
-        self.buf = symm_mem.empty(self.MAX_BYTES, dtype=torch.uint8, device="cuda")
+        self.buf = symm_mem.empty(self.MAX_BYTES, dtype=torch.uint8, device=torch.device("cuda"))
         symm_mem.rendezvous(self.buf, self.name)
         self.ops = torch.ops.symm_mem
 

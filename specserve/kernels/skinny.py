@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from specserve.kernels import SKINNY_MAX_TOKENS as MAX_TOKENS
@@ -329,14 +330,29 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
     cfg = (_tma_config if tma else _config)(n, k, gated, norm, weight.element_size(), block_t, x.device)
     grid_n = triton.cdiv(n, cfg.block_n)
     part, counts = split_buffers(x.device, grid_n, cfg, block_t)
-    _skinny_kernel[(grid_n, cfg.split)](
-        x, weight, tma_descriptor(weight, cfg) if tma else weight, out, residual if residual is not None else out,
-        norm_weight if norm else x, part, counts, t, n, k, x.stride(0), weight.stride(0), weight.stride(1),
-        out.stride(0), residual.stride(0) if residual is not None else 0, eps, RES=residual is not None, GATED=gated,
-        BLOCK_N=cfg.block_n, num_warps=4, num_stages=cfg.stages, SPLIT_K=cfg.split, TMA=tma,
-        PREFETCH=prefetch_step(weight, cfg.block_k, cfg.split, tma),
-        **product_flags(x, norm, k, block_t, cfg.block_k, cfg.split, tma), **pdl_flags(x.device))
-    return out
+    key = (n, k, gated, norm, block_t, residual is not None, tma, x.dtype, weight.dtype, out.dtype)
+    stages = _FITTED.get(key, cfg.stages)
+    while True:
+        try:
+            _skinny_kernel[(grid_n, cfg.split)](
+                x, weight, tma_descriptor(weight, cfg) if tma else weight, out,
+                residual if residual is not None else out, norm_weight if norm else x, part, counts, t, n, k,
+                x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+                residual.stride(0) if residual is not None else 0, eps, RES=residual is not None, GATED=gated,
+                BLOCK_N=cfg.block_n, num_warps=4, num_stages=stages, SPLIT_K=cfg.split, TMA=tma,
+                PREFETCH=prefetch_step(weight, cfg.block_k, cfg.split, tma),
+                **product_flags(x, norm, k, block_t, cfg.block_k, cfg.split, tma), **pdl_flags(x.device))
+            return out
+        except OutOfResources:
+            # `_config` counts one weight and one x tile a stage; some variants' pipelines hold
+            # more (seen: a 70B shard's o_proj at 32 tokens asked 5 stages' worth for 4)
+            if stages == 1:
+                raise
+            stages = _FITTED[key] = stages - 1
+
+
+# Launch shapes whose configured stages did not fit the device: the stages that did
+_FITTED: dict[tuple, int] = {}
 
 
 TMA_OVERRIDE: bool | None = None  # tests: force the descriptor path on (the interpreter runs it) or off
