@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from specserve.models.checkpoint import check_complete, load_tensor, loadable_tensors
 from specserve.models.draft_model import DraftModel
 from specserve.models.eagle import LlamaForCausalLMEagle
 from specserve.models.eagle3 import LlamaForCausalLMEagle3
-from specserve.models.llama import LlamaConfig, LlamaForCausalLM, check_complete, load_tensor, loadable_tensors
+from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 from specserve.models.loader import read_hf_config
 from specserve.models.mtp import MIMO, DeepseekNextN, MiMoMTP, checkpoint_names, has_mtp_layers
 

@@ -16,13 +16,17 @@ one tensor: the norms, SiLU*mul and residual adds ride on the linear layers' GEM
 
 MTP layers stored in a trunk's checkpoint (DeepSeek-style `model.layers.{L + i}.*` when
 `num_nextn_predict_layers` > 0, MiMo's `model.mtp_layers.*`) belong to the draft model
-(`mtp.py`): the trunk skips them. The loading helpers at the bottom (q/k/v and gate/up
-stacking, completeness) are shared with the draft loaders.
+(`mtp.py`): the trunk skips them. Checkpoint tensors land in the fused projections
+through `checkpoint.py`, shared with the draft loaders.
+
+Under tensor parallelism (core/parallel.py) each layer is built with this rank's share:
+q/k/v and gate/up column-parallel, o_proj and down_proj row-parallel with one all-reduce
+after each, the embedding and LM head vocab-parallel (logits gathered to every rank).
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
 
@@ -34,11 +38,11 @@ from specserve import kernels
 from specserve.core import parallel
 from specserve.core.forward_batch import ForwardBatch
 from specserve.core.rope import RopeAt
+from specserve.models.checkpoint import check_complete, load_tensor, loadable_tensors
 from specserve.models.compile import CompiledForward
 from specserve.models.compile import attention as compiled_attention
 from specserve.models.layers import Embedding, Linear, RMSNorm
 from specserve.models.rope import RotaryEmbedding, apply_rope
-from specserve.models.tp_shard import shard
 
 logger = logging.getLogger("specserve")
 
@@ -365,83 +369,3 @@ class LlamaForCausalLM(nn.Module):
         if self.config.num_nextn_predict_layers and name.startswith("model.layers."):
             return int(name.split(".")[2]) >= self.config.num_layers
         return False
-
-
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-
-
-def _local_sizes(cfg: LlamaConfig) -> tuple[int, int, int]:
-    """Rows of q, of k (and v) and of gate (and up) in this rank's fused projections."""
-    return (cfg.heads_per_rank * cfg.head_dim, cfg.kv_heads_per_rank * cfg.head_dim,
-            cfg.intermediate_per_rank)
-
-
-def _fused_target(name: str, cfg: LlamaConfig) -> tuple[str, int]:
-    """Map an HF tensor name to (our parameter name, first row it fills)."""
-    q, kv, inter = _local_sizes(cfg)
-    for proj, idx in _QKV.items():
-        if f".self_attn.{proj}." in name:
-            return name.replace(proj, "qkv_proj"), [0, q, q + kv][idx]
-    if ".mlp.gate_proj." in name:
-        return name.replace("gate_proj", "gate_up_proj"), 0
-    if ".mlp.up_proj." in name:
-        return name.replace("up_proj", "gate_up_proj"), inter
-    return name, 0
-
-
-def _hf_name(key: str, cfg: LlamaConfig) -> str:
-    """Inverse of `_fused_target` for messages: 'x.qkv_proj.weight@64' -> 'x.k_proj.weight'."""
-    name, offset = key.rsplit("@", 1)
-    q, kv, _ = _local_sizes(cfg)
-    if "qkv_proj" in name:
-        return name.replace("qkv_proj", {0: "q_proj", q: "k_proj", q + kv: "v_proj"}[int(offset)])
-    if "gate_up_proj" in name:
-        return name.replace("gate_up_proj", "up_proj" if int(offset) else "gate_proj")
-    return name
-
-
-def loadable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers by name: what a checkpoint may fill."""
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
-def load_tensor(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str,
-                tensor: torch.Tensor) -> str | None:
-    """Copy one HF-named tensor (in our module paths) into `params`; q/k/v and gate/up land
-    in row blocks of the fused projections; under tensor parallelism only this rank's slice
-    (`tp_shard.py`). Returns the slice key 'param@first_row', or None when no parameter has
-    that name. A shape that does not fit raises ValueError."""
-    target, offset = _fused_target(name, cfg)
-    if target not in params:
-        return None
-    full = tuple(tensor.shape)
-    tensor = shard(name, tensor, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    param = params[target]
-    rows = tensor.shape[0] if tensor.dim() else 1
-    dest = param[offset:offset + rows] if param.dim() else param
-    if dest.shape != tensor.shape:
-        shards = f" (this rank's slice of {full})" if full != tuple(tensor.shape) else ""
-        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}{shards}, expected {tuple(dest.shape)}")
-    with torch.no_grad():
-        dest.copy_(tensor.to(param.dtype))
-    return f"{target}@{offset}"
-
-
-def check_complete(model: nn.Module, cfg: LlamaConfig, loaded: set[str], skip: Container[str] = frozenset(),
-                   display: Callable[[str], str] = lambda name: name) -> None:
-    """Raise ValueError naming the tensors (HF names, through `display`) that `loaded`
-    (slice keys from `load_tensor`) lacks; parameters in `skip` are not expected."""
-    q, kv, inter = _local_sizes(cfg)
-    expected = set()
-    for name in loadable_tensors(model):
-        if name in skip:
-            continue
-        if "qkv_proj" in name:
-            expected |= {f"{name}@0", f"{name}@{q}", f"{name}@{q + kv}"}
-        elif "gate_up_proj" in name:
-            expected |= {f"{name}@0", f"{name}@{inter}"}
-        else:
-            expected.add(f"{name}@0")
-    missing = sorted(display(_hf_name(key, cfg)) for key in expected - loaded)
-    if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
