@@ -152,7 +152,8 @@ def _scheduler(model_dir: Path, args: argparse.Namespace):
 
     argv = ["--model-path", str(model_dir), "--load-format", "dummy", "--dtype", "bfloat16",
             "--context-length", "4096", "--max-total-tokens", "16384", "--max-running-requests", "4",
-            "--disable-radix-cache", "--log-level", "warning"]
+            "--disable-radix-cache", "--log-level", "warning",
+            "--cuda-graph-max-prefill-tokens", "0"]  # decode is timed: no prefill graphs to capture
     if args.attention_backend:
         argv += ["--attention-backend", args.attention_backend]
     if args.disable_cuda_graph:
