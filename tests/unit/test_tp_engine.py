@@ -65,6 +65,16 @@ def test_tp2_equals_tp1_for_every_algorithm(targets, smollm2_dir, job):
         assert accepted > sum(o["meta_info"]["spec_verify_ct"] for o in two)
 
 
+def test_the_governor_decides_on_rank_0_for_every_rank(targets, smollm2_dir):
+    """With the governor on, rank 0's timed choices are broadcast (spec/governor.py
+    RankZeroGovernor): the ranks run the same steps, so the output is plain decoding's."""
+    flags = {"speculative_algorithm": "NGRAM", "speculative_adaptive": "on"}
+    want = _generate(tiny_engine(targets["target"], smollm2_dir), PROMPTS, GREEDY)
+    with tiny_engine(targets["target"], smollm2_dir, tp_size=2, **flags) as engine:
+        got = _generate(engine, PROMPTS, GREEDY)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+
+
 def test_smollm2_eagle3_at_tp2(smollm2_dir):
     from specserve import Engine
 
