@@ -114,7 +114,7 @@ def _loop(sched, inbox: Connection, outbox: Connection, shared: bool) -> None:
                     break
         except (EOFError, OSError):
             msgs.append(None)  # the front end is gone: the other ranks stop too
-        if shared:
+        if shared and parallel.broadcast_flag(bool(msgs)):  # most steps: one small collective
             parallel.broadcast_object(msgs)
         outs = []
         for msg in msgs:
@@ -131,7 +131,7 @@ def _follow(sched, place: RankPlace) -> None:
     """Ranks above 0: handle what rank 0 shared, step as it does."""
     try:
         while True:
-            for msg in parallel.broadcast_object(None):
+            for msg in parallel.broadcast_object(None) if parallel.broadcast_flag(False) else []:
                 if msg is None:
                     return
                 _handle(sched, msg, None)
