@@ -34,7 +34,8 @@ class RankPlace:
     tp_size: int = 1
     rank: int = 0
     dist_addr: str = ""  # "host:port" where the group meets (tp_size > 1)
-    gpu: int | None = None  # the physical GPU index; None on the CPU
+    gpu: int | None = None  # the GPU index (of those visible); None on the CPU
+    host_procs: int = 1  # engine processes on this host, all replicas counted (CPU threads are shared)
 
 
 @dataclass(frozen=True)

@@ -50,11 +50,12 @@ class Layout:
     base_gpu_id: int
     on_gpu: bool
     dist_init_addr: str | None
+    dp_size: int = 1
 
     @classmethod
     def of(cls, cfg: Config, on_gpu: bool) -> Layout:
         r = cfg.runner
-        return cls(r.tp_size, r.nnodes, r.node_rank, r.base_gpu_id, on_gpu, r.dist_init_addr)
+        return cls(r.tp_size, r.nnodes, r.node_rank, r.base_gpu_id, on_gpu, r.dist_init_addr, r.dp_size)
 
     @property
     def per_node(self) -> int:
@@ -76,7 +77,8 @@ class Layout:
         addr = self.dist_init_addr or f"127.0.0.1:{free_port()}"
         first = self.node_rank * self.per_node
         return [RankPlace(self.tp_size, first + i, addr,
-                          self.base_gpu_id + replica * self.per_node + i if self.on_gpu else None)
+                          self.base_gpu_id + replica * self.per_node + i if self.on_gpu else None,
+                          self.dp_size * self.per_node)
                 for i in range(self.per_node)]
 
 

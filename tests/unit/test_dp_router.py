@@ -52,8 +52,8 @@ def test_merged_answers_sum_totals_and_keep_each_replica():
 
 
 def test_ranks_and_gpus_of_each_replica_and_node():
-    one = Layout(tp_size=2, nnodes=1, node_rank=0, base_gpu_id=1, on_gpu=True, dist_init_addr=None)
-    assert [(p.rank, p.gpu) for p in one.places(1)] == [(0, 3), (1, 4)]
+    one = Layout(tp_size=2, nnodes=1, node_rank=0, base_gpu_id=1, on_gpu=True, dist_init_addr=None, dp_size=2)
+    assert [(p.rank, p.gpu, p.host_procs) for p in one.places(1)] == [(0, 3, 4), (1, 4, 4)]
     node1 = Layout(tp_size=4, nnodes=2, node_rank=1, base_gpu_id=0, on_gpu=True, dist_init_addr="h:5")
     assert [(p.rank, p.gpu, p.dist_addr) for p in node1.places(0)] == [(2, 0, "h:5"), (3, 1, "h:5")]
     cpu = Layout(tp_size=2, nnodes=1, node_rank=0, base_gpu_id=0, on_gpu=False, dist_init_addr=None)
