@@ -88,5 +88,8 @@ def test_smollm2_eagle3_at_tp2(smollm2_dir):
     with Engine(tp_size=2, **flags) as two:
         got = _generate(two, prompts, {"temperature": 0, "max_new_tokens": 20})
         got_sampled = _generate(two, prompts, sampled)
+        # unseeded: each request's seed comes from the scheduler's generator, one for all ranks
+        unseeded = _generate(two, prompts, {"temperature": 1.0, "max_new_tokens": 12})
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert [o["output_ids"] for o in got_sampled] == [o["output_ids"] for o in want_sampled]
+    assert all(len(o["output_ids"]) > 0 for o in unseeded)
