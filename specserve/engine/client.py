@@ -71,8 +71,8 @@ class ProcessEngineClient:
         self._died(replica.dead() or f"replica {replica.index}'s engine closed its pipe")
 
     def _watch(self) -> None:
-        wait([s for r in self._replicas for s in r.sentinels()])
-        self._died(next((d for r in self._replicas if (d := r.dead()) is not None), "an engine process exited"))
+        ready = {s for s in wait([s for r in self._replicas for s in r.sentinels()]) if isinstance(s, int)}
+        self._died(next((d for r in self._replicas if (d := r.dead(ready)) is not None), "an engine process exited"))
 
     def _died(self, what: str) -> None:
         with self._lock:

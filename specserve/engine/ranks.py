@@ -29,6 +29,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 import time
+from collections.abc import Collection
 from contextlib import closing
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -131,9 +132,14 @@ class Replica:
     def sentinels(self) -> list[int]:
         return [p.sentinel for p in self.procs]
 
-    def dead(self) -> str | None:
-        """Which process has exited, in words; None while all run."""
-        for place, proc in zip(self.places, self.procs):
+    def dead(self, sentinels: Collection[int] = ()) -> str | None:
+        """Which process has exited, in words (one whose sentinel is in `sentinels` first:
+        the first to go, not a peer that failed after it); None while all run."""
+        first = [i for i, p in enumerate(self.procs) if p.sentinel in sentinels]
+        for i in first + list(range(len(self.procs))):
+            place, proc = self.places[i], self.procs[i]
+            if i in first:
+                proc.join(timeout=2)  # its sentinel fires as it exits, a moment before it can be reaped
             if not proc.is_alive():
                 who = f"tensor-parallel rank {place.rank}" if place.tp_size > 1 else "the engine process"
                 replica = f" of replica {self.index}" if self.index else ""

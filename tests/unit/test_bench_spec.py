@@ -37,7 +37,7 @@ def test_the_warm_up_samples_at_the_timed_temperature() -> None:
         calls.append((input_ids, sampling_params))
         return [{"output_ids": [7], "meta_info": {}} for _ in input_ids]
 
-    engine = SimpleNamespace(generate=generate, scheduler=SimpleNamespace(kv=SimpleNamespace(flush_cache=lambda: None)))
+    engine = SimpleNamespace(generate=generate, flush_cache=lambda: True)
     timed_run(engine, [[1, 2, 3]], max_new=16, bs=1, temperature=1.0)
     (warm_ids, warm), (ids, timed) = calls
     assert warm_ids == [[3, 2, 1]] and ids == [[1, 2, 3]]
