@@ -41,7 +41,7 @@ def engine_main(start: EngineStart, place: RankPlace, inbox: Connection | None,
         use_gpu(place.gpu)
     # One rank speaks for the group: the others log warnings and errors only
     setup_logging(start.config.server.log_level if place.rank == 0 else "warning")
-    if place.gpu is None and place.host_procs > 1:
+    if place.host_procs > 1:
         _share_cores(place)
     try:
         sched = _build(start, place)
@@ -77,9 +77,9 @@ def use_gpu(index: int) -> None:
 
 
 def _share_cores(place: RankPlace) -> None:
-    """The CPU engine processes of one host (ranks and replicas) split its cores: more
-    threads than cores would stall every collective on the slowest rank, and one replica's
-    threads would slow the other's."""
+    """The engine processes of one host (ranks and replicas) split its cores for torch's
+    CPU threads: more threads than cores would stall every collective on the slowest CPU
+    rank, and one process's spinning pool would slow another's host work."""
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.host_procs))
