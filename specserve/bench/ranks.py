@@ -1,6 +1,9 @@
-"""Run a benchmark body on N tensor-parallel GPU ranks (NCCL), one process per GPU, and
-collect what each returns: how `bench limit --tp-sizes` times a sharded model with the
-engine's own group set-up (engine/tp_group.py). Rank r uses GPU r."""
+"""Run a function on N tensor-parallel ranks, one fresh process each, and collect what each
+returns: how `bench limit --tp-sizes` times a sharded model with the engine's own group
+set-up (engine/tp_group.py), and how the tests run CPU ranks. Rank r uses GPU r (NCCL), or
+with on_gpu False the CPU (gloo, one torch thread each). Results travel as plain pickle
+bytes: a tensor put on the queue as is would live in shared memory that its process takes
+with it when it exits."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -16,11 +19,12 @@ from specserve.engine.ranks import free_port
 TIMEOUT_S = 1800
 
 
-def run_on_ranks(fn: Callable[..., Any], tp: int, *args: Any) -> list[Any]:
+def run_on_ranks(fn: Callable[..., Any], tp: int, *args: Any, on_gpu: bool = True) -> list[Any]:
     """[fn(*args) on rank 0, ..., rank tp-1]; RuntimeError with a rank's traceback."""
     ctx = mp.get_context("spawn")
     addr, results = f"127.0.0.1:{free_port()}", ctx.Queue()
-    procs = [ctx.Process(target=_main, args=(fn, RankPlace(tp, r, addr, r), results, args)) for r in range(tp)]
+    places = [RankPlace(tp, r, addr, r if on_gpu else None) for r in range(tp)]
+    procs = [ctx.Process(target=_main, args=(fn, place, results, args), daemon=True) for place in places]
     for p in procs:
         p.start()
     got: dict[int, Any] = {}
@@ -45,8 +49,12 @@ def _main(fn, place: RankPlace, results, args) -> None:
     from specserve.engine.tp_group import join_tp_group
 
     try:
-        assert place.gpu is not None
-        use_gpu(place.gpu)
+        if place.gpu is not None:
+            use_gpu(place.gpu)
+        else:
+            import torch
+
+            torch.set_num_threads(1)
         if place.tp_size > 1:
             join_tp_group(place)
         results.put((place.rank, pickle.dumps(fn(*args)), None))

@@ -345,7 +345,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
             return out
         except OutOfResources:
             # `_config` counts one weight and one x tile a stage; some variants' pipelines hold
-            # more (seen: a 70B shard's o_proj at 32 tokens asked 5 stages' worth for 4)
+            # more than that, which only the compiler knows: retry with one stage fewer
             if stages == 1:
                 raise
             stages = _FITTED[key] = stages - 1

@@ -1,6 +1,6 @@
 """The few-token kernel's launch falls back to fewer pipeline stages when a variant needs
-more shared memory than its configuration counted (a 70B shard's o_proj on an H200 asked
-5 stages' worth for 4), remembers what fit, and computes the same product."""
+more shared memory than its configuration counted, remembers what fit, and computes the
+same product."""
 from __future__ import annotations
 
 import torch

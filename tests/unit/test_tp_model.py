@@ -2,7 +2,7 @@
 compute what one process computes.
 
 The sharding tests set a rank's place (core/parallel.py) without a process group: loading
-runs no collective. The logits tests run real gloo ranks (tests/unit/tp_utils.py) over
+runs no collective. The logits tests run real gloo ranks (bench/ranks.py) over
 tiny Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norms) configs, one whose KV heads are fewer
 than the ranks (replicated), and SmolLM2, whose 3 KV groups split 1 + 2 over two ranks.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from specserve.bench.ranks import run_on_ranks
 from specserve.core import parallel
 from specserve.core.forward_batch import ForwardMode
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 from specserve.models.loader import iter_safetensors, load_model, read_hf_config
 from tests.unit.model_utils import BareRunner, save_tiny_hf
-from tests.unit.tp_utils import run_ranks
 
 CONFIGS = {  # name -> (kind, overrides)
     "llama": ("llama", {}),
@@ -122,14 +122,14 @@ def _logits(path: str) -> torch.Tensor:
                                       ("three-groups", 2), ("llama", 4)])
 def test_ranks_compute_the_single_process_logits(tiny_dirs, name, tp):
     want = _logits(str(tiny_dirs[name]))
-    got = run_ranks(_logits, tp, str(tiny_dirs[name]))
+    got = run_on_ranks(_logits, tp, str(tiny_dirs[name]), on_gpu=False)
     for r in range(tp):  # every rank holds the whole gathered logits
         torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
 
 
 def test_smollm2_at_tp2_computes_its_logits(smollm2_dir):
     want = _logits(str(smollm2_dir))
-    got = run_ranks(_logits, 2, str(smollm2_dir))
+    got = run_on_ranks(_logits, 2, str(smollm2_dir), on_gpu=False)
     # 30 layers whose partial sums add in another order: logits of magnitude ~20 agree to ~1e-4
     torch.testing.assert_close(got[0], want, rtol=1e-3, atol=5e-3)
     assert torch.equal(got[0].argmax(-1), want.argmax(-1))
