@@ -88,7 +88,7 @@ def test_two_nodes_serve_and_stop_together(tmp_path):
     node0, node1, _ = _two_nodes(tmp_path)
     stop_and_check(node0, tmp_path / "node0.log", signal.SIGTERM)
     assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()[-3000:]
-    assert not session_pids(node1.pid)
+    _assert_session_empties(node1)
 
 
 def _assert_stops_with_error(proc: subprocess.Popen, log: Path, within_s: float, names: str) -> None:
@@ -99,6 +99,11 @@ def _assert_stops_with_error(proc: subprocess.Popen, log: Path, within_s: float,
         pytest.fail(f"still running {within_s} s after a rank died:\n{log.read_text()[-3000:]}")
     text = log.read_text(errors="replace")
     assert code == 1 and names in text, text[-3000:]
+    _assert_session_empties(proc)
+
+
+def _assert_session_empties(proc: subprocess.Popen) -> None:
+    """No process of its session is left within 10 s (its resource tracker exits after it)."""
     deadline = time.monotonic() + 10
     while session_pids(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
