@@ -115,6 +115,8 @@ def _add_memory(p: argparse.ArgumentParser) -> None:
                         "(default: None, from memory on GPU, a fixed budget on CPU)")
     g.add_argument("--page-size", type=int, default=_C.page_size, help="tokens per KV cache page")
     g.add_argument("--disable-radix-cache", action="store_true", help="disable prefix caching")
+    g.add_argument("--kv-cache-dtype", default=_C.kv_cache_dtype,
+                   help="KV cache dtype: auto (the model's) or fp8_e4m3 (alias: fp8)")
 
 
 def _add_scheduling(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from specserve.spec.eagle.batch_tree import AUTO, OFF, parse_tree
 logger = logging.getLogger("specserve")
 
 # Quantization is planned as gpt-fast-style weight-only transforms in their own files (DESIGN 6).
-PLANNED_QUANTIZATIONS = ("int8 weight-only", "int4 weight-only")
+PLANNED_QUANTIZATIONS = ("4-bit GGUF blocks on the GPU",)
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,9 @@ def check_ranges(cfg: Config, ctx: CheckContext) -> Config:
 
 def _check_quantization(flag: str, value: str | None, allowed: tuple[str | None, ...]) -> None:
     if value not in allowed:
+        supported = ", ".join(v for v in allowed if v is not None)
         planned = ", ".join(PLANNED_QUANTIZATIONS)
-        raise ConfigError(f"{flag} {value} is not supported yet (planned: {planned}); "
+        raise ConfigError(f"{flag} {value} is not supported yet (supported: {supported}; planned: {planned}); "
                           "GGUF checkpoints are dequantized on load")
 
 
@@ -103,10 +104,10 @@ def check_unsupported(cfg: Config, ctx: CheckContext) -> Config:
     if page > 1:
         raise ConfigError(f"--page-size {page}: page sizes above 1 are not supported yet "
                           "(the KV cache is allocated per token)")
-    _check_quantization("--quantization", cfg.model.quantization, (None,))
-    # "unquant" is SGLang's way to say "keep the draft unquantized"; that is all we do anyway.
+    _check_quantization("--quantization", cfg.model.quantization, (None, "fp8", "awq", "gptq"))
+    # "unquant": SGLang's way to keep the draft in float under a quantized target
     _check_quantization("--speculative-draft-model-quantization",
-                        cfg.spec.draft_model_quantization, (None, "unquant"))
+                        cfg.spec.draft_model_quantization, (None, "fp8", "awq", "gptq", "unquant"))
     if cfg.model.device == "cuda" and not ctx.has_cuda():
         raise ConfigError("--device cuda: no CUDA device found")
     for flag, value in (("--speculative-moe-runner-backend", cfg.spec.moe_runner_backend),
@@ -120,6 +121,21 @@ def check_unsupported(cfg: Config, ctx: CheckContext) -> Config:
         logger.info("--speculative-attention-mode %s changes nothing here: one attention kernel runs "
                     "verify and draft extend in either mode", cfg.spec.attention_mode)
     return cfg
+
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # cache/kv_pool.py stores these ("fp8": vLLM's name for e4m3)
+
+
+def check_kv_cache_dtype(cfg: Config, ctx: CheckContext) -> Config:
+    """--kv-cache-dtype: SGLang's names; the GPU's fp8 support is checked where the pool is
+    sized (runner/memory.py), once the device is known."""
+    value = cfg.cache.kv_cache_dtype.lower()
+    value = "fp8_e4m3" if value == "fp8" else value
+    if value == "fp8_e5m2":
+        raise ConfigError("--kv-cache-dtype fp8_e5m2 is not supported: use fp8_e4m3 or auto")
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    return replace(cfg, cache=replace(cfg.cache, kv_cache_dtype=value))
 
 
 
@@ -292,8 +308,8 @@ def apply_spec_defaults(cfg: Config, ctx: CheckContext) -> Config:
 # SGLang's order where it has one: the Spec v2 topk check runs before auto-tuning.
 RULES: tuple[Rule, ...] = (
     normalize_algorithm, reject_stray_spec_flags, check_ranges, check_algorithm_flags,
-    check_unsupported, check_parallel, check_spec_v2, check_step_triple, check_batch_tree, require_draft_model,
-    check_draft_options, warn_ignored_spec_flags, warn_lossy_thresholds, note_on_cpu,
+    check_unsupported, check_kv_cache_dtype, check_parallel, check_spec_v2, check_step_triple, check_batch_tree,
+    require_draft_model, check_draft_options, warn_ignored_spec_flags, warn_lossy_thresholds, note_on_cpu,
     default_max_running_requests, apply_spec_defaults,
 )
 

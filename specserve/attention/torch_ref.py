@@ -8,6 +8,7 @@ against. Each forward pads the batch to [B, max_new] queries over [B, max_kv] ke
   and j < prefix_b + n_b. Padded query rows see key 0 only (their output is dropped).
 A DECODE batch with a `draft_tail` reads keys [0, prefix_b) through the row and then the
 tail's d slots: kv_index = row[:max_prefix] ++ tail, with row columns >= prefix_b masked.
+An fp8 pool's K/V are read back as stored * scale in the queries' dtype (cache/kv_pool.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.attention.base import AttentionBackend
+from specserve.cache.kv_pool import dequantize
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -101,8 +103,11 @@ class TorchRefBackend(AttentionBackend):
         heads, dim = q.shape[1], q.shape[2]
         flat = m.kv_index.view(-1)  # index_select: ~3x cheaper than advanced indexing on CPU
         kv_shape = (bsz, m.kv_index.shape[1], -1, dim)
-        keys = fb.kv_pool.k[layer_id].index_select(0, flat).view(kv_shape).transpose(1, 2)  # [B, kvH, max_kv, D]
-        vals = fb.kv_pool.v[layer_id].index_select(0, flat).view(kv_shape).transpose(1, 2)
+        pool = fb.kv_pool
+        keys = dequantize(pool.k[layer_id].index_select(0, flat), pool.k_scale, q.dtype)
+        vals = dequantize(pool.v[layer_id].index_select(0, flat), pool.v_scale, q.dtype)
+        keys = keys.view(kv_shape).transpose(1, 2)  # [B, kvH, max_kv, D]
+        vals = vals.view(kv_shape).transpose(1, 2)
         if q.shape[0] == bsz * max_new:  # no padding: a reshape, not a gather
             qp = q.reshape(bsz, max_new, heads, dim).transpose(1, 2)  # [B, H, max_new, D]
         else:

@@ -109,24 +109,25 @@ class TritonBackend(AttentionBackend):
             fb.kv_pool.write(layer_id, fb.out_slots, k, v)
         m = cast(TritonMeta, fb.attn_meta)  # set by this backend's init_*metadata* for this batch
         k_pool, v_pool = fb.kv_pool.k[layer_id], fb.kv_pool.v[layer_id]
+        ks, vs = fb.kv_pool.k_scale, fb.kv_pool.v_scale  # an fp8 pool's scales
         assert q.shape[1] % k_pool.shape[1] == 0, "query heads must be a multiple of kv heads"
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
         if m.is_decode:
             self._decode.decode_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
-                                          m.seq_lens, scale, m.num_splits, m.tail, m.tail_start)
+                                          m.seq_lens, scale, m.num_splits, m.tail, m.tail_start, k_scale=ks, v_scale=vs)
             return out.view(q.shape[0], -1)  # [T, H*D]
         prefix, extend, q_starts = m.prefix_lens, m.extend_lens, m.q_starts
         assert prefix is not None and extend is not None and q_starts is not None  # extend metadata has all three
         if self._short.fits(m.max_extend, q.shape[1] // k_pool.shape[1]):
             self._short.short_extend_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
                                                prefix, extend, q_starts, m.max_extend,
-                                               scale, m.num_splits, m.mask, m.mask_indptr)
+                                               scale, m.num_splits, m.mask, m.mask_indptr, k_scale=ks, v_scale=vs)
         else:
             self._extend.extend_attention(q, k_pool, v_pool, out, fb.req_to_token, m.req_rows,
                                           prefix, extend, q_starts, m.max_extend,
-                                          scale, m.mask, m.mask_indptr)
+                                          scale, m.mask, m.mask_indptr, k_scale=ks, v_scale=vs)
         return out.view(q.shape[0], -1)  # [T, H*D]
 
     def _num_splits(self, fb: ForwardBatch) -> int:

@@ -25,11 +25,13 @@ import triton.language as tl
 from specserve.attention.triton_kernels import (
     LOG2E,
     block_d,
+    compute_dtype,
     dot_precision,
     load_kv_block,
     online_softmax_step,
     with_new_keys,
 )
+from specserve.cache.kv_pool import is_fp8
 from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
 
@@ -52,12 +54,13 @@ def _slots(table, tail, n0, end, tail_start, BLOCK_N: tl.constexpr, HAS_TAIL: tl
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_len, Out, Lse, qk_scale,
+def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_len, Out, Lse, qk_scale, v_scale,
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_tail,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   STORE_LSE: tl.constexpr, PREC: tl.constexpr, HAS_TAIL: tl.constexpr, USE_PDL: tl.constexpr):
+                   STORE_LSE: tl.constexpr, PREC: tl.constexpr, HAS_TAIL: tl.constexpr, KV_FP8: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,7 +96,9 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_
     v = load_kv_block(V, slots, old, stride_vs, kvh * stride_vh, offs_d, mask_d)
     wait_and_release(USE_PDL)
     q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    if not KV_FP8:  # else the products run in q's dtype (an fp8 pool's blocks are upcast)
+        q = q.to(K.dtype.element_ty)
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -111,8 +116,11 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_
         acc, m_i, l_i = online_softmax_step(q, k, v, valid[None, :], acc, m_i, l_i, qk_scale, PREC)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * v_scale
     out = Out + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(out, o.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
     if STORE_LSE:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
@@ -162,7 +170,7 @@ def reduce_splits(mid: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_s
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor | None,
                      scale: float, num_splits: int, tail: torch.Tensor | None = None,
-                     tail_start: torch.Tensor | None = None) -> None:
+                     tail_start: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """out[b] = attention of q[b] over slots req_to_token[req_rows[b], :seq_lens[b]], or
     with a tail, over req_to_token[req_rows[b], :tail_start[b]] ++ tail[b, :W] (seq_lens
     unused: the kernel adds W to tail_start itself, which spares a tree pass two launches
@@ -170,7 +178,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
     q, out [B, H, D] (last dim contiguous); k_pool, v_pool [slots, kvH, D]; req_rows [B]
     int64, seq_lens [B] int32, tail_start [B] int32 or int64, tail [B, W] int64, all on
-    q's device. Launches without reading any device value.
+    q's device. Launches without reading any device value. k_scale, v_scale: an fp8
+    pool's (stored = x / scale; cache/kv_pool.py).
     """
     bsz, heads, dim = q.shape
     group = heads // k_pool.shape[1]
@@ -192,11 +201,12 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         dst_strides, lse_strides = dst.stride()[:3], lse.stride()[:2]
     _decode_kernel[(bsz, k_pool.shape[1], num_splits)](
         q, k_pool, v_pool, req_to_token, req_rows, seq_lens, tail if has_tail else req_rows,
-        tail_start if has_tail else seq_lens, tail.shape[1] if tail is not None else 0, dst, lse, scale * LOG2E,
+        tail_start if has_tail else seq_lens, tail.shape[1] if tail is not None else 0, dst, lse,
+        scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         req_to_token.stride(0), tail.stride(0) if tail is not None else 0, *dst_strides, *lse_strides,
         GROUP=group, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
-        BLOCK_D=bd, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, PREC=dot_precision(k_pool.dtype),
-        HAS_TAIL=has_tail, num_warps=4, num_stages=2, **pdl_flags(q.device))
+        BLOCK_D=bd, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, PREC=dot_precision(compute_dtype(q, k_pool)),
+        HAS_TAIL=has_tail, KV_FP8=is_fp8(k_pool.dtype), num_warps=4, num_stages=2, **pdl_flags(q.device))
     if num_splits > 1:
         reduce_splits(dst, lse, out, num_splits)

@@ -14,17 +14,25 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.triton_kernels import LOG2E, block_d, dot_precision, load_kv_block, online_softmax_step
+from specserve.attention.triton_kernels import (
+    LOG2E,
+    block_d,
+    compute_dtype,
+    dot_precision,
+    load_kv_block,
+    online_softmax_step,
+)
+from specserve.cache.kv_pool import is_fp8
 
 
 @triton.jit
 def _extend_kernel(Q, K, V, Out, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
-                   Mask, MaskIndptr, qk_scale,
+                   Mask, MaskIndptr, qk_scale, v_scale,
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                    stride_ot, stride_oh, stride_tr,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CUSTOM_MASK: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, KV_FP8: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -43,7 +51,9 @@ def _extend_kernel(Q, K, V, Out, ReqToToken, ReqRows, PrefixLens, ExtendLens, QS
     mask_d = offs_d < HEAD_DIM
     q_rows = q_start + offs_m
     q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if not KV_FP8:  # else the products run in q's dtype (an fp8 pool's blocks are upcast)
+        q = q.to(K.dtype.element_ty)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -78,8 +88,11 @@ def _extend_kernel(Q, K, V, Out, ReqToToken, ReqRows, PrefixLens, ExtendLens, QS
         acc, m_i, l_i = online_softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PREC)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # a query that may see nothing gets 0, not NaN
+    o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * v_scale
     out = Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
-    tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(out, o.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 def _blocks(max_extend: int, dim: int, elem_bytes: int) -> tuple[int, int]:
@@ -94,26 +107,28 @@ def _blocks(max_extend: int, dim: int, elem_bytes: int) -> tuple[int, int]:
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int, scale: float,
-                     mask: torch.Tensor | None = None, mask_indptr: torch.Tensor | None = None) -> None:
+                     mask: torch.Tensor | None = None, mask_indptr: torch.Tensor | None = None,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """out[T] = attention of the packed new tokens q [T, H, D] of B requests.
 
     prefix_lens / extend_lens / q_starts [B] int32, req_rows [B] int64, all on q's device;
     `max_extend` (host int) >= every extend_lens[b] sizes the grid. `mask`: flat uint8, the
     row-major [n_b, n_b] masks concatenated, request b's at mask_indptr[b] (int64); None =
-    causal. k_pool, v_pool [slots, kvH, D]; out [T, H, D].
+    causal. k_pool, v_pool [slots, kvH, D]; out [T, H, D]. k_scale, v_scale: an fp8 pool's.
     """
     bsz, heads, dim = len(req_rows), q.shape[1], q.shape[2]
     assert req_to_token.stride(1) == 1
-    block_m, block_n = _blocks(max_extend, dim, k_pool.element_size())
+    cdt = compute_dtype(q, k_pool)
+    block_m, block_n = _blocks(max_extend, dim, cdt.itemsize)
     custom = mask is not None
     if not custom:  # never dereferenced: the CUSTOM_MASK branches are compiled out
         mask, mask_indptr = extend_lens, extend_lens
     grid = (bsz, heads, triton.cdiv(max_extend, block_m))
     _extend_kernel[grid](
         q, k_pool, v_pool, out, req_to_token, req_rows, prefix_lens, extend_lens, q_starts,
-        mask, mask_indptr, scale * LOG2E,
+        mask, mask_indptr, scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
         GROUP=heads // k_pool.shape[1], HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d(dim), CUSTOM_MASK=custom, PREC=dot_precision(k_pool.dtype),
+        BLOCK_D=block_d(dim), CUSTOM_MASK=custom, PREC=dot_precision(cdt), KV_FP8=is_fp8(k_pool.dtype),
         num_warps=4 if dim <= 64 else 8, num_stages=2)

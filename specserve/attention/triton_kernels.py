@@ -4,6 +4,10 @@ Owns the per-key-block step of flash attention (online softmax in base 2) and th
 of one K or V block through token slots. Knows nothing about requests or forward modes;
 `triton_decode.py` and `triton_extend.py` own the kernels, `triton_backend.py` the launches.
 
+An fp8 pool (cache/kv_pool.py) is read as stored: `online_softmax_step` upcasts each block
+to the queries' dtype for its products (exact), and the kernels (KV_FP8) fold the K scale
+into the softmax scale and multiply their output by the V scale.
+
 Importing this file imports triton, and `@triton.jit` reads TRITON_INTERPRET when it runs:
 set it before the first import to run the kernels on CPU tensors. Only APIs of triton 3.6.
 """
@@ -12,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from specserve.cache.kv_pool import is_fp8
 
 LOG2E = 1.4426950408889634  # scores are kept in log2 units so the kernels use exp2
 
@@ -59,15 +65,20 @@ def online_softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PREC: tl.cons
     s = q.k * scale * log2(e). A row that has seen no visible key keeps m_i = -inf and
     l_i = 0 (the max is taken as 0 for it, so no -inf - -inf = NaN appears).
     """
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PREC) * qk_scale  # no-op casts but from fp8
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
     return acc, m_new, l_i
+
+
+def compute_dtype(q: torch.Tensor, k_pool: torch.Tensor) -> torch.dtype:
+    """The dtype of the kernels' products: the pool's, or beside an fp8 pool the queries'."""
+    return q.dtype if is_fp8(k_pool.dtype) else k_pool.dtype
 
 
 def dot_precision(dtype: torch.dtype) -> str:

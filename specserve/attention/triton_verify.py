@@ -30,12 +30,14 @@ from specserve.attention.triton_decode import MAX_SPLITS, reduce_splits
 from specserve.attention.triton_kernels import (
     LOG2E,
     block_d,
+    compute_dtype,
     dot_precision,
     load_kv_block,
     online_softmax_step,
     prefix_block,
     with_new_keys,
 )
+from specserve.cache.kv_pool import is_fp8
 from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
 
@@ -74,12 +76,13 @@ def _visible(n0, end, prefix, n_new, tok, mask_r, mask_base, BLOCK_N: tl.constex
 
 @triton.jit
 def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts, Mask, MaskIndptr,
-                  Out, Lse, qk_scale,
+                  Out, Lse, qk_scale, v_scale,
                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_RB: tl.constexpr,
-                  STORE_LSE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
+                  STORE_LSE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PREC: tl.constexpr, KV_FP8: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     b = tl.program_id(0) // NUM_RB
     rb = tl.program_id(0) % NUM_RB
     kvh = tl.program_id(1)
@@ -115,7 +118,9 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
                                        stride_vs, stride_vh, offs_d, mask_d, BLOCK_N)
     wait_and_release(USE_PDL)
     q = tl.load(Q + t_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(K.dtype.element_ty)
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+    if not KV_FP8:  # else the products run in q's dtype (an fp8 pool's blocks are upcast)
+        q = q.to(K.dtype.element_ty)
 
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
@@ -137,9 +142,12 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
         acc, m_i, l_i = online_softmax_step(q, k, v, visible, acc, m_i, l_i, qk_scale, PREC)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows that see no key here: o = 0, lse = -inf
+    o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * v_scale
     store = mask_r[:, None] & mask_d[None, :]
     out = Out + t_rows[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=store)
+    tl.store(out, o.to(Out.dtype.element_ty), mask=store)
     if STORE_LSE:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(Lse + t_rows * stride_lt + heads * stride_lh + split, lse, mask=mask_r)
@@ -149,10 +157,11 @@ def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                            req_to_token: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
                            extend_lens: torch.Tensor, q_starts: torch.Tensor, max_extend: int, scale: float,
                            num_splits: int, mask: torch.Tensor | None = None,
-                           mask_indptr: torch.Tensor | None = None) -> None:
+                           mask_indptr: torch.Tensor | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> None:
     """`triton_extend.extend_attention`'s contract for extends with fits(max_extend, group),
     split `num_splits` ways over the keys (every row sees its own token, so the split
-    holding key 0 of each row's visible set is never empty)."""
+    holding key 0 of each row's visible set is never empty). k_scale, v_scale: an fp8 pool's."""
     total, heads, dim = q.shape
     group = heads // k_pool.shape[1]
     assert req_to_token.stride(1) == 1 and 1 <= num_splits <= MAX_SPLITS and fits(max_extend, group)
@@ -169,14 +178,15 @@ def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if not custom:  # never dereferenced: the CUSTOM_MASK branches are compiled out
         mask, mask_indptr = extend_lens, extend_lens
     block_r, num_rb = row_blocks(max_extend, group)
+    cdt = compute_dtype(q, k_pool)
     _short_kernel[(len(req_rows) * num_rb, k_pool.shape[1], num_splits)](
         q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, q_starts, mask, mask_indptr,
-        dst, lse, scale * LOG2E,
+        dst, lse, scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         req_to_token.stride(0), *dst_strides, *lse_strides,
         GROUP=group, HEAD_DIM=dim, BLOCK_R=block_r,
-        BLOCK_N=64 if dim * k_pool.element_size() <= 256 else 32, BLOCK_D=bd, NUM_SPLITS=num_splits, NUM_RB=num_rb,
-        STORE_LSE=num_splits > 1, CUSTOM_MASK=custom, PREC=dot_precision(k_pool.dtype),
+        BLOCK_N=64 if dim * cdt.itemsize <= 256 else 32, BLOCK_D=bd, NUM_SPLITS=num_splits, NUM_RB=num_rb,
+        STORE_LSE=num_splits > 1, CUSTOM_MASK=custom, PREC=dot_precision(cdt), KV_FP8=is_fp8(k_pool.dtype),
         num_warps=4, num_stages=2, **pdl_flags(q.device))
     if num_splits > 1:
         reduce_splits(dst, lse, out, num_splits)

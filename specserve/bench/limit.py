@@ -11,7 +11,9 @@ runner with a read-back after each (host work included; the verify of a speculat
 is read back at once), and as the GPU time of their captured graphs' replays (CUDA
 events, the two graphs alternated in blocks), which host noise does not move.
 
-With --tp-sizes 1,2 (or 4) each size runs in turn, sharded over GPUs 0..N-1 (one process
+With --quantizations none,fp8 each weight format runs in turn (ratios to the first);
+the bytes a step reads are the weights as stored. With --tp-sizes 1,2 (or 4) each size
+runs in turn, sharded over GPUs 0..N-1 (one process
 a rank, bench/ranks.py); the bandwidth is every rank's bytes over the step time, against
 the GPUs' summed copy rate, and each size's speed is also given as a ratio to the first.
 """
@@ -51,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default="8b", choices=tuple(SHAPES), help="Llama-3.1 shape of the random model")
     p.add_argument("--tp-sizes", default="1",
                    help="tensor-parallel sizes to time in turn, e.g. 1,2 (each on GPUs 0..N-1, one process each)")
+    p.add_argument("--quantizations", default="none",
+                   help="weight quantizations to time in turn, e.g. none,fp8 (the first is the ratios' base)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--attention-backend", default=None, choices=("torch", "triton"))
@@ -74,26 +79,30 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, iters: int = 20)
     return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
 
 
-def step_bytes(model, kv_len: int) -> int:
-    """Bytes one decode step reads on this rank: its weights but the embedding (one row),
-    plus its KV."""
+def step_bytes(model, kv_len: int, kv_element: int) -> int:
+    """Bytes one decode step reads on this rank: its weights as stored (fp8 scales too) but
+    the input embedding (one row), plus its KV (`kv_element` bytes a value)."""
+    from specserve.models.quantization import weight_bytes
+
     c = model.config
-    size = next(model.parameters()).element_size()
-    weights = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n) * size
-    kv = 2 * c.num_layers * c.kv_heads_per_rank * c.head_dim * kv_len * size
-    return weights + c.hidden_size * size + kv
+    weights, _ = weight_bytes(model)
+    kv = 2 * c.num_layers * c.kv_heads_per_rank * c.head_dim * kv_len * kv_element
+    return weights + c.hidden_size * model.model.embed_tokens.weight.element_size() + kv
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     sizes = [int(t) for t in args.tp_sizes.split(",")]
+    runs = [(q, tp) for q in args.quantizations.split(",") for tp in sizes]
     first: dict | None = None
-    for tp in sizes:
+    for q, tp in runs:
+        args.quantization = None if q == "none" else q
         row = _measure(args) if sizes == [1] else _combine(run_on_ranks(_measure, tp, args))
         first = first or row
         row["tp_size"], row["speedup_vs_first"] = tp, row["tok_s"] / first["tok_s"]
-        report(f"limit: {args.shape}-shaped bf16 TP {tp} bs=1 {row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms/step, "
-               f"{row['speedup_vs_first']:.2f}x TP {sizes[0]}), {row['achieved_GBps']:.0f} GB/s = "
+        report(f"limit: {args.shape}-shaped bf16 weights {q} KV {args.kv_cache_dtype} TP {tp} bs=1 "
+               f"{row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms/step, "
+               f"{row['speedup_vs_first']:.2f}x the first run), {row['achieved_GBps']:.0f} GB/s = "
                f"{100 * row['fraction_of_copy']:.1f}% of copy {row['copy_GBps']:.0f} GB/s (no overlap: "
                f"{row['no_overlap_step_ms']:.2f} ms, {100 * row['no_overlap_fraction']:.1f}%); verify(16) = "
                f"{row['verify16_over_decode']:.2f}x a decode step "
@@ -130,9 +139,10 @@ def _measure(args: argparse.Namespace) -> dict:
     overlap_s = _served_decode(sched, ids, args.steps, overlap=True)
     plain_s = _served_decode(sched, ids, args.steps, overlap=False)
     step_s, kv_mid, verify_ratio, graph_us = _decode(runner, sched.kv, args.prompt_len, args.steps)
-    weights = step_bytes(model, kv_mid)
+    weights = step_bytes(model, kv_mid, runner.kv_pool.k[0].element_size())
     bw = weights / overlap_s
     return {"bench": "limit", "model": f"llama-3.1-{args.shape}-shaped", "dtype": "bfloat16", "batch_size": 1,
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "step_bytes": weights,
             "device": torch.cuda.get_device_name(device), "attention_backend": type(runner.attn_backend).__name__,
             "cuda_graphs": runner.graphs is not None, "pdl": kernels.pdl_enabled(device),
             "tma": kernels.tma_enabled(device), "tok_s": 1 / overlap_s, "step_ms": 1e3 * overlap_s,
@@ -156,6 +166,9 @@ def _scheduler(model_dir: Path, args: argparse.Namespace):
             "--cuda-graph-max-prefill-tokens", "0"]  # decode is timed: no prefill graphs to capture
     if args.attention_backend:
         argv += ["--attention-backend", args.attention_backend]
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
+    argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
     start = EngineStart(parse_config(argv), model_dir, model_dir)  # no tokenizer files: a word tokenizer

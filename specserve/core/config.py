@@ -38,6 +38,7 @@ class CacheConfig:
     max_total_tokens: int | None = None  # None: auto (GPU: from memory, CPU: a fixed budget)
     page_size: int = 1
     disable_radix_cache: bool = False
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3 (cache/kv_pool.py)
 
 
 @dataclass(frozen=True)

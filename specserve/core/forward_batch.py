@@ -16,10 +16,13 @@ import torch
 
 
 class KVStore(Protocol):
-    """A KV pool (`cache/kv_pool.py` KVPool): per-layer K and V indexed by token slot."""
+    """A KV pool (`cache/kv_pool.py` KVPool): per-layer K and V indexed by token slot, and
+    the scales an fp8 pool stores them with (stored = x / scale)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    k_scale: float
+    v_scale: float
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 

@@ -26,6 +26,7 @@ from specserve.engine.output import commit_sampled, finish_abort, take_output
 from specserve.engine.overlap import InFlight, decode_inputs, select, surely_ends
 from specserve.engine.protocol import EngineStart
 from specserve.engine.speculation import Decoded, SpecNeeds, Speculator
+from specserve.models import quantization
 from specserve.runner.memory import OOM_ADVICE
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import SampleOutput, sample, sampling_batch
@@ -382,6 +383,9 @@ class Scheduler:
         return {**asdict(self.cfg), "max_total_num_tokens": self.kv.num_slots,
                 "context_length": self.context_length, "max_running_requests": self.max_running,
                 "device": str(self.runner.device), "dtype": str(self.runner.dtype),
+                "kv_cache_dtype": self.cfg.cache.kv_cache_dtype,  # SGLang's key; the pool's dtype below
+                "kv_cache_torch_dtype": str(self.runner.kv_dtype),
+                "weight_quantization": quantization.info(self.runner.model),
                 "internal_states": [{"avg_spec_accept_length": self._avg_accept_length()}]}
 
     def _avg_accept_length(self) -> float | None:

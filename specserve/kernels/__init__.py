@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.core import env
+from specserve.core.quant import QuantWeight
 
 if TYPE_CHECKING:
     from specserve.core.rope import RopeAt
@@ -150,14 +151,16 @@ def use_gemv(x: torch.Tensor, lm_head: bool = False) -> bool:
                       and (lm_head or width <= SKINNY_MAX_WIDTH or tma_enabled(x.device)))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None, gated: bool = False,
+def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: torch.Tensor | None = None,
+         eps: float = 0.0, residual: torch.Tensor | None = None, gated: bool = False,
          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, K] @ weight [N, K].T with a fused pre-norm, residual add or SiLU-and-mul:
     matvec.py for one token, skinny.py for a few, and for one token through a narrow
-    model's lm_head (`_narrow_head`)."""
+    model's lm_head (`_narrow_head`). An fp8 weight (core/quant.py) is read as stored."""
     from specserve.kernels import matvec, skinny
 
+    if isinstance(weight, QuantWeight) and weight.method == "int4":
+        return _int4_gemv(x, weight, norm_weight, eps, residual, gated, out_dtype)
     if x.numel() == x.shape[-1] and not _narrow_head(weight, gated):
         return matvec.gemv(x, weight, norm_weight=norm_weight, eps=eps, residual=residual, out_dtype=out_dtype,
                            gated=gated)
@@ -166,7 +169,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
                          if residual is not None else None, gated=gated, out_dtype=out_dtype)
 
 
-def _narrow_head(weight: torch.Tensor, gated: bool) -> bool:
+def int4_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, K] times an int4 weight (core/quant.py) [N, K] -> [T, N], plus residual (int4.py)."""
+    from specserve.kernels import int4
+
+    return int4.int4_matmul(x, qw, residual=residual, out_dtype=out_dtype)
+
+
+def _int4_gemv(x: torch.Tensor, qw: QuantWeight, norm_weight: torch.Tensor | None, eps: float,
+               residual: torch.Tensor | None, gated: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """`gemv`'s fused forms over an int4 weight as separate launches, each rounding as
+    its torch op: the norm, then the product (+ residual), then SiLU*mul."""
+    x = x.reshape(-1, x.shape[-1])
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    if gated:
+        return silu_and_mul(int4_matmul(x, qw)).to(out_dtype or x.dtype)
+    return int4_matmul(x, qw, residual=residual.reshape(x.shape[0], -1) if residual is not None else None,
+                       out_dtype=out_dtype)
+
+
+def _narrow_head(weight: torch.Tensor | QuantWeight, gated: bool) -> bool:
     """Whether a one-token product with `weight` takes skinny.py's tiles rather than the
     GEMV: an lm_head (16384 rows or more) no wider than SKINNY_MAX_WIDTH. The GEMV's
     two-row programs stream such a head's many short rows well below the bandwidth that
@@ -197,17 +221,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rope_store_kv(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                  v_cache: torch.Tensor, slots: torch.Tensor, *, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
     """RoPE on qkv [T, heads + 2 kvH, D]'s queries and keys, keys and values stored at
-    k_cache/v_cache[slots]; returns the rotated queries [T, heads, D] (rope.py)."""
+    k_cache/v_cache[slots] (an fp8 cache: divided by k_scale / v_scale); returns the
+    rotated queries [T, heads, D] (rope.py)."""
     from specserve.kernels import rope
 
-    return rope.rope_store_kv(qkv, heads, cos, sin, k_cache, v_cache, slots)
+    return rope.rope_store_kv(qkv, heads, cos, sin, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale)
 
 
-def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, rope: RopeAt,
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, heads: int, rope: RopeAt,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *,
-                   norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor | None:
+                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> torch.Tensor | None:
     """`gemv` of x [T, K] (2 <= T <= SKINNY_MAX_TOKENS) through an attention layer's fused
     qkv weight, then `rope_store_kv` at the rope's positions (`models.rope.RopeAt`), in one
     launch (qkv_rope.py): the rotated queries [T, heads, D]. None where it does not apply
@@ -217,9 +244,13 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, rope: Rope
 
     # A wide weight streamed by TMA: the projection and RoPE apart (qkv_rope.py's programs
     # take interleaved rows, which pointer loads serve)
-    if x.shape[0] < 2 or not qkv_rope.supports(k_cache.shape[-1]) or skinny.use_tma(weight):
+    stored = weight.data if isinstance(weight, QuantWeight) else weight
+    if isinstance(weight, QuantWeight) and weight.method == "int4":  # no fused form: the caller's two launches
         return None
-    return qkv_rope.qkv_rope_store(x, weight, heads, rope, k_cache, v_cache, slots, norm_weight=norm_weight, eps=eps)
+    if x.shape[0] < 2 or not qkv_rope.supports(k_cache.shape[-1]) or skinny.use_tma(stored):
+        return None
+    return qkv_rope.qkv_rope_store(x, weight, heads, rope, k_cache, v_cache, slots, norm_weight=norm_weight, eps=eps,
+                                   k_scale=k_scale, v_scale=v_scale)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = None,

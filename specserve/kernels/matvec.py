@@ -30,10 +30,20 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.core.quant import QuantWeight
 from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def unpack(weight: torch.Tensor | QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(stored weight [N, K], scales [N, groups] or None, columns a scale covers) of a float
+    or fp8 weight: the form every linear kernel takes."""
+    if isinstance(weight, QuantWeight):
+        assert weight.method == "fp8" and weight.scale.stride(1) == 1, (weight.method, weight.scale.stride())
+        return weight.data, weight.scale, weight.group
+    return weight, None, weight.shape[1]
 
 
 @triton.jit
@@ -66,8 +76,21 @@ def _x_chunk(x_ptr, nw_ptr, cols, kmask, rstd, NORM: tl.constexpr, HALF: tl.cons
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, sw, swk, eps,
+def _w_scaled(w_ptr, s_ptr, rows, rmask, cols, kmask, sw, swk, sst, GROUP, EVEN_K: tl.constexpr,
+              GROUPED: tl.constexpr):
+    """W[rows, cols]: in its own dtype, or in fp32 times its group scales when GROUPED (fp8
+    block scales)."""
+    w = _w_tile(w_ptr, rows, rmask, cols, kmask, sw, swk, EVEN_K)
+    if GROUPED:
+        s_offs = rows[:, None] * sst + cols[None, :] // GROUP
+        w = w.to(tl.float32) * tl.load(s_ptr + s_offs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, nw_ptr, N, K, sw, swk, sst, GROUP, eps,
                  NORM: tl.constexpr, RES: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr,
+                 SCALED: tl.constexpr, GROUPED: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -76,10 +99,16 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, sw, swk, eps,
     kmask = cols < K
     # The weights are no earlier kernel's output: with PDL the first tile is on its way
     # while the kernel before this one finishes
-    w = _w_tile(w_ptr, rows, rmask, cols, kmask, sw, swk, EVEN_K)
+    w = _w_scaled(w_ptr, s_ptr, rows, rmask, cols, kmask, sw, swk, sst, GROUP, EVEN_K, GROUPED)
     wu = w
     if GATED:
-        wu = _w_tile(up_ptr, rows, rmask, cols, kmask, sw, swk, EVEN_K)
+        wu = _w_scaled(up_ptr, s_ptr + N * sst, rows, rmask, cols, kmask, sw, swk, sst, GROUP, EVEN_K, GROUPED)
+    row_s = tl.full([BLOCK_N], 1.0, tl.float32)
+    row_su = row_s
+    if SCALED and not GROUPED:  # one scale a row: applied to the sum
+        row_s = tl.load(s_ptr + rows * sst, mask=rmask, other=0.0)
+        if GATED:
+            row_su = tl.load(s_ptr + (N + rows) * sst, mask=rmask, other=0.0)
     wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
     rstd = 1.0
     if NORM:  # rsqrt(mean(x^2) + eps) over the whole row, in fp32
@@ -95,13 +124,15 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, sw, swk, eps,
         kcols = k0 + cols
         kmask = kcols < K
         x = _x_chunk(x_ptr, nw_ptr, kcols, kmask, rstd, NORM, HALF, EVEN_K)
-        acc += _w_tile(w_ptr, rows, rmask, kcols, kmask, sw, swk, EVEN_K).to(tl.float32) * x[None, :]
+        wt = _w_scaled(w_ptr, s_ptr, rows, rmask, kcols, kmask, sw, swk, sst, GROUP, EVEN_K, GROUPED)
+        acc += wt.to(tl.float32) * x[None, :]
         if GATED:
-            acc_up += _w_tile(up_ptr, rows, rmask, kcols, kmask, sw, swk, EVEN_K).to(tl.float32) * x[None, :]
+            wut = _w_scaled(up_ptr, s_ptr + N * sst, rows, rmask, kcols, kmask, sw, swk, sst, GROUP, EVEN_K, GROUPED)
+            acc_up += wut.to(tl.float32) * x[None, :]
     # each dot rounded as F.linear's output is
-    y = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = (tl.sum(acc, axis=1) * row_s).to(x_ptr.dtype.element_ty).to(tl.float32)
     if GATED:  # activation.py: silu rounded, then the product
-        up = tl.sum(acc_up, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+        up = (tl.sum(acc_up, axis=1) * row_su).to(x_ptr.dtype.element_ty).to(tl.float32)
         s = (y / (1.0 + tl.exp(-y))).to(x_ptr.dtype.element_ty).to(tl.float32)
         y = s * up
     if RES:
@@ -109,14 +140,16 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, sw, swk, eps,
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None, gated: bool = False,
+def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: torch.Tensor | None = None,
+         eps: float = 0.0, residual: torch.Tensor | None = None, gated: bool = False,
          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [1, K] (or [K]) times weight [N, K] -> [1, N] (see the module docstring for the
     fused forms; gated: weight [2N, K] -> [1, N]). The weight's rows should be contiguous
     (any strides work: the CPU tests pass a transposed [in, out] weight). out_dtype: x's
     dtype unless given (the value is rounded to x's dtype first, so float32 logits are the
-    half logits widened)."""
+    half logits widened). An fp8 `QuantWeight` is read as it is stored, each row's sum
+    scaled (each tile scaled by its group's scale where the scales are grouped)."""
+    weight, scale, group = unpack(weight)
     k = x.shape[-1]
     assert x.numel() == k and weight.dim() == 2 and weight.shape[1] == k, (x.shape, weight.shape)
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -133,9 +166,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | N
     # did clearly better
     block_n = 1 if gated or k >= 8192 else 2
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, residual if residual is not None else out,
-        norm_weight if norm_weight is not None else x, n, k, weight.stride(0), weight.stride(1), eps,
+        x, weight, scale if scale is not None else x, out, residual if residual is not None else out,
+        norm_weight if norm_weight is not None else x, n, k, weight.stride(0), weight.stride(1),
+        scale.stride(0) if scale is not None else 0, group, eps,
         NORM=norm_weight is not None, RES=residual is not None, GATED=gated, HALF=x.dtype in _HALF,
+        SCALED=scale is not None, GROUPED=group < k,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, **pdl_flags(x.device))
     return out
 

@@ -22,17 +22,24 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.cache.kv_pool import inverse_scale, is_fp8
+from specserve.core.quant import QuantWeight
 from specserve.kernels import SKINNY_MAX_TOKENS, pdl_flags
+from specserve.kernels.matvec import unpack
 from specserve.kernels.pdl import wait_and_release
+from specserve.kernels.rope import to_cache
 from specserve.kernels.skinny import (
     _config,
     deferred_norm,
     first_tiles,
     product,
     product_flags,
+    row_scaled,
+    scale_mode,
     split_buffers,
     split_range,
     split_sum,
+    tile_bytes,
 )
 
 if TYPE_CHECKING:
@@ -72,11 +79,11 @@ def _rotate(y, ca, sa, cb, sb, DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS
 
 
 @triton.jit
-def _qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, table_ptr, pos_ptr, q_ptr, k_cache, v_cache, slots_ptr, part_ptr, count_ptr,
-                     T, K, H, KVH, sx, sw, swk, st, sk0, sk1, sv0, sv1, eps,
-                     D: tl.constexpr, NORM: tl.constexpr, DEFER: tl.constexpr, HALF: tl.constexpr,
+def _qkv_rope_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, table_ptr, pos_ptr, q_ptr, k_cache, v_cache, slots_ptr, part_ptr,
+                     count_ptr, T, K, H, KVH, sx, sw, swk, ss, GROUP, st, sk0, sk1, sv0, sv1, eps, k_inv, v_inv,
+                     SCALES: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, DEFER: tl.constexpr, HALF: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
-                     SPLIT_K: tl.constexpr, PAIRS: tl.constexpr, USE_PDL: tl.constexpr):
+                     SPLIT_K: tl.constexpr, PAIRS: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     per_head: tl.constexpr = D // (2 * PAIRS)
     head = tl.program_id(0) // per_head  # H query heads, then KVH keys, then KVH values
     d0 = (tl.program_id(0) % per_head) * PAIRS
@@ -91,23 +98,26 @@ def _qkv_rope_kernel(x_ptr, w_ptr, nw_ptr, table_ptr, pos_ptr, q_ptr, k_cache, v
     toks = tl.arange(0, BLOCK_T)
     tmask = toks < T
     ca, sa, cb, sb = _tables(table_ptr, pos_ptr, toks, tmask, st, d0, D, PAIRS)  # on their way during the dot
-    acc, _, ss = product(xk, wk, nwk, w, wu, g, rows, rows < n, T, n, k_len, sx, sw, swk, eps, w_ptr, k_lo, NORM,
-                         DEFER, False, HALF, IEEE, BLOCK_T, 2 * PAIRS, BLOCK_K, ONE_TILE, False)
+    acc, _, sq = product(xk, wk, nwk, w, wu, g, rows, rows < n, T, n, k_len, sx, sw, swk, eps, w_ptr, k_lo, s_ptr, ss,
+                         GROUP, NORM, DEFER, False, HALF, IEEE, BLOCK_T, 2 * PAIRS, BLOCK_K, ONE_TILE, False, SCALES)
     last = True
     if SPLIT_K > 1:
         tl.static_assert(DEFER or not NORM)  # the exact norm needs the whole row in one program
-        acc, _, ss, last = split_sum(part_ptr, count_ptr, acc, acc, ss, False, NORM, SPLIT_K, 2 * PAIRS, BLOCK_T)
+        acc, _, sq, last = split_sum(part_ptr, count_ptr, acc, acc, sq, False, NORM, SPLIT_K, 2 * PAIRS, BLOCK_T)
     if last:
-        acc, _ = deferred_norm(acc, acc, ss, K, eps, NORM, DEFER)
+        acc, _ = deferred_norm(acc, acc, sq, K, eps, NORM, DEFER)
+        acc, _ = row_scaled(acc, acc, s_ptr, rows, rows < n, n, ss, False, SCALES)
         _rope_store(acc, q_ptr, k_cache, v_cache, slots_ptr, ca, sa, cb, sb, head, d, T, H, KVH, sk0, sk1, sv0, sv1,
-                    x_ptr.dtype.element_ty, D, BLOCK_T, PAIRS)
+                    k_inv, v_inv, x_ptr.dtype.element_ty, D, BLOCK_T, PAIRS, KV_FP8)
 
 
 @triton.jit
 def _rope_store(acc, q_ptr, k_cache, v_cache, slots_ptr, ca, sa, cb, sb, head, d, T, H, KVH, sk0, sk1, sv0, sv1,
-                DTYPE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr):
+                k_inv, v_inv, DTYPE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS: tl.constexpr,
+                KV_FP8: tl.constexpr):
     """The projection acc [2 PAIRS, BLOCK_T] rounded to the activations' DTYPE, rotated
-    (queries and keys) and stored: queries to q_ptr, keys and values at their slots."""
+    (queries and keys) and stored: queries to q_ptr, keys and values at their slots (an
+    fp8 cache's times k_inv / v_inv, the reciprocals of its scales: rope.py `to_cache`)."""
     toks = tl.arange(0, BLOCK_T)
     tmask = toks < T
     y = tl.trans(acc.to(DTYPE).to(tl.float32))  # [BLOCK_T, 2 PAIRS]: the qkv values
@@ -119,19 +129,24 @@ def _rope_store(acc, q_ptr, k_cache, v_cache, slots_ptr, ca, sa, cb, sb, head, d
     else:
         slot = tl.load(slots_ptr + toks, mask=tmask, other=0)[:, None]
         if head < H + KVH:
-            tl.store(k_cache + slot * sk0 + (head - H) * sk1 + d[None, :], y.to(k_cache.dtype.element_ty), mask=m)
+            tl.store(k_cache + slot * sk0 + (head - H) * sk1 + d[None, :], to_cache(y, k_cache, k_inv, KV_FP8),
+                     mask=m)
         else:
-            tl.store(v_cache + slot * sv0 + (head - H - KVH) * sv1 + d[None, :], y.to(v_cache.dtype.element_ty),
+            tl.store(v_cache + slot * sv0 + (head - H - KVH) * sv1 + d[None, :], to_cache(y, v_cache, v_inv, KV_FP8),
                      mask=m)
 
 
-def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, rope: RopeAt,
+def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, heads: int, rope: RopeAt,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *,
-                   norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> torch.Tensor:
     """x [T, K] (T <= SKINNY_MAX_TOKENS) through the fused qkv weight [(heads + 2 kvH) D, K]
     (RMSNorm first when norm_weight is given) -> rotated queries [T, heads, D]; the rotated
-    keys and the values stored at k_cache/v_cache[slots[t]] ([slots, kvH, D]). The cos and
-    signed sin of token t are rope.table's row rope.positions[t] (`RopeAt`: no gather)."""
+    keys and the values stored at k_cache/v_cache[slots[t]] ([slots, kvH, D]; an fp8 cache
+    divides them by k_scale / v_scale). The cos and
+    signed sin of token t are rope.table's row rope.positions[t] (`RopeAt`: no gather).
+    An fp8 weight is read as `skinny.skinny` reads it."""
+    weight, scale, group = unpack(weight)
     t, k = x.shape
     kv_heads, dim = k_cache.shape[1:]
     assert 1 <= t <= SKINNY_MAX_TOKENS and supports(dim) and weight.shape == ((heads + 2 * kv_heads) * dim, k)
@@ -143,14 +158,16 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor, heads: int, rope: Rope
         x = x.contiguous()
     q = torch.empty(t, heads, dim, dtype=torch.promote_types(x.dtype, table.dtype), device=x.device)
     norm, block_t = norm_weight is not None, 16 if t <= 16 else 32
-    cfg = _config(weight.shape[0], k, False, norm, weight.element_size(), block_t, x.device)
+    cfg = _config(weight.shape[0], k, False, norm, tile_bytes(x, weight), block_t, x.device)
     programs = (heads + 2 * kv_heads) * dim // (2 * PAIRS)
     cfg = cfg._replace(block_n=2 * PAIRS)  # this kernel's rows a program
     part, counts = split_buffers(x.device, programs, cfg, block_t)
     _qkv_rope_kernel[(programs, cfg.split)](
-        x, weight, norm_weight if norm else x, table, positions, q, k_cache, v_cache, slots, part, counts,
-        t, k, heads, kv_heads, x.stride(0), weight.stride(0), weight.stride(1), table.stride(0),
+        x, weight, scale if scale is not None else x, norm_weight if norm else x, table, positions, q, k_cache,
+        v_cache, slots, part, counts, t, k, heads, kv_heads, x.stride(0), weight.stride(0), weight.stride(1),
+        scale.stride(0) if scale is not None else 0, group, table.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
-        D=dim, PAIRS=PAIRS, SPLIT_K=cfg.split, num_warps=4, num_stages=cfg.stages,
+        inverse_scale(k_scale), inverse_scale(v_scale), KV_FP8=is_fp8(k_cache.dtype),
+        SCALES=scale_mode(scale, group, k), D=dim, PAIRS=PAIRS, SPLIT_K=cfg.split, num_warps=4, num_stages=cfg.stages,
         **product_flags(x, norm, k, block_t, cfg.block_k, cfg.split), **pdl_flags(x.device))
     return q

@@ -13,7 +13,8 @@ The output is a new contiguous [T, heads, D].
 the fused projection qkv [T, H + 2 kvH, D] it rotates the queries into a new [T, H, D]
 and the keys straight into the cache rows of the tokens' slots, and copies the values
 there (rotate, then round to the cache dtype: what apply_rope and then the pool's index
-write give). Per layer that is one launch where the torch path takes three.
+write give). Per layer that is one launch where the torch path takes three. An fp8 cache
+stores x / scale as `KVPool.write` does (`to_cache`; cache/kv_pool.py).
 """
 from __future__ import annotations
 
@@ -21,8 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.cache.kv_pool import FP8_MAX, inverse_scale, is_fp8
 from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def to_cache(y, cache, inv_scale, FP8: tl.constexpr):
+    """y as `cache` stores it: rounded to its dtype, or for an fp8 cache (FP8) y times the
+    float32 reciprocal of its scale, saturated to +-448 and rounded to nearest even: the
+    bytes `cache.kv_pool.quantize` writes."""
+    if FP8:
+        y = tl.minimum(tl.maximum(y.to(tl.float32) * inv_scale, -_FP8_MAX), _FP8_MAX)
+    return y.to(cache.dtype.element_ty)
 
 
 @triton.jit
@@ -72,8 +86,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @triton.jit
 def _rope_store_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slots_ptr, H, KVH,
-                       sx0, sx1, sc, sk0, sk1, sv0, sv1, D, HALF_D: tl.constexpr, BLOCK: tl.constexpr,
-                       BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+                       sx0, sx1, sc, sk0, sk1, sv0, sv1, D, k_inv, v_inv, HALF_D: tl.constexpr, BLOCK: tl.constexpr,
+                       BLOCK_H: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     """One token's heads [BLOCK_H, BLOCK] a program: H queries, then kvH keys, then kvH
     values. One program per (token, head) would give a large verify at a large batch tens
     of thousands of programs of a single head row each, too little work to pay for their
@@ -95,15 +109,17 @@ def _rope_store_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, slots_p
     slot = tl.load(slots_ptr + t)
     tl.store(q_ptr + (t * H + j) * D + d, y, mask=mask & (j < H))
     is_k = (j >= H) & (j < H + KVH)
-    tl.store(k_cache + slot * sk0 + (j - H) * sk1 + d, y.to(k_cache.dtype.element_ty), mask=mask & is_k)
-    tl.store(v_cache + slot * sv0 + (j - H - KVH) * sv1 + d, x.to(v_cache.dtype.element_ty),
+    tl.store(k_cache + slot * sk0 + (j - H) * sk1 + d, to_cache(y, k_cache, k_inv, KV_FP8), mask=mask & is_k)
+    tl.store(v_cache + slot * sv0 + (j - H - KVH) * sv1 + d, to_cache(x, v_cache, v_inv, KV_FP8),
              mask=mask & (j >= H + KVH))
 
 
 def rope_store_kv(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                  v_cache: torch.Tensor, slots: torch.Tensor, *, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
     """qkv [T, heads + 2 kvH, D] (last dim contiguous) -> rotated queries [T, heads, D];
-    rotated keys and the values stored at k_cache/v_cache[slots[t]] ([slots, kvH, D])."""
+    rotated keys and the values stored at k_cache/v_cache[slots[t]] ([slots, kvH, D]),
+    divided by k_scale / v_scale in an fp8 cache."""
     assert qkv.dim() == 3 and qkv.stride(-1) == 1 and qkv.shape[-1] % 2 == 0, qkv.shape
     tokens, total, dim = qkv.shape
     kv_heads = (total - heads) // 2
@@ -118,6 +134,7 @@ def rope_store_kv(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.T
     _rope_store_kernel[(tokens,)](qkv, cos, sin, q, k_cache, v_cache, slots, heads, kv_heads,
                                   qkv.stride(0), qkv.stride(1), cos.stride(0), k_cache.stride(0),
                                   k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), dim,
-                                  HALF_D=dim // 2, BLOCK=block, BLOCK_H=block_h,
+                                  inverse_scale(k_scale), inverse_scale(v_scale),
+                                  HALF_D=dim // 2, BLOCK=block, BLOCK_H=block_h, KV_FP8=is_fp8(k_cache.dtype),
                                   num_warps=max(1, min(8, block * block_h // 256)), **pdl_flags(qkv.device))
     return q

@@ -40,8 +40,10 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from specserve.core.quant import QuantWeight
 from specserve.kernels import SKINNY_MAX_TOKENS as MAX_TOKENS
 from specserve.kernels import SKINNY_MAX_WIDTH, pdl_flags, tma_enabled
+from specserve.kernels.matvec import unpack
 from specserve.kernels.pdl import prefetch_l2, prefetch_step, wait_and_release
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -82,6 +84,29 @@ def _dot(w, xt, acc, IEEE: tl.constexpr):
     else:
         acc = tl.dot(w, xt, acc)
     return acc
+
+
+@triton.jit
+def _dot_operand(w, s_ptr, rows, rmask, cols, kmask, ss, GROUP, SCALES: tl.constexpr, DOT: tl.constexpr):
+    """A weight tile as tl.dot's operand in DOT's dtype: fp8 widened (exactly) to the
+    activations' dtype, times its group scales when SCALES is 2 (block scales; cols are
+    absolute columns). SCALES 0 and 1 (none, one a row) leave the tile's values as they are."""
+    if SCALES == 2:
+        s = tl.load(s_ptr + rows[:, None] * ss + cols[None, :] // GROUP, mask=rmask[:, None] & kmask[None, :],
+                    other=0.0)
+        w = w.to(tl.float32) * s
+    return w.to(DOT)
+
+
+@triton.jit
+def row_scaled(acc, acc_up, s_ptr, rows, rmask, N, ss, GATED: tl.constexpr, SCALES: tl.constexpr):
+    """(acc, acc_up) [BLOCK_N, BLOCK_T] times each row's scale when SCALES is 1 (one a row;
+    the up rows' scales follow the gate rows'): applied once to the finished sums."""
+    if SCALES == 1:
+        acc = acc * tl.load(s_ptr + rows * ss, mask=rmask, other=0.0)[:, None]
+        if GATED:
+            acc_up = acc_up * tl.load(s_ptr + (N + rows) * ss, mask=rmask, other=0.0)[:, None]
+    return acc, acc_up
 
 
 @triton.jit
@@ -141,10 +166,10 @@ def first_tiles(w_ptr, nw_ptr, rows, rmask, N, K, sw, swk, w_desc, k_lo, NORM: t
 
 
 @triton.jit
-def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, eps, w_desc, k_lo,
-            NORM: tl.constexpr, DEFER: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr,
+def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, eps, w_desc, k_lo, s_ptr, sst,
+            GROUP, NORM: tl.constexpr, DEFER: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr,
             IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            ONE_TILE: tl.constexpr, TMA: tl.constexpr):
+            ONE_TILE: tl.constexpr, TMA: tl.constexpr, SCALES: tl.constexpr):
     """(acc, acc_up, ss) fp32 [BLOCK_N, BLOCK_T]: acc[n, t] = W[rows[n]] . norm(x[t]) (acc_up
     the same for the up rows, which follow the gate rows, when GATED; else acc again),
     from `first_tiles`' (w, wu, g); called past the PDL wait (x is an earlier kernel's).
@@ -157,7 +182,11 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
     normalised as norm.py rounds it, then multiplied. Deferred: the dots take x scaled by
     the norm's weight alone, the same tiles give the sums of squares (`_sum_squares`), and
     the products are scaled by rsqrt(mean(x^2) + eps) at the end: no pass of its own over
-    x and no fp32 tile of all K held for it (rounded once at x * weight, not at x * rstd too)."""
+    x and no fp32 tile of all K held for it (rounded once at x * weight, not at x * rstd too).
+
+    An fp8 weight (SCALES 1 or 2, `_dot_operand`) meets x in x's dtype; its row scales
+    (SCALES 1) are left to `row_scaled`, its block scales (SCALES 2, at s_ptr [N, groups],
+    row stride sst, GROUP columns each) multiply each tile."""
     tl.static_assert(ONE_TILE or DEFER or not NORM)
     tl.static_assert(not (TMA and ONE_TILE))
     toks = tl.arange(0, BLOCK_T)
@@ -165,6 +194,10 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
     up_ptr = w_ptr + N.to(tl.int64) * sw  # GATED: the up rows follow the gate rows
     cols = tl.arange(0, BLOCK_K)
     dtype = x_ptr.dtype.element_ty
+    dot_ty = w_ptr.dtype.element_ty
+    if SCALES > 0:
+        dot_ty = dtype
+    up_s = s_ptr + N * sst  # GATED: the up rows' scales
     ones = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
     ss = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     ss_rows = tl.zeros([BLOCK_T], dtype=tl.float32)  # TMA: the sums of squares as row sums
@@ -178,9 +211,12 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)
         if NORM and DEFER:
             ss = _sum_squares(x, ss, BLOCK_N, BLOCK_K, IEEE)
-        xt = tl.trans(_normed(x, g, rstd, NORM, HALF, dtype).to(w_ptr.dtype.element_ty))
+        xt = tl.trans(_normed(x, g, rstd, NORM, HALF, dtype).to(dot_ty))
+        kmask = cols < K
+        w = _dot_operand(w, s_ptr, rows, rmask, k_lo + cols, kmask, sst, GROUP, SCALES, dot_ty)
         acc = _dot(w, xt, acc, IEEE)
         if GATED:
+            wu = _dot_operand(wu, up_s, rows, rmask, k_lo + cols, kmask, sst, GROUP, SCALES, dot_ty)
             acc_up = _dot(wu, xt, tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32), IEEE)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
@@ -193,10 +229,12 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
             else:
                 ss = _sum_squares(x, ss, BLOCK_N, BLOCK_K, IEEE)
         g = _norm_weight(nw_ptr, kcols, kmask, NORM)
-        xt = tl.trans(_normed(x, g, ones, NORM, HALF, dtype).to(w_ptr.dtype.element_ty))
+        xt = tl.trans(_normed(x, g, ones, NORM, HALF, dtype).to(dot_ty))
         wt, wut = _w_tiles(w_ptr, up_ptr, rows, rmask, kcols, kmask, sw, swk, w_desc, k_lo + k0, N, GATED, TMA)
+        wt = _dot_operand(wt, s_ptr, rows, rmask, k_lo + kcols, kmask, sst, GROUP, SCALES, dot_ty)
         acc = _dot(wt, xt, acc, IEEE)
         if GATED:
+            wut = _dot_operand(wut, up_s, rows, rmask, k_lo + kcols, kmask, sst, GROUP, SCALES, dot_ty)
             acc_up = _dot(wut, xt, acc_up, IEEE)
     if TMA:
         ss += ss_rows[None, :]
@@ -279,8 +317,9 @@ def _store_out(acc, acc_up, out_ptr, res_ptr, rows, rmask, T, so, sr, RES: tl.co
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, w_desc, out_ptr, res_ptr, nw_ptr, part_ptr, count_ptr, T, N, K, sx, sw, swk, so,
-                   sr, eps, NORM: tl.constexpr, DEFER: tl.constexpr, RES: tl.constexpr, GATED: tl.constexpr,
+def _skinny_kernel(x_ptr, w_ptr, w_desc, s_ptr, out_ptr, res_ptr, nw_ptr, part_ptr, count_ptr, T, N, K, sx, sw, swk,
+                   ss, GROUP, so, sr, eps, SCALES: tl.constexpr, NORM: tl.constexpr,
+                   DEFER: tl.constexpr, RES: tl.constexpr, GATED: tl.constexpr,
                    HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr,
                    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
@@ -296,24 +335,27 @@ def _skinny_kernel(x_ptr, w_ptr, w_desc, out_ptr, res_ptr, nw_ptr, part_ptr, cou
         if GATED:
             prefetch_l2(w_ptr + (N + row0).to(tl.int64) * sw, n_el, 128, PREFETCH)
     wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
-    acc, acc_up, ss = product(xk, wk, nwk, w, wu, g, rows, rmask, T, N, k_len, sx, sw, swk, eps, w_desc, k_lo, NORM,
-                              DEFER, GATED, HALF, IEEE, BLOCK_T, BLOCK_N, BLOCK_K, ONE_TILE, TMA)
+    acc, acc_up, sq = product(xk, wk, nwk, w, wu, g, rows, rmask, T, N, k_len, sx, sw, swk, eps, w_desc, k_lo, s_ptr,
+                              ss, GROUP, NORM, DEFER, GATED, HALF, IEEE, BLOCK_T, BLOCK_N, BLOCK_K, ONE_TILE, TMA,
+                              SCALES)
     last = True
     if SPLIT_K > 1:
         tl.static_assert(DEFER or not NORM)  # the exact norm needs the whole row in one program
-        acc, acc_up, ss, last = split_sum(part_ptr, count_ptr, acc, acc_up, ss, GATED, NORM, SPLIT_K, BLOCK_N,
+        acc, acc_up, sq, last = split_sum(part_ptr, count_ptr, acc, acc_up, sq, GATED, NORM, SPLIT_K, BLOCK_N,
                                           BLOCK_T)
     if last:
-        acc, acc_up = deferred_norm(acc, acc_up, ss, K, eps, NORM, DEFER)
+        acc, acc_up = deferred_norm(acc, acc_up, sq, K, eps, NORM, DEFER)
+        acc, acc_up = row_scaled(acc, acc_up, s_ptr, rows, rmask, N, ss, GATED, SCALES)
         _store_out(acc, acc_up, out_ptr, res_ptr, rows, rmask, T, so, sr, RES, GATED, x_ptr.dtype.element_ty,
                    BLOCK_T)
 
 
-def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-           residual: torch.Tensor | None = None, gated: bool = False,
+def skinny(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: torch.Tensor | None = None,
+           eps: float = 0.0, residual: torch.Tensor | None = None, gated: bool = False,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, K] (T <= MAX_TOKENS) times weight [N, K] -> [T, N]; `matvec.gemv`'s contract
-    for T tokens (gated: weight [2N, K] -> [T, N])."""
+    for T tokens (gated: weight [2N, K] -> [T, N]), fp8 weights included."""
+    weight, scale, group = unpack(weight)
     t, k = x.shape
     assert 1 <= t <= MAX_TOKENS and weight.dim() == 2 and weight.shape[1] == k, (x.shape, weight.shape)
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -327,7 +369,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
     assert norm_weight is None or norm_weight.shape == (k,), norm_weight.shape
     block_t = 16 if t <= 16 else 32
     tma = use_tma(weight)
-    cfg = (_tma_config if tma else _config)(n, k, gated, norm, weight.element_size(), block_t, x.device)
+    cfg = (_tma_config if tma else _config)(n, k, gated, norm, tile_bytes(x, weight), block_t, x.device)
     grid_n = triton.cdiv(n, cfg.block_n)
     part, counts = split_buffers(x.device, grid_n, cfg, block_t)
     key = (n, k, gated, norm, block_t, residual is not None, tma, x.dtype, weight.dtype, out.dtype)
@@ -335,10 +377,11 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
     while True:
         try:
             _skinny_kernel[(grid_n, cfg.split)](
-                x, weight, tma_descriptor(weight, cfg) if tma else weight, out,
+                x, weight, tma_descriptor(weight, cfg) if tma else weight, scale if scale is not None else x, out,
                 residual if residual is not None else out, norm_weight if norm else x, part, counts, t, n, k,
-                x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-                residual.stride(0) if residual is not None else 0, eps, RES=residual is not None, GATED=gated,
+                x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0) if scale is not None else 0, group,
+                out.stride(0), residual.stride(0) if residual is not None else 0, eps,
+                SCALES=scale_mode(scale, group, k), RES=residual is not None, GATED=gated,
                 BLOCK_N=cfg.block_n, num_warps=4, num_stages=stages, SPLIT_K=cfg.split, TMA=tma,
                 PREFETCH=prefetch_step(weight, cfg.block_k, cfg.split, tma),
                 **product_flags(x, norm, k, block_t, cfg.block_k, cfg.split, tma), **pdl_flags(x.device))
@@ -353,6 +396,17 @@ def skinny(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor |
 
 # Launch shapes whose configured stages did not fit the device: the stages that did
 _FITTED: dict[tuple, int] = {}
+
+
+def scale_mode(scale: torch.Tensor | None, group: int, k: int) -> int:
+    """`product`'s SCALES: 0 a float weight, 1 fp8 with one scale a row, 2 fp8 with block scales."""
+    return 0 if scale is None else 1 if group >= k else 2
+
+
+def tile_bytes(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """Bytes an element of a weight tile takes once it meets x in tl.dot: an fp8 tile is
+    sized as the activations' dtype (its tiles have the same shapes as a half weight's)."""
+    return x.element_size() if weight.element_size() == 1 else weight.element_size()
 
 
 TMA_OVERRIDE: bool | None = None  # tests: force the descriptor path on (the interpreter runs it) or off

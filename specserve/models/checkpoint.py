@@ -3,7 +3,8 @@
 q/k/v land in row blocks of `qkv_proj` and gate/up in `gate_up_proj`; under tensor
 parallelism each tensor is first cut to this rank's slice (`tp_shard.py`), and the row
 blocks are this rank's sizes. `check_complete` names, in HF terms, what a checkpoint
-lacks. Shared by the trunk (`llama.py`) and the draft loaders.
+lacks. Shared by the trunk (`llama.py`) and the draft loaders. Quantized layers' weights
+and scales go through `quant_load.py`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specserve.core import quant
+from specserve.models import quant_load
 from specserve.models.tp_shard import shard
 
 if TYPE_CHECKING:
@@ -57,17 +60,34 @@ def loadable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_tensor(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str,
-                tensor: torch.Tensor) -> str | None:
+                tensor: torch.Tensor | quant.QuantWeight) -> list[str]:
     """Copy one HF-named tensor (in our module paths) into `params`; q/k/v and gate/up land
     in row blocks of the fused projections; under tensor parallelism only this rank's slice
-    (`tp_shard.py`). Returns the slice key 'param@first_row', or None when no parameter has
-    that name. A shape that does not fit raises ValueError."""
+    (`tp_shard.py`). Returns the slice keys 'param@first_row' it filled (a float weight
+    quantized on the way fills its fp8 weight and its scales: `quant_load.py`), none when
+    no parameter has that name. A shape that does not fit raises ValueError."""
+    if quant_load.ignored(name):
+        return [name]
     target, offset = _fused_target(name, cfg)
-    if target not in params:
-        return None
-    full = tuple(tensor.shape)
-    tensor = shard(name, tensor, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    param = params[target]
+    if isinstance(tensor, quant.QuantWeight):  # an AWQ/GPTQ layer, converted (models/quantization.py)
+        pieces = quant_load.int4_pieces(params, name, target, offset, tensor)
+    elif quant_load.is_scale(name):
+        pieces = [quant_load.scale_piece(params, cfg, name, target, offset, tensor)]
+    elif target not in params:
+        return []
+    elif params[target].dtype == quant.FP8 and tensor.dtype != quant.FP8:
+        pieces = quant_load.quantize_pieces(params, cfg, name, target, offset, tensor)
+    elif tensor.dtype == quant.FP8 and params[target].dtype != quant.FP8:
+        raise ValueError(f"tensor {name} is fp8 but its layer is not quantized here")
+    else:
+        local = shard(name, tensor, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        pieces = [quant_load.Piece(target, offset, local, tuple(tensor.shape))]
+    return [_copy_rows(params[p.target], name, p) for p in pieces]
+
+
+def _copy_rows(param: torch.Tensor, name: str, piece: quant_load.Piece) -> str:
+    """Copy a piece of the checkpoint tensor `name` into its rows of `param`; returns the slice key."""
+    offset, tensor, full = piece.offset, piece.tensor, piece.full
     rows = tensor.shape[0] if tensor.dim() else 1
     dest = param[offset:offset + rows] if param.dim() else param
     if dest.shape != tensor.shape:
@@ -75,7 +95,7 @@ def load_tensor(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str,
         raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}{shards}, expected {tuple(dest.shape)}")
     with torch.no_grad():
         dest.copy_(tensor.to(param.dtype))
-    return f"{target}@{offset}"
+    return f"{piece.target}@{offset}"
 
 
 def check_complete(model: nn.Module, cfg: LlamaConfig, loaded: set[str], skip: Container[str] = frozenset(),

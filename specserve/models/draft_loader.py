@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from specserve.models import quantization as quantization_mod
 from specserve.models.checkpoint import check_complete, load_tensor, loadable_tensors
 from specserve.models.draft_model import DraftModel
 from specserve.models.eagle import LlamaForCausalLMEagle
@@ -63,10 +64,11 @@ def detect_layout(path: Path, hf: dict | None = None, names: list[str] | None = 
 
 
 def load_draft(path: Path, target: LlamaForCausalLM, layouts: tuple[str, ...], dtype: torch.dtype,
-               device: torch.device, token_map: torch.Tensor | None = None) -> DraftModel:
+               device: torch.device, token_map: torch.Tensor | None = None,
+               quantization: str | None = None) -> DraftModel:
     """The draft model at `path`, which must have one of `layouts` ('eagle2', 'eagle3',
     'mtp'), sharing `target`'s embedding (and head); `token_map`: FR-Spec hot token ids
-    (EAGLE-2 / MTP)."""
+    (EAGLE-2 / MTP); `quantization`: its linear layers' (models/quantization.py)."""
     path = Path(path)
     hf = read_hf_config(path)
     names = checkpoint_names(path)
@@ -75,6 +77,8 @@ def load_draft(path: Path, target: LlamaForCausalLM, layouts: tuple[str, ...], d
         raise ValueError(f"{path} is {_DESCRIBED[layout]}, not {' or '.join(_DESCRIBED[k] for k in layouts)}")
     build = {"eagle2": _build_eagle2, "eagle3": _build_eagle3, "mtp": _build_mtp}[layout]
     draft = build(hf, names, target).to_empty(device=device).to(dtype)
+    wq = quantization_mod.resolve(quantization, hf)
+    quantization_mod.prepare(draft, wq)
     _load_weights(draft, path, names)
     draft.finalize(device, dtype)
     if layout == "eagle3":
@@ -87,8 +91,8 @@ def load_draft(path: Path, target: LlamaForCausalLM, layouts: tuple[str, ...], d
         _check_token_map(path, token_map, target.config.vocab_size, "token map")
     draft.share(target, token_map)
     draft.eval().requires_grad_(False)
-    logger.info("Loaded draft %s (%s, %d layer(s), feature %s)", path.name, type(draft).__name__,
-                draft.config.num_layers, draft.feature_mode)
+    logger.info("Loaded draft %s (%s, %d layer(s), feature %s, quantization %s)", path.name, type(draft).__name__,
+                draft.config.num_layers, draft.feature_mode, quantization_mod.describe(draft, wq))
     return draft
 
 
@@ -178,11 +182,10 @@ def _load_weights(draft: DraftModel, path: Path, names: list[str]) -> None:
     params = loadable_tensors(draft)
     loaded, unexpected = set(), []
     for name, tensor in _read(path, set(wanted)):
-        key = load_tensor(params, draft.config, wanted[name], tensor)
-        if key is None:
+        keys = load_tensor(params, draft.config, wanted[name], tensor)
+        if not keys:
             unexpected.append(name)
-        else:
-            loaded.add(key)
+        loaded.update(keys)
     if unexpected:
         raise ValueError(f"draft checkpoint {path} has {len(unexpected)} unexpected tensors for "
                          f"{type(draft).__name__}: {sorted(unexpected)[:5]}")

@@ -23,7 +23,7 @@ from torch import nn
 from specserve import kernels
 from specserve.core import parallel
 from specserve.core.forward_batch import ForwardBatch
-from specserve.models.layers import Linear
+from specserve.models.layers import cpu_layout
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 from specserve.models.rope import RotaryEmbedding
 
@@ -72,9 +72,7 @@ class DraftModel(nn.Module, ABC):
     def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
         """After weights are loaded, before `share`: GEMV layout on CPU, RoPE tables."""
         if device.type == "cpu":
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.use_gemv_layout()
+            cpu_layout(self, dtype)
         self.rotary.build(device, torch.float32 if dtype == torch.float32 else dtype)
 
     def share(self, target: LlamaForCausalLM, token_map: torch.Tensor | None) -> None:

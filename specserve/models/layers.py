@@ -3,7 +3,10 @@
 `Linear` keeps checkpoint layout ([out, in]) for loading. On CPU, `use_gemv_layout()`
 swaps it for a contiguous [in, out] copy: batch-1 decode is a GEMV that streams every
 weight once, and MKL streams `x @ W` markedly faster than `x @ W.T` at that shape (the
-tokens are the same either way). GPUs keep `F.linear`.
+tokens are the same either way). GPUs keep `F.linear`. Under `--quantization fp8` it
+holds an fp8 weight and float32 scales (`quantize_storage`, core/quant.py): the few-token
+kernels read them as they are, longer inputs go through `quant_linear.py`, and the CPU holds
+the dequantized values instead (`dequantize_storage`).
 
 `RMSNorm` runs the fused Triton kernels (`specserve.kernels`) where `use_fused` says so
 (CUDA), else the torch path below, which is the reference the kernels are tested against.
@@ -16,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import kernels
-from specserve.core import parallel
+from specserve.core import parallel, quant
+from specserve.models.quant_linear import quant_linear
 
 
 class RMSNorm(nn.Module):
@@ -50,6 +54,41 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.weight_t: torch.Tensor | None = None  # [in, out] when in GEMV layout
+        self.weight_scale: torch.Tensor | None = None  # quantized: float32 [out, groups] (core/quant.py)
+        self.weight_zeros: torch.Tensor | None = None  # int4: uint8 zero points [out, groups]
+        self.group = in_features  # quantized: input columns one scale covers
+        self.method = "fp8"  # quantized: core/quant.py's method of `weight`
+
+    def quantize_storage(self, group: int | None = None, method: str = "fp8") -> None:
+        """Hold the weight quantized (`method` "fp8" or "int4", core/quant.py) with float32
+        scales, one per row and per `group` input columns (None: per row), still unloaded:
+        the checkpoint fills them (`checkpoint.load_tensor`; float tensors quantized to fp8
+        as they land)."""
+        n, k = self.weight.shape
+        self.group, self.method = group or k, method
+        device, groups = self.weight.device, -(-k // (group or k))
+        if method == quant.INT4:
+            data = torch.zeros(n, -(-k // 2), dtype=torch.uint8, device=device)
+            self.weight_zeros = nn.Parameter(torch.zeros(n, groups, dtype=torch.uint8, device=device),
+                                             requires_grad=False)
+        else:
+            data = torch.zeros(n, k, dtype=quant.FP8, device=device)
+        self.weight = nn.Parameter(data, requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(n, groups, device=device), requires_grad=False)
+
+    @property
+    def quantized(self) -> quant.QuantWeight | None:
+        """The quantized weight and its scales (and zeros), or None for a float weight."""
+        if self.weight_scale is None:
+            return None
+        return quant.QuantWeight(self.weight, self.weight_scale, self.group, self.method, self.weight_zeros)
+
+    def dequantize_storage(self, dtype: torch.dtype) -> None:
+        """Replace the fp8 weight by its values in `dtype` (the CPU's form: it has no fp8 kernels)."""
+        qw = self.quantized
+        if qw is not None:
+            self.weight = nn.Parameter(qw.dequantize(dtype), requires_grad=False)
+            self.weight_scale = self.weight_zeros = None
 
     def use_gemv_layout(self) -> None:
         """Replace weight [out, in] by a contiguous weight_t [in, out] (after loading)."""
@@ -60,16 +99,32 @@ class Linear(nn.Module):
         self.weight = None  # type: ignore[assignment]  # tombstone of the [out, in] layout
 
     @property
-    def out_in_weight(self) -> torch.Tensor:
-        """The weight as [out, in], a transposed view in GEMV layout."""
+    def out_in_weight(self) -> torch.Tensor | quant.QuantWeight:
+        """The weight as [out, in] for the kernels: a transposed view in GEMV layout, the
+        fp8 weight with its scales when quantized."""
+        qw = self.quantized
+        if qw is not None:
+            return qw
         return self.weight if self.weight_t is None else self.weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qw = self.quantized
+        if qw is not None:
+            return quant_linear(x, qw, self.bias)
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
+
+
+def cpu_layout(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every `Linear` of a loaded model in the CPU's form: fp8 weights' values in `dtype`
+    (the CPU has no fp8 kernels), then the GEMV layout."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.dequantize_storage(dtype)
+            module.use_gemv_layout()
 
 
 class Embedding(nn.Embedding):

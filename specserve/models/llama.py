@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +37,16 @@ from torch import nn
 from specserve import kernels
 from specserve.core import parallel
 from specserve.core.forward_batch import ForwardBatch
+from specserve.core.quant import QuantWeight
 from specserve.core.rope import RopeAt
 from specserve.models.checkpoint import check_complete, load_tensor, loadable_tensors
 from specserve.models.compile import CompiledForward
 from specserve.models.compile import attention as compiled_attention
-from specserve.models.layers import Embedding, Linear, RMSNorm
+from specserve.models.layers import Embedding, Linear, RMSNorm, cpu_layout
 from specserve.models.rope import RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from specserve.models.quantization import WeightQuant
 
 logger = logging.getLogger("specserve")
 
@@ -69,6 +73,8 @@ class LlamaConfig:
     attention_bias: bool
     qk_norm: bool
     num_nextn_predict_layers: int = 0  # DeepSeek-style MTP layers stored after the trunk's
+    # An fp8 checkpoint's scale blocks (rows, columns): quantization_config.weight_block_size
+    weight_block: tuple[int, int] | None = None
 
     @classmethod
     def from_hf(cls, d: dict) -> LlamaConfig:
@@ -90,6 +96,7 @@ class LlamaConfig:
             attention_bias=d.get("attention_bias", arch in _QKV_BIAS_BY_DEFAULT),
             qk_norm=arch == "Qwen3ForCausalLM",
             num_nextn_predict_layers=d.get("num_nextn_predict_layers") or 0,
+            weight_block=_weight_block(d),
         )
 
     @property
@@ -115,6 +122,11 @@ def _rope_params(d: dict) -> tuple[float, dict | None]:
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
     return float(theta), scaling
+
+
+def _weight_block(d: dict) -> tuple[int, int] | None:
+    block = (d.get("quantization_config") or {}).get("weight_block_size")
+    return (int(block[0]), int(block[1])) if block else None
 
 
 def _max_positions(d: dict) -> int:
@@ -149,7 +161,7 @@ class Attention(nn.Module):
             # one launch: RoPE, and the keys and values written into this layer's cache
             pool = fb.kv_pool
             caches = pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots
-            q = kernels.rope_store_kv(qkv, h, *rope.tables(), *caches)
+            q = kernels.rope_store_kv(qkv, h, *rope.tables(), *caches, k_scale=pool.k_scale, v_scale=pool.v_scale)
             return parallel.all_reduce(self.o_proj(fb.attn_backend.forward(q, None, None, self.layer_id, fb,
                                                                            self.scale)))
         qk, v = qkv[:, :h + kv], qkv[:, h + kv:]
@@ -179,11 +191,13 @@ class Attention(nn.Module):
         h, kv, pool = self.heads, self.kv_heads, fb.kv_pool
         norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         caches = pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots
+        scales = pool.k_scale, pool.v_scale  # an fp8 cache's (cache/kv_pool.py)
         q = kernels.qkv_rope_store(stream, self.qkv_proj.out_in_weight, h, rope, *caches, norm_weight=norm_weight,
-                                   eps=eps)
+                                   eps=eps, k_scale=scales[0], v_scale=scales[1])
         if q is None:  # one token (or an odd head dim): the GEMV, then RoPE and the KV write
             qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=norm_weight, eps=eps)
-            q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope.tables(), *caches)
+            q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope.tables(), *caches,
+                                      k_scale=scales[0], v_scale=scales[1])
         out = fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale)
         residual = _rank0_residual(stream if residual is None else residual)
         return parallel.all_reduce(kernels.gemv(out.reshape(stream.shape[0], -1), self.o_proj.out_in_weight,
@@ -281,6 +295,7 @@ class LlamaForCausalLM(nn.Module):
         # layer (pre-norm).
         self.aux_layers: tuple[int, ...] = ()
         self.compiled: CompiledForward | None = None  # --enable-torch-compile (models/compile.py)
+        self.weight_quant: WeightQuant | None = None  # how the loader quantized it (models/quantization.py)
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden [T, hidden] and the aux hidden states [T, hidden] asked for,
@@ -341,24 +356,23 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if device.type == "cpu":
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.use_gemv_layout()
+            cpu_layout(self, dtype)
         self.model.rotary.build(device, torch.float32 if dtype == torch.float32 else dtype)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, stacking q/k/v and gate/up into the fused projections."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+        """Load HF-named tensors, stacking q/k/v and gate/up into the fused projections (an
+        AWQ/GPTQ layer comes converted whole: models/quantization.py `checkpoint_tensors`)."""
         params = loadable_tensors(self)
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or self._is_mtp_tensor(name):
                 continue
-            key = load_tensor(params, self.config, name, tensor)
-            if key is None:
+            keys = load_tensor(params, self.config, name, tensor)
+            if not keys:
                 if self.config.tie_word_embeddings and name == "lm_head.weight":
                     continue
                 raise ValueError(f"unexpected tensor {name} in checkpoint")
-            loaded.add(key)
+            loaded.update(keys)
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         check_complete(self, self.config, loaded, skip)
 

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from specserve.core import parallel
+from specserve.models import quantization as quantization_mod
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 
 logger = logging.getLogger("specserve")
@@ -58,22 +59,32 @@ def iter_safetensors(model_dir: Path, desc: str = "Loading weights"):
         handles.clear()
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    cfg = LlamaConfig.from_hf(read_hf_config(model_dir))
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None) -> LlamaForCausalLM:
+    """The model of `model_dir`, weights quantized as `quantization` (the flag) and the
+    checkpoint's own config say (models/quantization.py)."""
+    hf = read_hf_config(model_dir)
+    cfg = LlamaConfig.from_hf(hf)
+    wq = quantization_mod.resolve(quantization, hf)
+    quantization_mod.check_device(wq, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
-    model.load_weights(iter_safetensors(model_dir))
+    quantization_mod.prepare(model, wq)
+    model.load_weights(quantization_mod.checkpoint_tensors(iter_safetensors(model_dir), wq))
     model.finalize(device, dtype)
     model.eval().requires_grad_(False)
+    model.weight_quant = wq
     n_params = sum(p.numel() for p in model.parameters())
     shard = f" on rank {parallel.tp_rank()} of {parallel.tp_size()}" if parallel.tp_size() > 1 else ""
-    logger.info("Loaded %s (%s, %.1fM parameters%s, %s on %s)", Path(model_dir).name,
-                cfg.architecture, n_params / 1e6, shard, str(dtype).removeprefix("torch."), device)
+    logger.info("Loaded %s (%s, %.1fM parameters%s, %s on %s, quantization %s)", Path(model_dir).name,
+                cfg.architecture, n_params / 1e6, shard, str(dtype).removeprefix("torch."), device,
+                quantization_mod.describe(model, wq))
     return model
 
 
-def random_model(model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+def random_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None,
+                 seed: int = 0) -> LlamaForCausalLM:
     """The model of `model_dir`'s config.json with random N(0, 0.02) weights, made on the
     device (no checkpoint): the bandwidth yardstick of `specserve bench limit`."""
     cfg = LlamaConfig.from_hf(read_hf_config(model_dir))
@@ -87,5 +98,9 @@ def random_model(model_dir: Path, dtype: torch.dtype, device: torch.device, seed
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+    wq = quantization_mod.resolve(quantization, {}, random_weights=True)
+    quantization_mod.check_device(wq, device)
+    quantization_mod.quantize_now(model, wq)
     model.finalize(device, dtype)
+    model.weight_quant = wq
     return model.eval().requires_grad_(False)

@@ -38,15 +38,44 @@ def shard(name: str, tensor: torch.Tensor, heads: int, kv_heads: int, head_dim: 
         return tensor.narrow(0, q0 * head_dim, qn * head_dim)
     if ".k_proj." in name or ".v_proj." in name:
         return tensor.narrow(0, kv0 * head_dim, kvn * head_dim)
-    if name.endswith(".o_proj.weight"):
-        return tensor.narrow(1, q0 * head_dim, qn * head_dim)
     if any(p in name for p in _COLUMN):
         rows = parallel.split(tensor.shape[0], f"{name}'s rows")
         return tensor.narrow(0, rank * rows, rows)
-    if any(name.endswith(p) for p in _ROW):
-        cols = parallel.split(tensor.shape[1], f"{name}'s columns")
-        return tensor.narrow(1, rank * cols, cols)
+    cols = column_slice(name, tensor.shape[-1], heads, kv_heads, head_dim)
+    if cols is not None:
+        return tensor.narrow(1, *cols)
     if any(name.endswith(p) for p in _VOCAB):
         rows = parallel.vocab_per_rank(tensor.shape[0])
         return tensor.narrow(0, rank * rows, rows)
     return tensor
+
+
+def column_slice(name: str, k: int, heads: int, kv_heads: int, head_dim: int) -> tuple[int, int] | None:
+    """(first column, columns) this rank keeps of the row-parallel weight `name` ([N, k]),
+    None for a weight whose columns are not split."""
+    if parallel.tp_size() == 1:
+        return None
+    if name.endswith(".o_proj.weight"):
+        q0, qn, _, _ = parallel.head_shard(heads, kv_heads)
+        return q0 * head_dim, qn * head_dim
+    if any(name.endswith(p) for p in _ROW):
+        cols = parallel.split(k, f"{name}'s columns")
+        return parallel.tp_rank() * cols, cols
+    return None
+
+
+def shard_scale(name: str, scale: torch.Tensor, group: int, k: int, heads: int, kv_heads: int,
+                head_dim: int) -> torch.Tensor:
+    """This rank's rows and groups of the quantization scales [N, groups] of the weight
+    `name` ([N, k], `group` columns a scale): rows as the weight's rows; a row-parallel
+    weight's groups as its columns, which must then start and end on a group's edge."""
+    cols = column_slice(name, k, heads, kv_heads, head_dim)
+    if cols is None:
+        return shard(name, scale, heads, kv_heads, head_dim) if scale.shape[0] > 1 else scale
+    if scale.shape[1] == 1:  # one scale a row: every rank's columns share it
+        return scale
+    start, width = cols
+    if start % group or (width % group and start + width != k):
+        raise ValueError(f"{name}: this rank's columns [{start}, {start + width}) split a quantization group "
+                         f"of {group}; choose a --tp-size that keeps whole groups")
+    return scale.narrow(1, start // group, -(-width // group))

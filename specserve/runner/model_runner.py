@@ -23,7 +23,7 @@ from specserve.models.compile import CompiledForward
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, pick_dtype, random_model, read_hf_config
 from specserve.runner.cuda_graph import CudaGraphRunner
-from specserve.runner.memory import OOM_ADVICE, auto_mem_fraction
+from specserve.runner.memory import OOM_ADVICE, auto_mem_fraction, kv_cache_dtype
 from specserve.runner.prefill_graphs import PrefillGraphs
 
 logger = logging.getLogger("specserve")
@@ -75,7 +75,7 @@ class ModelRunner:
         hf = read_hf_config(model_dir)
         self.dtype = pick_dtype(model_cfg.dtype, self.device, hf)
         load = random_model if model_cfg.load_format == "dummy" else load_model
-        self.model = model or load(model_dir, self.dtype, self.device)
+        self.model = model or load(model_dir, self.dtype, self.device, model_cfg.quantization)
         if runner_cfg.enable_torch_compile:
             self.model.compiled = CompiledForward(self.model.forward_eager, runner_cfg.torch_compile_max_bs)
             if self.device.type == "cuda":
@@ -89,9 +89,13 @@ class ModelRunner:
             raise ValueError(f"--context-length {self.context_length} exceeds the model's "
                              f"max_position_embeddings {cfg.max_position_embeddings}")
         self.runner_cfg_max_bs = runner_cfg.cuda_graph_max_bs
+        self.kv_dtype = kv_cache_dtype(cache_cfg.kv_cache_dtype, self.dtype, self.device)  # drafts' pools too
         self.num_slots = self._kv_budget(cache_cfg)
         self.kv_pool = KVPool(self.num_slots, cfg.num_layers, cfg.kv_heads_per_rank, cfg.head_dim,
-                              self.dtype, self.device)
+                              self.kv_dtype, self.device)
+        k_gb = self.kv_pool.k[0].numel() * self.kv_dtype.itemsize * cfg.num_layers / (1 << 30)  # V: the same
+        logger.info("KV cache is allocated. #tokens: %d, dtype: %s, K size: %.2f GB, V size: %.2f GB",
+                    self.num_slots, str(self.kv_dtype).removeprefix("torch."), k_gb, k_gb)
         self.attn_backend_name = runner_cfg.attention_backend
         self.attn_backend = make_backend(runner_cfg.attention_backend, self.device)
         self.feature_mode: str | None = None  # what forward_with_features returns (EAGLE drafts)
@@ -164,7 +168,7 @@ class ModelRunner:
 
     def _kv_budget(self, cache_cfg: CacheConfig) -> int:
         cfg = self.model.config
-        per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.kv_heads_per_rank, cfg.head_dim, self.dtype)
+        per_slot = KVPool.bytes_per_slot(cfg.num_layers, cfg.kv_heads_per_rank, cfg.head_dim, self.kv_dtype)
         if cache_cfg.max_total_tokens:
             n = cache_cfg.max_total_tokens
         elif self.device.type == "cuda":
@@ -188,7 +192,7 @@ class ModelRunner:
         if self.draft_kv_shape is None:
             return 0
         layers, kv_heads, head_dim = self.draft_kv_shape
-        return KVPool.bytes_per_slot(layers, parallel.kv_heads_per_rank(kv_heads), head_dim, self.dtype)
+        return KVPool.bytes_per_slot(layers, parallel.kv_heads_per_rank(kv_heads), head_dim, self.kv_dtype)
 
     def _gpu_budget(self, cache_cfg: CacheConfig, per_slot: int) -> int:
         free, total = torch.cuda.mem_get_info(self.device)

@@ -128,7 +128,7 @@ def test_the_kv_budget_counts_a_draft_llms_pool():
 
     target = SimpleNamespace(num_layers=30, num_kv_heads=3, kv_heads_per_rank=3, head_dim=64)
     seen = []
-    runner = SimpleNamespace(model=SimpleNamespace(config=target), dtype=torch.bfloat16,
+    runner = SimpleNamespace(model=SimpleNamespace(config=target), dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
                              device=torch.device("cuda"), draft_kv_shape=(4, 2, 128),
                              context_length=1024, _gpu_budget=lambda cache, per_slot: seen.append(per_slot) or 10**6)
     runner._draft_bytes_per_slot = lambda: ModelRunner._draft_bytes_per_slot(runner)

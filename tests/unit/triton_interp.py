@@ -36,5 +36,33 @@ def _patch_old_interpreter() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _patch_fp8_rounding() -> None:
+    """The interpreter rounds to fp8 by adding the first dropped bit to the mantissa, with no
+    carry into the exponent (31.3 -> 16, not 32) and no ties-to-even; GPUs round to nearest
+    even (cvt.rn.satfinite). Round to float8_e4m3fn through torch instead, so a kernel's
+    fp8 KV stores compare byte for byte with the torch path (tests/unit/test_kv_fp8.py).
+    Inputs are saturated to +-448 by those kernels first, as torch does not saturate."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "fp8_by_torch", False):
+        return
+    wide = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype != tl.float8e4nv or input_dtype not in wide:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        x = torch.from_numpy(np.ascontiguousarray(input).view(np.int16) if input_dtype == tl.bfloat16
+                             else np.ascontiguousarray(input))
+        x = x.view(torch.bfloat16) if input_dtype == tl.bfloat16 else x
+        return x.float().to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+
+    convert.fp8_by_torch = True  # type: ignore[attr-defined]
+    interpreter._convert_float = convert
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_old_interpreter()
+    _patch_fp8_rounding()

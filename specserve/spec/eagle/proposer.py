@@ -48,6 +48,7 @@ from specserve.core.request import Req
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.speculation import Decoded
 from specserve.models.draft_loader import load_draft
+from specserve.models.quantization import draft_flag
 from specserve.models.token_map import load_token_map
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.runner.prefill_graphs import prefill_sizes
@@ -77,11 +78,13 @@ class EagleProposer(Proposer, DraftsAhead):
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> None:
         draft, (steps, topk, nodes) = spec.draft_path, spec.tree
         logger.info("Drafting with %s", "the target's own MTP layers" if draft == runner.model_dir else draft)
+        quantization = draft_flag(spec.draft_model_quantization, runner.model.weight_quant)
         self.model = load_draft(draft, runner.model, LAYOUTS[spec.name], runner.dtype, runner.device,
-                                _token_map(spec, runner))
+                                _token_map(spec, runner), quantization)
         runner.capture_features(self.model.feature_mode, self.model.aux_layers)
         c = self.model.config
-        self.pool = KVPool(runner.num_slots, c.num_layers, c.kv_heads_per_rank, c.head_dim, runner.dtype, runner.device)
+        self.pool = KVPool(runner.num_slots, c.num_layers, c.kv_heads_per_rank, c.head_dim, runner.kv_dtype,
+                           runner.device)
         self.backend = make_backend(spec.draft_attention_backend or runner.attn_backend_name, runner.device)
         self.runner, self.kv = runner, kv
         self.topk, self.max_nodes = topk, nodes

@@ -36,9 +36,6 @@ def resolve(spec: SpecConfig, model_dir: Path, target: LlamaConfig) -> SpecConfi
     """The draft's directory, and that it can draft for this target."""
     from specserve.models.loader import read_hf_config
 
-    if spec.draft_model_quantization not in (None, "unquant"):
-        raise ValueError(f"--speculative-draft-model-quantization {spec.draft_model_quantization} "
-                         "is not supported yet (supported: unquant)")
     draft = spec.draft_dir or str(explicit_draft_dir(spec))
     draft_vocab = read_hf_config(Path(draft))["vocab_size"]
     if draft_vocab != target.vocab_size:

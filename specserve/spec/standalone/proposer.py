@@ -36,6 +36,7 @@ from specserve.engine.kv_manager import KVManager
 from specserve.engine.speculation import Decoded
 from specserve.models.llama import LlamaConfig
 from specserve.models.loader import load_model, random_model, read_hf_config
+from specserve.models.quantization import draft_flag
 from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.spec.drafts import Drafts
@@ -59,9 +60,11 @@ class StandaloneProposer(Proposer):
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> None:
         path = spec.draft_path  # checked at start-up (spec/standalone: resolve)
         load = random_model if spec.draft_load_format == "dummy" else load_model  # random weights: benchmarks
-        self.model = load(path, runner.dtype, runner.device)
+        self.model = load(path, runner.dtype, runner.device,
+                          draft_flag(spec.draft_model_quantization, runner.model.weight_quant))
         c = self.model.config
-        self.pool = KVPool(runner.num_slots, c.num_layers, c.kv_heads_per_rank, c.head_dim, runner.dtype, runner.device)
+        self.pool = KVPool(runner.num_slots, c.num_layers, c.kv_heads_per_rank, c.head_dim, runner.kv_dtype,
+                           runner.device)
         self.backend = make_backend(spec.draft_attention_backend or runner.attn_backend_name, runner.device)
         self.runner, self.kv, self.table = runner, kv, kv.table.table
         self.num_steps, self.topk, self.max_nodes = spec.tree

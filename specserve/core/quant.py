@@ -1,0 +1,100 @@
+"""Quantized weights: the one representation every layer and kernel shares, and its math.
+
+A quantized linear weight is a `QuantWeight`: `data` holds the stored values, `scale`
+float32 [N, groups] one scale per output row and per `group` input columns (per channel:
+groups 1 and group K; DeepSeek/Qwen3 block checkpoints: group 128, each row of a 128-row
+block repeating its block's scale), the last group ragged where K is not a multiple.
+
+| method | data | value of element (n, k), g = k // group |
+|---|---|---|
+| fp8 | float8_e4m3fn [N, K] | data[n, k] * scale[n, g] |
+| int4 | uint8 [N, K / 2]: q(n, k) in byte k // 2, even k low | (q(n, k) - zeros[n, g]) * scale[n, g] |
+
+int4 weights come from AWQ and GPTQ checkpoints (models/quant_int4.py converts their
+layouts); their zero points are uint8 [N, groups].
+
+`dequantize` is the reference every kernel is tested against: the value in float32, then
+rounded once to the activations' dtype. `quantize_fp8` makes per-row (or per-group) scales
+from a float weight: absmax / 448, the largest finite e4m3.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+METHODS = ("fp8", "awq", "gptq")  # --quantization values; awq and gptq load as int4
+INT4 = "int4"
+
+
+class QuantWeight(NamedTuple):
+    """A quantized [N, K] weight (see the module docstring); what `Linear.out_in_weight`
+    hands the kernels when its layer is quantized."""
+
+    data: torch.Tensor
+    scale: torch.Tensor  # float32 [N, groups]
+    group: int  # input columns one scale covers
+    method: str = "fp8"  # how `data` holds the values (the module docstring's table)
+    zeros: torch.Tensor | None = None  # zero points [N, groups], for the formats that have them
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[N, K] of the weight it holds (two int4 values a byte)."""
+        k = int(self.data.shape[1]) * (2 if self.method == INT4 else 1)
+        return int(self.data.shape[0]), k
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] in `dtype`: each element in float32, rounded once."""
+        if self.method == INT4:
+            assert self.zeros is not None
+            return dequantize_int4(self.data, self.scale, self.zeros, self.group).to(dtype)
+        return dequantize_fp8(self.data, self.scale, self.group).to(dtype)
+
+
+def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 [N, K] of fp8 data [N, K] and scales [N, ceil(K / group)]."""
+    k = data.shape[1]
+    per_col = scale if scale.shape[1] == 1 else scale.repeat_interleave(group, dim=1)[:, :k]
+    return data.float() * per_col.float()
+
+
+def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
+    """The 4-bit values [N, 2 * bytes] (uint8) of packed data [N, bytes]."""
+    return torch.stack((data & 0xF, data >> 4), dim=2).reshape(data.shape[0], -1)
+
+
+def dequantize_int4(data: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 [N, K] of int4 data [N, K / 2]: (q - zero) * scale per group."""
+    q = unpack_nibbles(data).float()
+    k = q.shape[1]
+    return ((q - zeros.float().repeat_interleave(group, dim=1)[:, :k])
+            * scale.float().repeat_interleave(group, dim=1)[:, :k])
+
+
+def quantize_fp8(weight: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 data [N, K], float32 scales [N, groups]) of a float weight [N, K]: each row's
+    (or each `group` columns') absmax maps to 448. An all-zero row gets scale 1."""
+    w = weight.detach().float()
+    n, k = w.shape
+    group = group or k
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(w, (0, groups * group - k)).view(n, groups, group)
+    amax = padded.abs().amax(dim=2)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    per_col = scale.repeat_interleave(group, dim=1)[:, :k]
+    data = (w / per_col).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return data, scale
+
+
+def expand_block_scale(scale: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
+    """A block checkpoint's scales [ceil(N / block_rows), groups] as one row per weight row
+    [rows, groups]; a per-tensor scale (0-d or one element) as [rows, 1]; a per-channel one
+    ([N] or [N, 1]) as [N, 1]."""
+    scale = scale.float()
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(rows, 1).contiguous()
+    if scale.dim() == 1 or (scale.shape[0] == rows and scale.shape[1] == 1):
+        return scale.reshape(-1, 1)
+    return scale.repeat_interleave(block_rows, dim=0)[:rows].contiguous()

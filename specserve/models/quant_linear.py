@@ -1,0 +1,60 @@
+"""A quantized linear layer's product where the model calls the layer itself (prefill,
+large batches, layers off the few-token path): x [T, K] times a `QuantWeight` [N, K].
+
+int4 (AWQ, GPTQ): up to 32 tokens on CUDA through the fused dequantize-multiply kernel
+(kernels/int4.py), more through the dequantized weight. fp8 with per-row scales on a GPU
+that has fp8 tensor cores (compute capability 8.9+, half activations, both sides a
+multiple of 16): each token is quantized to e4m3 with its own scale (absmax / 448) and
+`torch._scaled_mm` multiplies the two fp8 operands, scaling rows and columns in its
+epilogue, as vLLM's and SGLang's fp8 linear layers do. Everywhere else (block scales,
+float32 activations, older GPUs, the CPU) the weight is dequantized for the call
+(core/quant.py) and multiplied by `F.linear`: the reference the kernels follow.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve import kernels
+from specserve.core import quant
+
+_HALF = (torch.float16, torch.bfloat16)
+_FP8_MM: dict[int | None, bool] = {}  # device index -> has fp8 tensor cores
+
+
+def quant_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ the dequantized weight's transpose (+ bias) -> [..., N] in x's dtype."""
+    n, k = qw.shape
+    if qw.method == quant.INT4:
+        rows = x.reshape(-1, k)
+        if kernels.use_fused(x) and rows.shape[0] <= kernels.SKINNY_MAX_TOKENS:
+            out = kernels.int4_matmul(rows, qw)
+            return (out if bias is None else out + bias).reshape(*x.shape[:-1], n)
+        return F.linear(x, qw.dequantize(x.dtype), bias)
+    if not _scaled_mm_serves(x, qw):
+        return F.linear(x, qw.dequantize(x.dtype), bias)
+    rows = x.reshape(-1, k)
+    xq, xs = quantize_tokens(rows)
+    out = torch._scaled_mm(xq, qw.data.t(), scale_a=xs, scale_b=qw.scale.reshape(1, n), bias=bias,
+                           out_dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [T, K], float32 scales [T, 1]) of activations x [T, K], one scale per token."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.clamp(amax / quant.FP8_MAX, min=1e-12)
+    return (x.float() / scale).clamp(-quant.FP8_MAX, quant.FP8_MAX).to(quant.FP8), scale
+
+
+def _scaled_mm_serves(x: torch.Tensor, qw: quant.QuantWeight) -> bool:
+    n, k = qw.shape
+    return (x.is_cuda and x.dtype in _HALF and qw.group >= k and n % 16 == 0 and k % 16 == 0
+            and has_fp8_tensor_cores(x.device) and x.numel() > 0)
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether CUDA `device` multiplies fp8 (compute capability 8.9, Ada, or 9.0+, Hopper)."""
+    if device.index not in _FP8_MM:
+        _FP8_MM[device.index] = torch.cuda.get_device_capability(device) >= (8, 9)
+    return _FP8_MM[device.index]
