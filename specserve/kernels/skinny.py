@@ -88,14 +88,25 @@ def _dot(w, xt, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _dot_operand(w, s_ptr, rows, rmask, cols, kmask, ss, GROUP, SCALES: tl.constexpr, DOT: tl.constexpr):
-    """A weight tile as tl.dot's operand in DOT's dtype: fp8 widened (exactly) to the
-    activations' dtype, times its group scales when SCALES is 2 (block scales; cols are
-    absolute columns). SCALES 0 and 1 (none, one a row) leave the tile's values as they are."""
+    """A weight tile as tl.dot's operand in DOT's dtype: fp8 widened exactly (to fp16 for
+    half activations: `_dot_x`), times its group scales when SCALES is 2 (block scales; cols
+    are absolute columns). SCALES 0 and 1 (none, one a row) leave the tile's values as they are."""
     if SCALES == 2:
         s = tl.load(s_ptr + rows[:, None] * ss + cols[None, :] // GROUP, mask=rmask[:, None] & kmask[None, :],
                     other=0.0)
         w = w.to(tl.float32) * s
     return w.to(DOT)
+
+
+@triton.jit
+def _dot_x(x, DOT: tl.constexpr, SCALES: tl.constexpr):
+    """Activations x (fp32, each value already rounded to the activations' dtype) as tl.dot's
+    operand: an fp8 weight's half activations meet it in fp16, which holds every bf16 value
+    from 2^-14 to 65504 exactly; larger ones saturate there (an fp8 layer's inputs are normed
+    states or products of them, far below it)."""
+    if SCALES > 0 and DOT == tl.float16:
+        x = tl.clamp(x, -65504.0, 65504.0)
+    return x.to(DOT)
 
 
 @triton.jit
@@ -184,7 +195,8 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
     the products are scaled by rsqrt(mean(x^2) + eps) at the end: no pass of its own over
     x and no fp32 tile of all K held for it (rounded once at x * weight, not at x * rstd too).
 
-    An fp8 weight (SCALES 1 or 2, `_dot_operand`) meets x in x's dtype; its row scales
+    An fp8 weight (SCALES 1 or 2, `_dot_operand`) meets x in fp16 (half x; `_dot_x`) or
+    float32; its row scales
     (SCALES 1) are left to `row_scaled`, its block scales (SCALES 2, at s_ptr [N, groups],
     row stride sst, GROUP columns each) multiply each tile."""
     tl.static_assert(ONE_TILE or DEFER or not NORM)
@@ -195,8 +207,8 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
     cols = tl.arange(0, BLOCK_K)
     dtype = x_ptr.dtype.element_ty
     dot_ty = w_ptr.dtype.element_ty
-    if SCALES > 0:
-        dot_ty = dtype
+    if SCALES > 0:  # fp8 widens to fp16 in one instruction, to bf16 only through fp32
+        dot_ty = tl.float16 if HALF else dtype
     up_s = s_ptr + N * sst  # GATED: the up rows' scales
     ones = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
     ss = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
@@ -211,7 +223,7 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)
         if NORM and DEFER:
             ss = _sum_squares(x, ss, BLOCK_N, BLOCK_K, IEEE)
-        xt = tl.trans(_normed(x, g, rstd, NORM, HALF, dtype).to(dot_ty))
+        xt = tl.trans(_dot_x(_normed(x, g, rstd, NORM, HALF, dtype), dot_ty, SCALES))
         kmask = cols < K
         w = _dot_operand(w, s_ptr, rows, rmask, k_lo + cols, kmask, sst, GROUP, SCALES, dot_ty)
         acc = _dot(w, xt, acc, IEEE)
@@ -229,7 +241,7 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
             else:
                 ss = _sum_squares(x, ss, BLOCK_N, BLOCK_K, IEEE)
         g = _norm_weight(nw_ptr, kcols, kmask, NORM)
-        xt = tl.trans(_normed(x, g, ones, NORM, HALF, dtype).to(dot_ty))
+        xt = tl.trans(_dot_x(_normed(x, g, ones, NORM, HALF, dtype), dot_ty, SCALES))
         wt, wut = _w_tiles(w_ptr, up_ptr, rows, rmask, kcols, kmask, sw, swk, w_desc, k_lo + k0, N, GATED, TMA)
         wt = _dot_operand(wt, s_ptr, rows, rmask, k_lo + kcols, kmask, sst, GROUP, SCALES, dot_ty)
         acc = _dot(wt, xt, acc, IEEE)
@@ -405,7 +417,8 @@ def scale_mode(scale: torch.Tensor | None, group: int, k: int) -> int:
 
 def tile_bytes(x: torch.Tensor, weight: torch.Tensor) -> int:
     """Bytes an element of a weight tile takes once it meets x in tl.dot: an fp8 tile is
-    sized as the activations' dtype (its tiles have the same shapes as a half weight's)."""
+    sized as the activations' dtype (its tiles have the same shapes as a half weight's:
+    a sweep of Llama-8B's shapes at 4-32 tokens found no better tiles for fp8)."""
     return x.element_size() if weight.element_size() == 1 else weight.element_size()
 
 

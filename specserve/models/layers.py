@@ -118,6 +118,15 @@ class Linear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model computes in: its first parameter's that is not a quantized
+    layer's storage (fp8, packed int4) nor a scale."""
+    for name, p in model.named_parameters():
+        if p.dtype.is_floating_point and p.element_size() >= 2 and not name.endswith(("_scale", "_zeros")):
+            return p.dtype
+    raise ValueError(f"{type(model).__name__} has no floating-point parameter")
+
+
 def cpu_layout(model: nn.Module, dtype: torch.dtype) -> None:
     """Every `Linear` of a loaded model in the CPU's form: fp8 weights' values in `dtype`
     (the CPU has no fp8 kernels), then the GEMV layout."""

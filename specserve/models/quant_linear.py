@@ -35,8 +35,9 @@ def quant_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | No
         return F.linear(x, qw.dequantize(x.dtype), bias)
     rows = x.reshape(-1, k)
     xq, xs = quantize_tokens(rows)
-    out = torch._scaled_mm(xq, qw.data.t(), scale_a=xs, scale_b=qw.scale.reshape(1, n), bias=bias,
-                           out_dtype=x.dtype)
+    out = torch._scaled_mm(xq, qw.data.t(), scale_a=xs, scale_b=qw.scale.reshape(1, n), out_dtype=x.dtype)
+    if bias is not None:  # added apart: _scaled_mm's own bias falls back to addmm on fp8 operands
+        out = out + bias
     return out.reshape(*x.shape[:-1], n)
 
 

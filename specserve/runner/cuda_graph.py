@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.models.layers import activation_dtype
 
 if TYPE_CHECKING:
     from _typeshed import SupportsRichComparison
@@ -133,7 +134,7 @@ class CudaGraphRunner:
         c = self.model.config
         width = c.hidden_size * (len(self.model.aux_layers) if feature_mode == "aux" else 1)
         zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
-        features = zeros(n, width, dtype=next(self.model.parameters()).dtype) if feature_mode else None
+        features = zeros(n, width, dtype=activation_dtype(self.model)) if feature_mode else None
         return _Static(tokens, zeros(n), zeros(n), zeros(n), zeros(self.max_bs),
                        zeros(n, vocab, dtype=torch.float32), features)
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.models.layers import activation_dtype
 from specserve.runner.cuda_graph import capture_each
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class PrefillGraphs:
         width = model.config.hidden_size * (len(model.aux_layers) if feature_mode == "aux" else 1)
         logits = zeros(r, vocab_size, dtype=torch.float32)
         self.static = _Static(zeros(n), zeros(n), zeros(n), zeros(r), zeros(r), logits,
-                              zeros(n, width, dtype=next(model.parameters()).dtype) if feature_mode else None)
+                              zeros(n, width, dtype=activation_dtype(model)) if feature_mode else None)
         backend.init_prefill_graph_state(r)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (tokens, requests) -> graph
         self._captured: ForwardBatch | None = None  # the static batch of the graph being captured

@@ -249,3 +249,16 @@ def test_bytes_per_weight_counts_scales():
     layer.quantize_storage()
     total, count = quantization.weight_bytes(layer)
     assert count == 64 * 256 and total == 64 * 256 + 64 * 4
+
+
+def test_activation_dtype_skips_quantized_storage():
+    """Buffers sized from a model's dtype (graphs' features) must not take an fp8 layer's:
+    an EAGLE-3 head's first parameter is its fp8 `fc`."""
+    from torch import nn
+
+    from specserve.models.layers import RMSNorm, activation_dtype
+
+    model = nn.Sequential(Linear(32, 16), RMSNorm(16, 1e-6)).to(torch.bfloat16)
+    model[0].quantize_storage()
+    assert next(model.parameters()).dtype == quant.FP8
+    assert activation_dtype(model) == torch.bfloat16

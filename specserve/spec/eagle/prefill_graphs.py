@@ -22,6 +22,7 @@ import bisect
 import torch
 
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.models.layers import activation_dtype
 from specserve.runner.cuda_graph import capture_each
 from specserve.runner.prefill_graphs import MAX_REQS, prefill_sizes
 from specserve.spec.tree.draft import top_children
@@ -43,7 +44,7 @@ class DraftPrefillGraphs:
         self.index = torch.zeros(3 * n + 3 * r, dtype=torch.int64, device=dev)
         self.ids, self.pos, self.slots, self.rows, self.last, self.dst = self.index.split([n, n, n, r, r, r])
         self.dst.fill_(roots.scratch_row)  # what capturing writes goes to the scratch row
-        self.features = torch.zeros(n, feature_width, dtype=next(model.parameters()).dtype, device=dev)
+        self.features = torch.zeros(n, feature_width, dtype=activation_dtype(model), device=dev)
         self.keys = [(b, q) for b in self.sizes for q in self.req_sizes]  # every pair, as the target's
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         backend.init_prefill_graph_state(r)

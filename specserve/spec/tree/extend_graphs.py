@@ -36,6 +36,7 @@ import torch
 
 from specserve.cache.req_table import slots_at
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.models.layers import activation_dtype
 from specserve.runner.cuda_graph import capture_each, capture_sizes, pad_device_prefix
 from specserve.spec.tree.draft import top_children
 from specserve.spec.tree.root_states import RootState, RootStates
@@ -52,7 +53,7 @@ class DraftExtendGraphs:
         self.L, self.topk, self.token_map, self.roots = tokens_per_req, topk, token_map, roots
         self.sizes = capture_sizes(max_bs)
         n, dev = self.sizes[-1], req_to_token.device
-        dtype = next(p for p in model.parameters()).dtype
+        dtype = activation_dtype(model)
         self.capture, self.table_slots = capture, table_slots
         self.mode = ForwardMode.DECODE if self.L == 1 else ForwardMode.DRAFT_EXTEND
         if capture:
