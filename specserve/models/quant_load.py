@@ -58,11 +58,10 @@ def scale_piece(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str, ta
     block_rows, block_cols = cfg.weight_block or (1, 0)
     rows = _full_rows(weight, cfg, param.shape[0])
     per_row = quant.expand_block_scale(tensor, rows, block_rows)
-    groups = per_row.shape[1]
-    if groups != param.shape[1] and param.shape[1] != 1:
-        raise ValueError(f"tensor {name} has {groups} scale groups a row, expected {param.shape[1]}")
     k = _full_cols(weight, cfg)
     local = shard_scale(weight, per_row, block_cols or k, k, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if local.shape[1] != param.shape[1]:
+        raise ValueError(f"tensor {name} has {local.shape[1]} scale groups a row here, expected {param.shape[1]}")
     return Piece(key, offset, local, tuple(tensor.shape))
 
 

@@ -107,9 +107,9 @@ def test_gathered_shards_equal_the_full_tensors(tiny_dirs, name, tp):
             assert all(torch.equal(p, whole) for p in parts), key
 
 
-def _logits(path: str) -> torch.Tensor:
+def _logits(path: str, quantization: str | None = None) -> torch.Tensor:
     """Prefill two prompts, decode one token each, verify a 3-node tree: every logit row."""
-    model = load_model(Path(path), torch.float32, torch.device("cpu"))
+    model = load_model(Path(path), torch.float32, torch.device("cpu"), quantization)
     run = BareRunner(model)
     rows = [run.forward([0, 1], [0, 0], [[5, 9, 2, 7], [3, 3, 8]])]
     rows.append(run.forward([0, 1], [4, 3], [[11], [12]], mode=ForwardMode.DECODE))
@@ -124,6 +124,22 @@ def test_ranks_compute_the_single_process_logits(tiny_dirs, name, tp):
     want = _logits(str(tiny_dirs[name]))
     got = run_on_ranks(_logits, tp, str(tiny_dirs[name]), on_gpu=False)
     for r in range(tp):  # every rank holds the whole gathered logits
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["quantized at load", "channel", "block"])
+def test_fp8_shards_hold_the_single_process_values(tiny_dirs, tmp_path, scheme):
+    """fp8 scales are cut like their weights (a float weight is quantized whole, then cut):
+    the ranks compute the single process's fp8 model."""
+    from tests.unit.test_fp8 import _fp8_checkpoint
+
+    path, flag = tiny_dirs["llama"], "fp8"
+    if scheme != "quantized at load":
+        _fp8_checkpoint(path, tmp_path / "fp8", scheme)
+        path, flag = tmp_path / "fp8", None
+    want = _logits(str(path), flag)
+    got = run_on_ranks(_logits, 2, str(path), flag, on_gpu=False)
+    for r in range(2):
         torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
 
 

@@ -1,0 +1,81 @@
+"""`specserve bench quality`: how far a quantized model's greedy text is from the float model's.
+
+The model is served twice by the offline Engine, one after the other: in its own dtype, then
+with `--quantization` (or `--kv-cache-dtype`). Both answer the same MT-bench first turns
+greedily; the row counts the answers that are token-identical, those whose first token
+agrees, and the mean length of the common prefix. Next-token KL divergences are measured by
+the tests (tests/unit/test_fp8_engine.py), where the logits of every position are at hand.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+
+from specserve.bench.prompts import mt_bench_first_turns
+from specserve.bench.report import report
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specserve bench quality")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quantization", default="fp8", help="the quantized side's --quantization (none: float)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the quantized side's --kv-cache-dtype")
+    p.add_argument("--num-questions", type=int, default=80)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="each engine's share of GPU memory (the two run one after the other)")
+    p.add_argument("--output", default="bench_quality.jsonl")
+    return p
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens a and b share from the start."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _answers(args: argparse.Namespace, prompts: list[str], **flags) -> tuple[list[list[int]], dict]:
+    """Greedy output ids of every prompt, and the engine's weight report."""
+    from specserve import Engine
+
+    engine = Engine(args.model, log_level="warning", device=args.device, dtype=args.dtype,
+                    mem_fraction_static=args.mem_fraction_static, **flags)
+    ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+    outs = [o["output_ids"] for o in engine.generate(input_ids=ids, sampling_params=params)]
+    info = engine.server_info()["weight_quantization"]
+    del engine
+    gc.collect()
+    _free_gpu()
+    return outs, info
+
+
+def _free_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    prompts = mt_bench_first_turns(args.num_questions)
+    base, _ = _answers(args, prompts)
+    quant = None if args.quantization == "none" else args.quantization
+    other, info = _answers(args, prompts, quantization=quant, kv_cache_dtype=args.kv_cache_dtype)
+    prefixes = [common_prefix(a, b) for a, b in zip(base, other)]
+    n = len(prompts)
+    row = {"bench": "quality", "model": args.model, "quantization": args.quantization,
+           "kv_cache_dtype": args.kv_cache_dtype, "prompts": n, "max_new_tokens": args.max_new_tokens,
+           "identical": sum(a == b for a, b in zip(base, other)), "first_token_equal": sum(p > 0 for p in prefixes),
+           "mean_common_prefix": sum(prefixes) / n, "weights": info}
+    report(f"quality: {args.model} weights {args.quantization} KV {args.kv_cache_dtype} against float, "
+           f"{n} MT-bench prompts x {args.max_new_tokens} greedy tokens: identical {row['identical']}/{n}, "
+           f"first token equal {row['first_token_equal']}/{n}, mean common prefix {row['mean_common_prefix']:.1f} "
+           f"({info['bytes_per_weight']} bytes a weight)", row, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
