@@ -88,16 +88,23 @@ def smollm2_awq(smollm2_dir, tmp_path_factory) -> Path:
     return dst
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("flags", [
-    {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(SHIPPED_HEAD)},
-    {"speculative_algorithm": "NGRAM"},
-])
-def test_speculation_over_awq_target_is_lossless(smollm2_awq, flags):
+@pytest.fixture(scope="module")
+def awq_reference(smollm2_awq) -> list[list[int]]:
+    """Plain greedy outputs of the 4-bit SmolLM2, computed once."""
     plain = Engine(str(smollm2_awq), log_level="warning", **EXACT_ON_GPU)
     reference = [o["output_ids"] for o in plain.generate(input_ids=_ids(plain, PROMPTS), sampling_params=GREEDY)]
     _clean(plain)
     assert plain.server_info()["weight_quantization"]["method"] == "awq"
+    return reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, batch_sizes", [
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(SHIPPED_HEAD)}, (1, 8)),
+    ({"speculative_algorithm": "NGRAM"}, (8,)),
+])
+def test_speculation_over_awq_target_is_lossless(smollm2_awq, awq_reference, flags, batch_sizes):
+    reference = awq_reference
     engine = Engine(str(smollm2_awq), log_level="warning", speculative_adaptive="off", **EXACT_ON_GPU, **flags)
-    results = _check(engine, reference, batch_sizes=(1, 8))
+    results = _check(engine, reference, batch_sizes=batch_sizes)
     assert sum(r["meta_info"]["spec_verify_ct"] for r in results) > 0
