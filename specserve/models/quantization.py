@@ -1,13 +1,14 @@
 """Which weights a model quantizes, and how it reports them.
 
 `resolve` reads `--quantization` (or `--speculative-draft-model-quantization`) and the
-checkpoint's own `quantization_config`: an fp8 checkpoint (`quant_method: "fp8"`) is served
-as fp8 whether or not the flag says so, and a flag that contradicts it is an error, as in
-vLLM. `prepare` turns every `Linear` of a model (attention and MLP projections, EAGLE's
-`fc`, MTP's projections) into fp8 storage before its checkpoint loads; the embeddings and
-the LM head stay in the model's dtype, as vLLM and SGLang keep them. `quantize_now` does
-the same to a model whose float weights are already in place (random weights for
-benchmarks). `weight_bytes` counts what a model's weights occupy and read per token.
+checkpoint's own `quantization_config`: a checkpoint stored in fp8, AWQ or GPTQ is served
+so whether or not the flag says so, and a flag that contradicts it is an error, as in vLLM.
+`prepare` turns every `Linear` of a model (attention and MLP projections, EAGLE's `fc`,
+MTP's projections) into quantized storage before its checkpoint loads (fp8, or int4 for
+AWQ/GPTQ, whose layers `checkpoint_tensors` converts); the embeddings and the LM head stay
+in the model's dtype, as vLLM and SGLang keep them. `quantize_now` does the same to a model
+whose float weights are already in place (random weights for benchmarks). `weight_bytes`
+counts what a model's weights occupy and read per token.
 """
 from __future__ import annotations
 
