@@ -23,7 +23,8 @@ Tiles and groups: where `group` is a multiple of BLOCK_K (any power-of-two group
 a tile lies inside one group and takes one scale and zero a row; otherwise (other group
 sizes) each column gathers its own. A ragged last group, K not a multiple of BLOCK_K and N
 not a multiple of BLOCK_N are masked. Callers reach this module through a
-`kernels/__init__.py` entry point, never at module level. Not tuned on a GPU yet (`_config`).
+`kernels/__init__.py` entry point, never at module level. Its tiles (`_config`) are chosen
+for correctness over any group size, not from a sweep.
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def _int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, res_ptr, T, N, K, group, s
 def _config(n: int, k: int, group: int) -> tuple[int, int, bool]:
     """(BLOCK_N, BLOCK_K, ONE_GROUP): the deepest tile of 32 to 256 values inside one group,
     else 128 values with per-column scales; 32 rows a program (16 for narrow layers, so they
-    still spread over programs). A first guess: tuning on an H100 is to come."""
+    still spread over programs)."""
     block_n = 32 if n >= 1024 else 16
     for block_k in (256, 128, 64, 32):
         if group % block_k == 0:

@@ -165,7 +165,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: to
     # tuned over the Llama-8B and SmolLM2 layer shapes, where no other tile configuration
     # did clearly better
     block_n = 1 if gated or k >= 8192 else 2
-    if scale is not None:  # fp8 rows are half as many bytes: 2 rows, 2048 deep (1024 gated) stream best
+    if scale is not None:  # fp8 rows are half the bytes: twice as deep a tile keeps as many in flight
         block_n, block_k = 2, min(1024 if gated else 2048, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, scale if scale is not None else x, out, residual if residual is not None else out,

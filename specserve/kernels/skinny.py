@@ -32,8 +32,6 @@ of a decode step than cuBLAS does.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +43,10 @@ from specserve.kernels import SKINNY_MAX_TOKENS as MAX_TOKENS
 from specserve.kernels import SKINNY_MAX_WIDTH, pdl_flags, tma_enabled
 from specserve.kernels.matvec import unpack
 from specserve.kernels.pdl import prefetch_l2, prefetch_step, wait_and_release
+from specserve.kernels.skinny_config import MAX_ROW_BLOCKS, Config, split_buffers  # noqa: F401  (re-exported)
+from specserve.kernels.skinny_config import config as _config
+from specserve.kernels.skinny_config import counts as _counts  # noqa: F401  (tests read it)
+from specserve.kernels.skinny_config import tma_config as _tma_config
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -417,8 +419,7 @@ def scale_mode(scale: torch.Tensor | None, group: int, k: int) -> int:
 
 def tile_bytes(x: torch.Tensor, weight: torch.Tensor) -> int:
     """Bytes an element of a weight tile takes once it meets x in tl.dot: an fp8 tile is
-    sized as the activations' dtype (its tiles have the same shapes as a half weight's:
-    a sweep of Llama-8B's shapes at 4-32 tokens found no better tiles for fp8)."""
+    sized as the activations' dtype: its tiles have the same shapes as a half weight's."""
     return x.element_size() if weight.element_size() == 1 else weight.element_size()
 
 
@@ -444,38 +445,6 @@ def tma_descriptor(weight: torch.Tensor, cfg: Config) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
 
 
-class Config(NamedTuple):
-    """A few-token launch's shape: weight rows and K columns per tile, pipeline stages,
-    and the programs K is split over (1: none; `split_sum`)."""
-    block_n: int
-    block_k: int
-    stages: int
-    split: int = 1
-
-
-_COUNTS: dict[torch.device, torch.Tensor] = {}  # device -> split_sum's counts, all 0 between launches
-MAX_ROW_BLOCKS = 4096  # row blocks of a split launch
-
-
-def split_buffers(device: torch.device, row_blocks: int, cfg: Config,
-                  block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parts, counts) for `split_sum`: fp32 scratch [row_blocks, split, 3, BLOCK_N, BLOCK_T]
-    (without a split, the counts again: never dereferenced, and no allocation a launch)
-    and the device's counts, one per row block. The counts are one zeroed buffer per
-    device, allocated once so that CUDA graphs keep its address; every launch leaves them 0."""
-    if cfg.split == 1:
-        return _counts(device), _counts(device)
-    assert row_blocks <= MAX_ROW_BLOCKS, row_blocks
-    part = torch.empty(row_blocks * cfg.split * 3 * cfg.block_n * block_t, dtype=torch.float32, device=device)
-    return part, _counts(device)
-
-
-def _counts(device: torch.device) -> torch.Tensor:
-    if device not in _COUNTS:
-        _COUNTS[device] = torch.zeros(MAX_ROW_BLOCKS, dtype=torch.int32, device=device)
-    return _COUNTS[device]
-
-
 def product_flags(x: torch.Tensor, norm: bool, k: int, block_t: int, block_k: int, split: int = 1,
                   tma: bool = False) -> dict:
     """`product`'s constexprs for activations x [T, k] and a K tile of block_k. The norm
@@ -485,75 +454,3 @@ def product_flags(x: torch.Tensor, norm: bool, k: int, block_t: int, block_k: in
     one_tile = block_k >= k and split == 1 and not tma
     return dict(NORM=norm, DEFER=norm and not (one_tile and block_t == 16), HALF=x.dtype in _HALF,
                 IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_K=block_k, ONE_TILE=one_tile)
-
-
-_LIMITS: dict[int | None, tuple[int, int]] = {}  # device index -> (shared memory a program may use, SMs)
-
-
-def _device_limits(device: torch.device) -> tuple[int, int]:
-    """(shared memory bytes a program may use, less 8 KB of Triton's own, SM count), read once per device."""
-    if device.type != "cuda":
-        return 1 << 20, 1  # the interpreter has no limit
-    if device.index not in _LIMITS:
-        props = torch.cuda.get_device_properties(device)
-        smem = getattr(props, "shared_memory_per_block_optin", 99 * 1024) - 8 * 1024
-        _LIMITS[device.index] = smem, props.multi_processor_count
-    return _LIMITS[device.index]
-
-
-def _config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
-            device: torch.device) -> Config:
-    """The launch's Config; BLOCK_K >= k means one tile holds the whole row.
-
-    Rows up to 1024 wide that are not gated take one tile, 64 rows a program with the
-    exact norm (16 tokens), 16 without a norm, unless the layer is an lm_head (16384 rows
-    or more: it takes the general tiles below) or normed at 32 tokens (looping 16 x 256
-    deep with the deferred norm is faster there than one tile). For a narrow model's qkv
-    and o_proj at 16 tokens one tile is faster than the loop.
-    Otherwise the tiles of a sweep of the plain kernel over Llama-8B's shapes at 16 and 32
-    tokens: 128 rows for the widest layers, 64 for inputs up to 4096 wide, 32 for longer
-    rows (down_proj's 14336); half as deep a K tile for float32. Each pipeline stage holds
-    one weight tile (two when gated) and one x tile; as many stages as fit the device's
-    shared memory (4 stages of gate_up's 64x256 pair need 296 KB), up to 4 (a fourth stage
-    helps narrow gated and long-row layers at 32 tokens and costs nothing elsewhere), 3 for
-    a wide model's lm_head. A narrow model's lm_head at 32 tokens takes 64-deep tiles,
-    which stream it faster than 128-deep ones. Narrow layers (SmolLM2's 576 rows) halve
-    BLOCK_N down to tl.dot's 16 until there are about half as many programs as SMs: a
-    handful of programs cannot stream even a small weight. A row deeper than 1024 on
-    fewer than half as many 16-row programs as SMs is split into 512-deep parts, one tile
-    each (SmolLM2's down_proj, at verify and drafting token counts alike: no unsplit
-    configuration streams it as fast)."""
-    smem, sms = _device_limits(device)
-    if not gated and k > 1024 and triton.cdiv(n, 16) < sms // 2 and n < 16384:  # SmolLM2's down_proj
-        return Config(16, 512, 1, triton.cdiv(k, 512))
-    if not gated and k <= 1024 and n < 16384 and (block_t == 16 or not norm):
-        block_n, block_k = (64 if norm else 16), max(16, triton.next_power_of_2(k))
-        if (block_n + block_t) * block_k * w_bytes <= smem:
-            return Config(block_n, block_k, 1)
-    block_n = 128 if n >= 16384 and not gated else 64 if k <= 4096 else 32
-    while block_n > 16 and triton.cdiv(n, block_n) < sms // 2:
-        block_n //= 2
-    block_k = (128 if block_n == 128 else 256) * 2 // w_bytes
-    if block_n == 128 and block_t == 32 and k <= 2048:  # a narrow model's lm_head: faster than 128 deep
-        block_k = 64 * 2 // w_bytes
-    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
-    # A wide model's lm_head: 3 stages, which stream it faster than 4
-    most = 3 if n >= 16384 and k > 2048 and not gated else 4
-    return Config(block_n, block_k, max(1, min(most, smem // stage)))
-
-
-def _tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
-                device: torch.device) -> Config:
-    """The launch's Config on the TMA path (`use_tma`): 64 rows a program, boxes 256
-    columns deep (128 gated: two boxes a stage), as many stages as fit up to 4.
-
-    From a sweep of Llama-8B's shapes at 16 tokens against cuBLAS's plain product and the
-    pointer-load kernel: with these boxes the fused qkv, o_proj, down_proj and lm_head run
-    at least as fast as both; 32 or 128 rows a program, or 64-deep boxes, are slower.
-    Fewer stages can speed a normed layer timed alone, yet slow the whole verify graph, so
-    every layer takes as many as fit, up to 4."""
-    smem, _ = _device_limits(device)
-    block_n, block_k = 64, (128 if gated else 256) * 2 // w_bytes
-    stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
-    return Config(block_n, block_k, max(1, min(4, smem // stage)))

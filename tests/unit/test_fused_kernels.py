@@ -165,10 +165,10 @@ def test_skinny_config_fits_the_device(monkeypatch):
     to 16 before it runs on few programs (an H100 refused 4 stages of gate_up's pair, and
     ran SmolLM2's layers on 9 programs); one tile is taken for rows up to 1024 wide only,
     never gated, and not for 32 normed tokens (the deferred norm runs faster looped)."""
-    from specserve.kernels import skinny
+    from specserve.kernels import skinny, skinny_config
 
     budget, sms = 227 * 1024 - 8 * 1024, 132
-    monkeypatch.setattr(skinny, "_device_limits", lambda device: (budget, sms))
+    monkeypatch.setattr(skinny_config, "device_limits", lambda device: (budget, sms))
     shapes = [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True), (4096, 14336, False),
               (128256, 4096, False), (960, 576, False), (576, 576, False), (1536, 576, True), (576, 1536, False),
               (49152, 576, False)]
@@ -194,9 +194,9 @@ def test_l2_prefetch_only_for_a_looped_contiguous_layer(monkeypatch):
     the PDL wait: SmolLM2's gate_up at 32 tokens (bf16: 64 elements a 128-byte line; fp32:
     32), not its one-tile o_proj, its split down_proj, its lm_head, a TMA launch or a
     weight whose rows are not contiguous."""
-    from specserve.kernels import pdl, skinny
+    from specserve.kernels import pdl, skinny, skinny_config
 
-    monkeypatch.setattr(skinny, "_device_limits", lambda device: (227 * 1024 - 8 * 1024, 132))
+    monkeypatch.setattr(skinny_config, "device_limits", lambda device: (227 * 1024 - 8 * 1024, 132))
 
     def rule(n: int, k: int, gated: bool = False, norm: bool = False, w_bytes: int = 2, strides=None,
              tma: bool = False) -> int:

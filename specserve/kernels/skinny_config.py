@@ -1,0 +1,115 @@
+"""Launch shapes of the few-token kernel (`skinny.py`, and `qkv_rope.py` on its tiles): a
+launch's tiles, pipeline stages and K split (`Config`, `config`, `tma_config`, read from a
+sweep of Llama-8B's and SmolLM2's layer shapes), the device limits they respect, and the
+scratch a split launch sums its parts in (`split_buffers`).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+
+class Config(NamedTuple):
+    """A few-token launch's shape: weight rows and K columns per tile, pipeline stages,
+    and the programs K is split over (1: none; `split_sum`)."""
+    block_n: int
+    block_k: int
+    stages: int
+    split: int = 1
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}  # device -> split_sum's counts, all 0 between launches
+MAX_ROW_BLOCKS = 4096  # row blocks of a split launch
+
+
+def split_buffers(device: torch.device, row_blocks: int, cfg: Config,
+                  block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parts, counts) for `split_sum`: fp32 scratch [row_blocks, split, 3, BLOCK_N, BLOCK_T]
+    (without a split, the counts again: never dereferenced, and no allocation a launch)
+    and the device's counts, one per row block. The counts are one zeroed buffer per
+    device, allocated once so that CUDA graphs keep its address; every launch leaves them 0."""
+    if cfg.split == 1:
+        return counts(device), counts(device)
+    assert row_blocks <= MAX_ROW_BLOCKS, row_blocks
+    part = torch.empty(row_blocks * cfg.split * 3 * cfg.block_n * block_t, dtype=torch.float32, device=device)
+    return part, counts(device)
+
+
+def counts(device: torch.device) -> torch.Tensor:
+    if device not in _COUNTS:
+        _COUNTS[device] = torch.zeros(MAX_ROW_BLOCKS, dtype=torch.int32, device=device)
+    return _COUNTS[device]
+
+
+_LIMITS: dict[int | None, tuple[int, int]] = {}  # device index -> (shared memory a program may use, SMs)
+
+
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """(shared memory bytes a program may use, less 8 KB of Triton's own, SM count), read once per device."""
+    if device.type != "cuda":
+        return 1 << 20, 1  # the interpreter has no limit
+    if device.index not in _LIMITS:
+        props = torch.cuda.get_device_properties(device)
+        smem = getattr(props, "shared_memory_per_block_optin", 99 * 1024) - 8 * 1024
+        _LIMITS[device.index] = smem, props.multi_processor_count
+    return _LIMITS[device.index]
+
+
+def config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
+            device: torch.device) -> Config:
+    """The launch's Config; BLOCK_K >= k means one tile holds the whole row.
+
+    Rows up to 1024 wide that are not gated take one tile, 64 rows a program with the
+    exact norm (16 tokens), 16 without a norm, unless the layer is an lm_head (16384 rows
+    or more: it takes the general tiles below) or normed at 32 tokens (looping 16 x 256
+    deep with the deferred norm is faster there than one tile). For a narrow model's qkv
+    and o_proj at 16 tokens one tile is faster than the loop.
+    Otherwise the tiles of a sweep of the plain kernel over Llama-8B's shapes at 16 and 32
+    tokens: 128 rows for the widest layers, 64 for inputs up to 4096 wide, 32 for longer
+    rows (down_proj's 14336); half as deep a K tile for float32. Each pipeline stage holds
+    one weight tile (two when gated) and one x tile; as many stages as fit the device's
+    shared memory (4 stages of gate_up's 64x256 pair need 296 KB), up to 4 (a fourth stage
+    helps narrow gated and long-row layers at 32 tokens and costs nothing elsewhere), 3 for
+    a wide model's lm_head. A narrow model's lm_head at 32 tokens takes 64-deep tiles,
+    which stream it faster than 128-deep ones. Narrow layers (SmolLM2's 576 rows) halve
+    BLOCK_N down to tl.dot's 16 until there are about half as many programs as SMs: a
+    handful of programs cannot stream even a small weight. A row deeper than 1024 on
+    fewer than half as many 16-row programs as SMs is split into 512-deep parts, one tile
+    each (SmolLM2's down_proj, at verify and drafting token counts alike: no unsplit
+    configuration streams it as fast)."""
+    smem, sms = device_limits(device)
+    if not gated and k > 1024 and triton.cdiv(n, 16) < sms // 2 and n < 16384:  # SmolLM2's down_proj
+        return Config(16, 512, 1, triton.cdiv(k, 512))
+    if not gated and k <= 1024 and n < 16384 and (block_t == 16 or not norm):
+        block_n, block_k = (64 if norm else 16), max(16, triton.next_power_of_2(k))
+        if (block_n + block_t) * block_k * w_bytes <= smem:
+            return Config(block_n, block_k, 1)
+    block_n = 128 if n >= 16384 and not gated else 64 if k <= 4096 else 32
+    while block_n > 16 and triton.cdiv(n, block_n) < sms // 2:
+        block_n //= 2
+    block_k = (128 if block_n == 128 else 256) * 2 // w_bytes
+    if block_n == 128 and block_t == 32 and k <= 2048:  # a narrow model's lm_head: faster than 128 deep
+        block_k = 64 * 2 // w_bytes
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
+    # A wide model's lm_head: 3 stages, which stream it faster than 4
+    most = 3 if n >= 16384 and k > 2048 and not gated else 4
+    return Config(block_n, block_k, max(1, min(most, smem // stage)))
+
+
+def tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
+                device: torch.device) -> Config:
+    """The launch's Config on the TMA path (`use_tma`): 64 rows a program, boxes 256
+    columns deep (128 gated: two boxes a stage), as many stages as fit up to 4.
+
+    From a sweep of Llama-8B's shapes at 16 tokens against cuBLAS's plain product and the
+    pointer-load kernel: with these boxes the fused qkv, o_proj, down_proj and lm_head run
+    at least as fast as both; 32 or 128 rows a program, or 64-deep boxes, are slower.
+    Fewer stages can speed a normed layer timed alone, yet slow the whole verify graph, so
+    every layer takes as many as fit, up to 4."""
+    smem, _ = device_limits(device)
+    block_n, block_k = 64, (128 if gated else 256) * 2 // w_bytes
+    stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
+    return Config(block_n, block_k, max(1, min(4, smem // stage)))
