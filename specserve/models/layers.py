@@ -3,10 +3,11 @@
 `Linear` keeps checkpoint layout ([out, in]) for loading. On CPU, `use_gemv_layout()`
 swaps it for a contiguous [in, out] copy: batch-1 decode is a GEMV that streams every
 weight once, and MKL streams `x @ W` markedly faster than `x @ W.T` at that shape (the
-tokens are the same either way). GPUs keep `F.linear`. Under `--quantization fp8` it
-holds an fp8 weight and float32 scales (`quantize_storage`, core/quant.py): the few-token
-kernels read them as they are, longer inputs go through `quant_linear.py`, and the CPU holds
-the dequantized values instead (`dequantize_storage`).
+tokens are the same either way). GPUs keep `F.linear`. Quantized (`--quantization fp8`,
+or an AWQ/GPTQ checkpoint's int4) it holds the stored weight, float32 scales and, for int4,
+zero points (`quantize_storage`, core/quant.py): the few-token kernels read them as they
+are, longer inputs go through `quant_linear.py`, and the CPU holds the dequantized values
+instead (`dequantize_storage`).
 
 `RMSNorm` runs the fused Triton kernels (`specserve.kernels`) where `use_fused` says so
 (CUDA), else the torch path below, which is the reference the kernels are tested against.
@@ -84,7 +85,8 @@ class Linear(nn.Module):
         return quant.QuantWeight(self.weight, self.weight_scale, self.group, self.method, self.weight_zeros)
 
     def dequantize_storage(self, dtype: torch.dtype) -> None:
-        """Replace the fp8 weight by its values in `dtype` (the CPU's form: it has no fp8 kernels)."""
+        """Replace the quantized weight by its values in `dtype` (the CPU's form: it has no
+        fp8 or int4 kernels)."""
         qw = self.quantized
         if qw is not None:
             self.weight = nn.Parameter(qw.dequantize(dtype), requires_grad=False)
