@@ -23,6 +23,7 @@ from specserve.engine.process import kv_leak
 from specserve.engine.ranks import Layout, Replica
 from specserve.engine.scheduler import Scheduler
 from specserve.preflight import resolve_sources
+from specserve.server.protocol import bias_map, one_constraint
 
 
 def kwargs_to_argv(model: str | None, kwargs: dict[str, Any]) -> list[str]:
@@ -43,6 +44,12 @@ def make_sampling_params(d: dict | SamplingParams | None) -> SamplingParams:
     if isinstance(d.get("stop"), str):
         d["stop"] = [d["stop"]]
     try:
+        # SGLang's names for a grammar; logit_bias keys may be ints or OpenAI's strings
+        grammar = {k: d.pop(k) for k in ("json_schema", "regex", "ebnf") if k in d}
+        if grammar:
+            d["constraint"] = one_constraint(**grammar)
+        if d.get("logit_bias"):
+            d["logit_bias"] = bias_map(d["logit_bias"])
         return SamplingParams(**d)
     except TypeError as e:
         raise ValueError(f"bad sampling_params: {e}") from None

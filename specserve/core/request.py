@@ -38,6 +38,7 @@ class Req:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (usage stats)
         self.created = time.monotonic()
         self.meta: dict = {}
+        self.grammar: Any = None  # grammar.GrammarMatcher when params.constraint is set
 
     @property
     def row(self) -> int:

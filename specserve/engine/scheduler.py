@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 import torch
 
+from specserve.core import parallel
 from specserve.core.batch import ScheduleBatch
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.core.messages import GenerateReq, TokenOut
@@ -26,7 +27,10 @@ from specserve.engine.output import commit_sampled, finish_abort, take_output
 from specserve.engine.overlap import InFlight, decode_inputs, select, surely_ends
 from specserve.engine.protocol import EngineStart
 from specserve.engine.speculation import Decoded, SpecNeeds, Speculator
+from specserve.grammar.compiler import GrammarCompiler
+from specserve.grammar.queue import GrammarQueue
 from specserve.models import quantization
+from specserve.runner.logits_process import process_rows
 from specserve.runner.memory import OOM_ADVICE
 from specserve.runner.model_runner import ModelRunner
 from specserve.runner.sampler import SampleOutput, sample, sampling_batch
@@ -47,6 +51,10 @@ class Scheduler:
             raise RuntimeError(f"{OOM_ADVICE} ({str(e).splitlines()[0]})") from None
         self.rng = random.Random(cfg.scheduler.random_seed)
         self.waiting: deque[Req] = deque()
+        # constrained requests wait here for their grammar matcher (built off this thread,
+        # except under TP, where every rank must admit them in the same step)
+        self.grammars = GrammarQueue(lambda: GrammarCompiler(tokenizer.to_json(), self.runner.vocab_size,
+                                                             sorted(self.eos_ids)), sync=parallel.tp_size() > 1)
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.stats = SchedulerStats()
@@ -100,8 +108,23 @@ class Scheduler:
         if req.max_new_tokens == 0:
             req.finish_reason = {"type": "length"}
             return [take_output(req)]
+        if p.constraint is not None:
+            self.grammars.submit(req)
+            return self._take_grammars()
         self.waiting.append(req)
         return []
+
+    def _take_grammars(self) -> list[TokenOut]:
+        """Constrained requests whose matcher is built join the waiting queue; those whose
+        grammar failed to build end with its error."""
+        outs = []
+        for req, error in self.grammars.ready():
+            if error is None:
+                self.waiting.append(req)
+            else:
+                finish_abort(req, error)
+                outs.append(take_output(req))
+        return outs
 
     def _check_request(self, req: Req) -> str | None:
         n = len(req.prompt_ids)
@@ -126,6 +149,11 @@ class Scheduler:
         return landed + self._abort(rid)
 
     def _abort(self, rid: str) -> list[TokenOut]:
+        pending = self.grammars.remove(rid)
+        if pending is not None:
+            finish_abort(pending, "aborted")
+            self.stats.requests_aborted += 1
+            return [take_output(pending)]
         for queue in (self.waiting, self.prefilling, self.running):
             for req in queue:
                 if req.rid == rid:
@@ -140,11 +168,11 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self.grammars.pending)
 
     # -- one step ---------------------------------------------------------------------
     def step(self) -> list[TokenOut]:
-        outs: list[TokenOut] = []
+        outs: list[TokenOut] = self._take_grammars() if self.grammars.pending else []
         look = self._decodes_owed == 0 or not self.running
         batch = self._prefill_batch() if look else None  # may run while an overlapped step is in flight
         if batch is None:
@@ -162,6 +190,7 @@ class Scheduler:
         logits, features = self.runner.forward_with_features(fb)
         sampled = batch.sampled_reqs
         if sampled:
+            logits = process_rows(logits, sampled)
             so = sample(logits, sampling_batch(sampled, self.runner.vocab_size, logits.device))
             if batch.mode == ForwardMode.DECODE:
                 self._tell_proposer(sampled, so, fb, features)
@@ -173,9 +202,10 @@ class Scheduler:
     # -- overlapped plain decoding (engine/overlap.py) ----------------------------------
     def _can_overlap(self) -> bool:
         """Overlap needs no retraction this step (memory for every running request) and
-        no penalties (they count output tokens, and the in-flight one is not known)."""
+        no logits processors (penalties count output tokens and a grammar advances over them:
+        the in-flight token is not known yet)."""
         return self.overlap and bool(self.running) and self.kv.available() >= len(self.running) \
-            and not any(r.params.frequency_penalty or r.params.presence_penalty for r in self.running)
+            and not any(r.params.processed for r in self.running)
 
     def _overlapped_decode(self) -> list[TokenOut]:
         """Launch a decode step fed from the in-flight step's device ids, then read back

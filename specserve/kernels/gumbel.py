@@ -5,7 +5,7 @@ torch ops over the whole [R, V] block, each a launch; at batch 1, where a step i
 launches, they and the two logs after make a sampled step much slower than a greedy one. Here one
 program owns BLOCK columns of one row and runs the same integer hash (uint32 values held
 in int64, so every product stays below 2**63, as in torch: bit-exact) and the same float32
-steps, u = ((h >> 8) + 0.5) / 2**24 and g = -log(-log(u)). Triton's log may round the last
+steps, u = ((h >> 9) + 0.5) / 2**23 and g = -log(-log(u)). Triton's log may round the last
 bit differently from torch's, so the noise matches the torch path to ~1e-6, not bitwise;
 every sampled path on a GPU (plain decoding and speculative verification) draws it from
 `gumbel_at`, here or inside argmax.py's draw, so they stay token-identical to each other
@@ -41,7 +41,7 @@ def gumbel_at(seed, counter, cols):
     h = _mix32((seed & 0xFFFFFFFF) ^ _mix32(seed >> 32))
     h = _mix32(h ^ _mix32(counter & 0xFFFFFFFF))
     h = _mix32(h ^ cols.to(tl.int64))
-    u = ((h >> 8).to(tl.float32) + 0.5) / 16777216.0
+    u = ((h >> 9).to(tl.float32) + 0.5) / 8388608.0
     return -tl.log(-tl.log(u))
 
 

@@ -1,4 +1,7 @@
-"""Batched token sampling: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Batched token sampling: temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Penalties, logit bias and grammar masks are not here: they change the logits before
+sampling (runner/logits_process.py), the same way for plain and speculative steps.
 
 Randomness is counter-based: the uniform noise for request b, vocabulary entry v at its
 n-th output token is a hash of (seed_b, n, v). So a request's samples depend only on its
@@ -9,7 +12,6 @@ the tokens the filters keep.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +33,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, width] float32 uniforms in (0, 1), a pure function of (seed, counter, column)."""
+    """[B, width] float32 uniforms in (0, 1), a pure function of (seed, counter, column).
+    23 bits of the hash: (k + 0.5) / 2**23 is exact in float32 and never rounds to 1, whose
+    Gumbel noise would be +inf (and NaN on a token a grammar masked to -inf)."""
     col = torch.arange(width, device=seeds.device, dtype=torch.int64)[None, :]
     h = _mix32((seeds[:, None] & _MASK32) ^ _mix32(seeds[:, None] >> 32))
     h = _mix32(h ^ _mix32(counters[:, None] & _MASK32))
     h = _mix32(h ^ col)
-    return ((h >> 8).float() + 0.5) / float(1 << 24)
+    return ((h >> 9).float() + 0.5) / float(1 << 23)
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
@@ -54,7 +58,6 @@ class HostFlags:
     needs no device->host sync to choose its path (on a GPU each would stall the step)."""
 
     all_greedy: bool
-    has_penalties: bool
     needs_sort: bool  # some request limits top-k or top-p
     needs_min_p: bool
 
@@ -68,11 +71,8 @@ class SamplingBatch:
     top_p: torch.Tensor
     top_k: torch.Tensor  # int64, vocab size when unlimited
     min_p: torch.Tensor
-    freq_penalty: torch.Tensor
-    presence_penalty: torch.Tensor
     seeds: torch.Tensor  # int64
     counters: torch.Tensor  # int64: index of the token being sampled within the output
-    output_ids: list[list[int]]  # for penalties
     top_logprobs: int = 0  # max over the batch; 0 and want_logprobs False: skip
     want_logprobs: bool = False
     flags: HostFlags | None = None  # None: decide from the tensors (a sync on GPU)
@@ -80,12 +80,6 @@ class SamplingBatch:
     @property
     def all_greedy(self) -> bool:
         return self.flags.all_greedy if self.flags else bool(self.greedy.all())
-
-    @property
-    def has_penalties(self) -> bool:
-        if self.flags:
-            return self.flags.has_penalties
-        return bool((self.freq_penalty != 0).any() or (self.presence_penalty != 0).any())
 
     def needs_sort(self, vocab: int) -> bool:
         return self.flags.needs_sort if self.flags else bool((self.top_k < vocab).any() | (self.top_p < 1.0).any())
@@ -101,16 +95,6 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [B] log p(chosen) under the model distribution
     top_ids: torch.Tensor | None = None  # [B, K]
     top_logprobs: torch.Tensor | None = None  # [B, K]
-
-
-def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """OpenAI semantics: logit -= freq * count + presence * (count > 0), over output tokens."""
-    counts = torch.zeros_like(logits)
-    for b, ids in enumerate(sb.output_ids):
-        if ids:
-            idx = torch.tensor(ids, device=logits.device)
-            counts[b].index_add_(0, idx, torch.ones(len(ids), device=logits.device))
-    return logits - sb.freq_penalty[:, None] * counts - sb.presence_penalty[:, None] * (counts > 0)
 
 
 def temperatures(sb: SamplingBatch) -> torch.Tensor:
@@ -139,15 +123,14 @@ def filter_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def tempered_only(sb: SamplingBatch, vocab: int) -> bool:
-    """Whether sampling `sb` needs nothing but each request's temperature (no filters, no
-    penalties): then a GPU draws it in one pass over the logits (kernels/argmax.py)."""
-    return not (sb.has_penalties or sb.needs_sort(vocab) or sb.needs_min_p)
+    """Whether sampling `sb` needs nothing but each request's temperature (no filters):
+    then a GPU draws it in one pass over the logits (kernels/argmax.py)."""
+    return not (sb.needs_sort(vocab) or sb.needs_min_p)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
-    """logits [B, V] float32 -> next tokens (and logprobs if any request asked)."""
-    if sb.has_penalties:
-        logits = apply_penalties(logits, sb)
+    """logits [B, V] float32 (processed: logits_process.py) -> next tokens (and logprobs if
+    any request asked)."""
     if sb.all_greedy:
         next_ids = logits.argmax(-1)
     elif kernels.use_fused(logits) and tempered_only(sb, logits.shape[-1]):
@@ -174,23 +157,20 @@ def sampling_batch(reqs: list[Req], vocab_size: int, device: torch.device,
     lag[b]: request b's tokens sampled but not yet committed (an overlapped step in
     flight), so its noise counter is that of the token actually being sampled."""
     ps = [r.params for r in reqs]
-    if all(p.greedy and not (p.logprobs or p.frequency_penalty or p.presence_penalty) for p in ps):
+    if all(p.greedy and not p.logprobs for p in ps):
         return _greedy_batch(reqs, vocab_size, device)
     top_k = [p.top_k if p.top_k and p.top_k > 0 else vocab_size for p in ps]
     floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
-                           [p.frequency_penalty for p in ps], [p.presence_penalty for p in ps],
                            [float(p.greedy) for p in ps]], dtype=torch.float32).to(device, non_blocking=True)
     counters = [len(r.output_ids) + (lag[b] if lag else 0) for b, r in enumerate(reqs)]
     ints = torch.tensor([top_k, [r.seed for r in reqs], counters],
                         dtype=torch.int64).to(device, non_blocking=True)
     flags = HostFlags(all_greedy=all(p.greedy for p in ps),
-                      has_penalties=any(p.frequency_penalty or p.presence_penalty for p in ps),
                       needs_sort=any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in ps),
                       needs_min_p=any(p.min_p > 0 for p in ps))
     return SamplingBatch(
-        temperature=floats[0], top_p=floats[1], min_p=floats[2], freq_penalty=floats[3],
-        presence_penalty=floats[4], greedy=floats[5] > 0, top_k=ints[0], seeds=ints[1], counters=ints[2],
-        output_ids=[r.output_ids for r in reqs],
+        temperature=floats[0], top_p=floats[1], min_p=floats[2], greedy=floats[3] > 0,
+        top_k=ints[0], seeds=ints[1], counters=ints[2],
         top_logprobs=max((p.top_logprobs for p in ps if p.logprobs), default=0),
         want_logprobs=any(p.logprobs for p in ps), flags=flags,
     )
@@ -200,7 +180,7 @@ _GREEDY: dict[tuple[int, int, torch.device], SamplingBatch] = {}  # (B, vocab, d
 
 
 def _greedy_batch(reqs: list[Req], vocab_size: int, device: torch.device) -> SamplingBatch:
-    """A batch of greedy requests without penalties or logprobs: sampling takes the argmax
+    """A batch of greedy requests without logprobs: sampling takes the argmax
     and reads none of the tensors, so they are built once per batch size (temperature 0,
     no filters, seeds and counters 0) instead of two host->device copies a step (a plain
     batch-1 step is bound by host work, of which the general path is a sizeable part)."""
@@ -210,9 +190,8 @@ def _greedy_batch(reqs: list[Req], vocab_size: int, device: torch.device) -> Sam
         zeros = torch.zeros(b, dtype=torch.float32, device=device)
         ints = torch.zeros(b, dtype=torch.int64, device=device)
         _GREEDY[key] = SamplingBatch(
-            temperature=zeros, top_p=torch.ones(b, device=device), min_p=zeros, freq_penalty=zeros,
-            presence_penalty=zeros, greedy=torch.ones(b, dtype=torch.bool, device=device),
+            temperature=zeros, top_p=torch.ones(b, device=device), min_p=zeros,
+            greedy=torch.ones(b, dtype=torch.bool, device=device),
             top_k=torch.full((b,), vocab_size, dtype=torch.int64, device=device), seeds=ints, counters=ints,
-            output_ids=[], flags=HostFlags(all_greedy=True, has_penalties=False, needs_sort=False, needs_min_p=False))
-    cached = _GREEDY[key]
-    return dataclasses.replace(cached, output_ids=[r.output_ids for r in reqs])
+            flags=HostFlags(all_greedy=True, needs_sort=False, needs_min_p=False))
+    return _GREEDY[key]

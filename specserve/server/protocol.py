@@ -9,11 +9,12 @@ Response bodies live in `server/responses.py`.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, cast
 
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from specserve.core.sampling_params import SamplingParams
+from specserve.core.sampling_params import Constraint, SamplingParams
 
 MAX_N = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -88,8 +89,7 @@ class StreamOptions(_Strict):
 # Fields that would change the output if honoured: refused loudly rather than ignored.
 # Each maps to the value that means "not used".
 UNSUPPORTED_FIELDS: dict[str, tuple[object, ...]] = {
-    "tools": (None, []), "functions": (None, []), "logit_bias": (None, {}), "repetition_penalty": (None, 1, 1.0),
-    "best_of": (None, 1), "guided_json": (None,), "guided_regex": (None,)}
+    "functions": (None, []), "best_of": (None, 1), "guided_grammar": (None,), "guided_choice": (None,)}
 
 
 def _refuse_unsupported(data: Any) -> Any:
@@ -97,10 +97,65 @@ def _refuse_unsupported(data: Any) -> Any:
         for name, neutral in UNSUPPORTED_FIELDS.items():
             if name in data and data[name] not in neutral:
                 raise ValueError(f"`{name}` is not supported by specserve yet")
-        fmt = data.get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise ValueError("`response_format` other than {\"type\": \"text\"} is not supported by specserve yet")
     return data
+
+
+def _json_text(value: Any, what: str) -> str:
+    """A JSON schema given as an object or as its serialized text, serialized."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict | bool):
+        raise ValueError(f"{what} must be a JSON object")
+    return json.dumps(value)
+
+
+def response_constraint(fmt: dict | None) -> Constraint | None:
+    """OpenAI's `response_format` as a grammar constraint (None for text)."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError("response_format of type json_schema needs a `json_schema` object with a `schema`")
+        return Constraint("json_schema", _json_text(spec["schema"], "response_format.json_schema.schema"))
+    raise ValueError(f"response_format type must be one of text, json_object, json_schema; got {kind!r}")
+
+
+def one_constraint(**given: Any) -> Constraint | None:
+    """The one constraint among the given kinds (None when none is set); two is an error."""
+    set_ = {k: v for k, v in given.items() if v is not None}
+    if len(set_) > 1:
+        raise ValueError(f"at most one of {', '.join(given)} may be given, got {', '.join(set_)}")
+    if not set_:
+        return None
+    kind, value = next(iter(set_.items()))
+    if isinstance(value, Constraint):
+        return value
+    if kind in ("json_schema", "guided_json"):
+        return Constraint("json_schema", _json_text(value, kind))
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{kind} must be a non-empty string")
+    return Constraint("regex" if kind in ("regex", "guided_regex") else kind, value)
+
+
+def bias_map(value: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as strings) as {id: bias}; ranges are checked with the
+    vocabulary (SamplingParams.validate)."""
+    out: dict[int, float] = {}
+    for key, bias in (value or {}).items():
+        try:
+            out[int(key)] = float(bias)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids (integers as strings), got {key!r}") from None
+    return out
 
 
 class _OpenAIBase(_Strict):
@@ -125,6 +180,11 @@ class _OpenAIBase(_Strict):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     user: str | None = None
@@ -140,6 +200,17 @@ class _OpenAIBase(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def constraint(self) -> Constraint | None:
+        """The grammar the output must match (response_format, or vLLM's guided_* fields)."""
+        return one_constraint(response_format=response_constraint(self.response_format),
+                              guided_json=self.guided_json, guided_regex=self.guided_regex)
+
+    @model_validator(mode="after")
+    def _processors_parse(self) -> _OpenAIBase:
+        self.constraint()  # raises ValueError naming the problem: a 400 from parse_body
+        bias_map(self.logit_bias)
+        return self
+
     def _sampling(self, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -149,6 +220,9 @@ class _OpenAIBase(_Strict):
             min_p=self.min_p or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=bias_map(self.logit_bias),
+            constraint=self.constraint(),
             stop=stop_list(self.stop),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos),
@@ -271,11 +345,22 @@ class NativeSamplingParams(_Strict):
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     stop: StopInput = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = Field(default=None, validation_alias=AliasChoices("seed", "sampling_seed"))
+
+    @model_validator(mode="after")
+    def _processors_parse(self) -> NativeSamplingParams:
+        one_constraint(json_schema=self.json_schema, regex=self.regex, ebnf=self.ebnf)
+        bias_map(self.logit_bias)
+        return self
 
 
 class GenerateRequest(_Strict):
@@ -319,6 +404,9 @@ class GenerateRequest(_Strict):
             min_p=sp.min_p,
             frequency_penalty=sp.frequency_penalty,
             presence_penalty=sp.presence_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias=bias_map(sp.logit_bias),
+            constraint=one_constraint(json_schema=sp.json_schema, regex=sp.regex, ebnf=sp.ebnf),
             stop=stop_list(sp.stop),
             stop_token_ids=list(sp.stop_token_ids or []),
             ignore_eos=sp.ignore_eos,

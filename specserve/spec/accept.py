@@ -311,7 +311,6 @@ def per_node_batch(sb: SamplingBatch, rows: torch.Tensor, n: int) -> SamplingBat
         value = getattr(sb, f.name)
         if isinstance(value, torch.Tensor) and value.dim() == 1:
             per_node[f.name] = value[rows.to(value.device)].repeat_interleave(n)
-    per_node["output_ids"] = [sb.output_ids[r] for r in rows.tolist() for _ in range(n)]
     return dataclasses.replace(sb, **per_node)
 
 

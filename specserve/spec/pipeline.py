@@ -12,7 +12,8 @@ as SGLang's overlap scheduler does for its spec v2 workers (any top-k here).
 
 A step may be left in flight when every request's walk runs on the device (greedy; or
 sampling by temperature alone, through the step graphs: step_graphs.py), has a full
-tree, no penalties and no logprobs, cannot reach the context length within two steps,
+tree, no logits processors (penalties, bias, grammar: the host processes each node) and
+no logprobs, cannot reach the context length within two steps,
 and the proposer drafts ahead (`eligible`, `SpecWorker._pipelines`).
 The next speculative step over the same requests, or over those of them still running
 (a request that step k ended is dropped from step k+1, below), with trees drafted ahead
@@ -87,7 +88,7 @@ def eligible(reqs: list[Req], num_steps: int, context_length: int, sampled: bool
     room = 2 * (num_steps + 1)
     for req in reqs:
         p = req.params
-        if p.logprobs or p.frequency_penalty or p.presence_penalty:
+        if p.logprobs or p.processed:
             return False
         if not p.greedy and not (sampled and _temperature_only(p)):
             return False

@@ -3,8 +3,8 @@
 `SpecStats` feeds the decode log line (`accept len` per window) and the server info and
 metrics (since start). `record_request` keeps a request's `meta_info` counters: only
 verifies that carried drafts count (`spec_verify_ct`); steps the governor ran plainly and
-root-only trees (penalties) are counted apart (`spec_plain_ct`), so the accept length is
-that of speculation.
+root-only trees are counted apart (`spec_plain_ct`), so the accept length is that of
+speculation.
 """
 from __future__ import annotations
 

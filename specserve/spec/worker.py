@@ -2,14 +2,15 @@
 
 Before each decode step the scheduler asks `choose(bs)`; when it says speculate, the
 scheduler calls `step(reqs)` and otherwise knows nothing about speculation. Requests with
-frequency/presence penalties get a root-only tree (budget 1): exact penalties along a
-draft path are not implemented, so they decode plainly inside the same verify forward
-rather than being approximated. When the governor turns speculation down, the step is
-the scheduler's own plain decode step (overlapped on CUDA), and the proposer only hears
-of the new tokens (`on_plain_step` -> `on_decoded`, before their read-back). On CUDA a
-greedy EAGLE step is left in flight and read back after the next one is launched
-(pipeline.py); `step` then commits the previous step's tokens. At batch 1-64 such a step is
-one graph replay (step_graphs.py), which also pipelines sampling by temperature alone.
+logits processors (penalties, logit bias, a grammar) keep their drafts: the verify's
+logits are processed per node along each node's own path (runner/logits_process.py)
+before acceptance, so acceptance is exact for the processed distribution. When the
+governor turns speculation down, the step is the scheduler's own plain decode step
+(overlapped on CUDA), and the proposer only hears of the new tokens (`on_plain_step` ->
+`on_decoded`, before their read-back). On CUDA a greedy EAGLE step is left in flight and
+read back after the next one is launched (pipeline.py); `step` then commits the previous
+step's tokens. At batch 1-64 such a step is one graph replay (step_graphs.py), which also
+pipelines sampling by temperature alone.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from specserve.core.request import Req
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.output import commit_run, commit_token
 from specserve.engine.speculation import Decoded
+from specserve.runner.logits_process import TreePaths, process
 from specserve.runner.model_runner import ModelRunner
-from specserve.runner.sampler import apply_penalties, sampling_batch, uniform_noise
+from specserve.runner.sampler import sampling_batch, uniform_noise
 from specserve.spec import pipeline
 from specserve.spec.accept import AcceptResult, accept, accept_greedy_later, gumbel_targets, read_later
 from specserve.spec.governor import WARM_STEPS, make_governor
@@ -77,8 +79,7 @@ class SpecWorker:
         return cacheable
 
     def budgets(self, reqs: list[Req]) -> list[int]:
-        n = self.proposer.max_nodes
-        return [1 if r.params.frequency_penalty or r.params.presence_penalty else n for r in reqs]
+        return [self.proposer.max_nodes] * len(reqs)
 
     def slots_needed(self, reqs: list[Req]) -> int:
         """Free slots one step over `reqs` takes at its peak: verify slots plus the
@@ -290,7 +291,7 @@ class SpecWorker:
         assert slots is not None, "the scheduler made room (slots_needed)"
         self.kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], slots)
         drafts = self.proposer.propose(reqs, budgets)
-        if drafts.num_nodes == 1:  # nothing drafted (penalties only): the verify is a decode (DECODE graphs)
+        if drafts.num_nodes == 1:  # nothing drafted: the verify is a decode (DECODE graphs)
             batch = decode_batch(reqs, drafts, slots)
         else:
             if self.runner.verify_graph_tokens == self.proposer.max_nodes:  # verify runs as a captured graph
@@ -324,12 +325,12 @@ class SpecWorker:
     def _accept_and_commit(self, reqs: list[Req], drafts, logits: torch.Tensor, slots: list[torch.Tensor],
                            drafted: list[bool], ahead: _DraftAhead | None = None
                            ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-        """drafted[b]: request b was given a draft budget (a speculative step, no penalties);
-        `ahead` from `_ahead` (its hook runs only where acceptance walks on the device)."""
+        """drafted[b]: request b was given a draft budget; `ahead` from `_ahead` (its hook
+        runs only where acceptance walks on the device)."""
         sb = sampling_batch(reqs, self.runner.vocab_size, logits.device)
-        if sb.has_penalties:  # only root rows carry penalties (budget 1 for those requests)
-            logits = logits.clone()  # may be a view of a graph's output or an inference tensor
-            logits[:, 0] = apply_penalties(logits[:, 0], sb)
+        if any(r.params.processed for r in reqs):
+            tree = TreePaths.of(drafts.tokens, drafts.parents, drafts.valid, drafts.tree_mask())
+            logits = process(logits, reqs, tree)
         result = self._accept(drafts, logits, sb, ahead)
         committed = []
         for b, req in enumerate(reqs):

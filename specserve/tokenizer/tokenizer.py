@@ -89,6 +89,10 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt=True))
 
+    def to_json(self) -> str:
+        """The tokenizer serialized as tokenizer.json (what a grammar engine reads)."""
+        return self._tok.to_str()
+
     def token_str(self, token_id: int) -> str:
         """The text of one token, special tokens included (logprobs' `token` field)."""
         s = self._token_strs.get(token_id)

@@ -21,10 +21,8 @@ def _sb(b: int, greedy: bool | list[bool] = False, temperature: float = 1.0,
 
     g = torch.tensor(greedy if isinstance(greedy, list) else [greedy] * b)
     return SamplingBatch(temperature=full(temperature), greedy=g, top_p=full(1.0),
-                         top_k=full(top_k, torch.int64), min_p=full(0.0), freq_penalty=full(0.0),
-                         presence_penalty=full(0.0), seeds=torch.arange(b) * 7919 + 1,
-                         counters=torch.zeros(b, dtype=torch.int64),
-                         output_ids=[[] for _ in range(b)])
+                         top_k=full(top_k, torch.int64), min_p=full(0.0), seeds=torch.arange(b) * 7919 + 1,
+                         counters=torch.zeros(b, dtype=torch.int64))
 
 
 def _coins(b: int, n: int, salt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ LAYERS: dict[str, int] = {
     "specserve.kernels": 1,     # Triton kernels (imported lazily) and the switch that picks them
     "specserve.cache": 1,       # KV pool, slot allocator, request table, radix cache
     "specserve.tokenizer": 1,   # tokenizer, chat template, streaming detokenizer, stop strings
+    "specserve.grammar": 1,     # grammar constraints: llguidance compile cache, matchers, token masks
     "specserve.models": 2,      # model files, loaders (HF, GGUF, catalogue)
     "specserve.attention": 2,   # attention backends
     "specserve.runner": 3,      # ForwardBatch -> logits/features, CUDA graphs, sampling

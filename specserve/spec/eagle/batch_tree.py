@@ -12,8 +12,8 @@ the figures). Two requests of 32 nodes are 64 tokens, past the few-token kernels
 So a step graph of at least `batch_tree_from` requests drafts and verifies the batch tree
 (step_graphs.py, keyed by its captured size), and smaller ones the main tree. A pipelined
 run keeps one tree: a batch that shrinks across the threshold drains, and the next run
-drafts the other tree (worker.py `_pipelines`). Steps outside the step graphs (penalties,
-logprobs, filtered sampling) always use the main tree. Both trees come from the same
+drafts the other tree (worker.py `_pipelines`). Steps outside the step graphs (logits
+processors, logprobs, filtered sampling) always use the main tree. Both trees come from the same
 head and the same root states (the batch tree's topk <= the main tree's: its root
 children are the first of the main tree's, which are sorted best first), and the draft
 extend after a verify commits at most steps + 1 tokens of either.

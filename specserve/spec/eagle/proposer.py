@@ -344,7 +344,7 @@ class EagleProposer(Proposer, DraftsAhead):
         if ahead is not None and ahead[0] == [r.rid for r in reqs] and min(budgets) > 1 \
                 and ahead[1].num_nodes == nodes:
             return ahead[1]
-        active = [b for b, n in enumerate(budgets) if n > 1]  # budget 1: root only (penalties)
+        active = [b for b, n in enumerate(budgets) if n > 1]  # budget 1: root only
         if not active:
             return Drafts.roots([r.last_id for r in reqs], self.runner.device)
         act, drafter = [reqs[b] for b in active], self.drafter(nodes)

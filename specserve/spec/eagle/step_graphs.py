@@ -69,7 +69,7 @@ from specserve.spec.tree.draft import TreeDrafter
 if TYPE_CHECKING:
     from specserve.spec.eagle.proposer import EagleProposer
 
-_TEMPERATURE_ONLY = HostFlags(all_greedy=False, has_penalties=False, needs_sort=False, needs_min_p=False)
+_TEMPERATURE_ONLY = HostFlags(all_greedy=False, needs_sort=False, needs_min_p=False)
 EXACT = 8  # every batch size up to this has a graph of its own (padding costs most there)
 MAX_BS = 64  # the largest step graph: above it the GPU's verify work sets a step's pace
 
@@ -241,10 +241,9 @@ class StepGraphs:
         """The sampled requests' params (temperature alone) with output indices from kv_len."""
         temperature, greedy = self.floats[:, :b]
         seeds, offset = self.ints[:, :b]
-        unused = self.floats[0, :b]  # filters and penalties: the flags say none are read
+        unused = self.floats[0, :b]  # filters: the flags say none are read
         return SamplingBatch(temperature=temperature, greedy=greedy > 0, top_p=unused, top_k=seeds, min_p=unused,
-                             freq_penalty=unused, presence_penalty=unused, seeds=seeds, counters=kv_len - offset,
-                             output_ids=[], flags=_TEMPERATURE_ONLY)
+                             seeds=seeds, counters=kv_len - offset, flags=_TEMPERATURE_ONLY)
 
     def _step(self, b: int, sampled: bool) -> torch.Tensor:
         """The step's device work for b requests, padding included (captured, or eager on a

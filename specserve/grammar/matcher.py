@@ -1,0 +1,97 @@
+"""One request's grammar matcher: token masks at its state and along draft paths.
+
+A mask is the llguidance bitmask: int32 words, bit t % 32 of word t // 32 set when token t
+is allowed. `sync(output_ids)` advances the matcher over tokens committed since the last
+call (every commit path, plain or speculative, only appends to output_ids, so the matcher
+follows it lazily and no caller must remember to advance it).
+
+`tree_masks` gives each node of a draft tree the mask after the tokens of its own path
+(root excluded: the root is the last committed token): it consumes a node's token only
+when the node's parent mask allows it, takes the mask, and rolls back to the committed
+state at the end. A node whose token the grammar forbids at its parent is dead: its row
+allows everything, which is harmless because the target's masked logit of that token at
+the parent is -inf, so no acceptance rule can take it.
+
+Invariants: outside a call the matcher sits exactly at the committed output; it never
+consumes a token it did not first find allowed (llguidance cannot leave an error state).
+"""
+from __future__ import annotations
+
+import llguidance
+import torch
+
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allows(mask: torch.Tensor, token: int) -> bool:
+    """Whether the bitmask `mask` [W] int32 allows `token`."""
+    return bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+
+class GrammarMatcher:
+    def __init__(self, ll: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.ll, self.vocab_size = ll, vocab_size
+        self.words = mask_words(vocab_size)
+        self.consumed = 0  # output tokens consumed so far
+
+    def sync(self, output_ids: list[int]) -> None:
+        """Consume the output tokens committed since the last call."""
+        for tok in output_ids[self.consumed:]:
+            if not self.ll.consume_token(tok):
+                raise RuntimeError(f"grammar: committed token {tok} was not allowed ({self.ll.get_error()})")
+            self.consumed += 1
+
+    def mask(self) -> torch.Tensor:
+        """[W] int32 bitmask of the tokens allowed next."""
+        out = torch.zeros(self.words, dtype=torch.int32)
+        self._fill(out)
+        return out
+
+    def tree_masks(self, tokens: list[int], parents: list[int], valid: list[bool]) -> torch.Tensor:
+        """[N, W] int32: row i the mask after node i's path (node 0 the root). Parents come
+        before their children (the Drafts contract), so one pass in node order suffices."""
+        n = len(tokens)
+        out = torch.full((n, self.words), -1, dtype=torch.int32)  # dead nodes: everything
+        alive = [False] * n
+        path: list[int] = []  # nodes consumed beyond the committed state, root-first
+        for i in range(n):
+            if i > 0:
+                p = parents[i]
+                if not valid[i] or not alive[p] or not allows(out[p], tokens[i]):
+                    continue
+                self._move_to(path, _chain(p, parents) + [i], tokens)
+            alive[i] = True
+            self._fill(out[i])
+        self._rollback(len(path))
+        return out
+
+    def _move_to(self, path: list[int], chain: list[int], tokens: list[int]) -> None:
+        """Make the consumed path `chain` (root-excluded, root-first): roll back to the
+        common prefix, consume the rest (each found allowed before)."""
+        keep = 0
+        while keep < min(len(path), len(chain)) and path[keep] == chain[keep]:
+            keep += 1
+        self._rollback(len(path) - keep)
+        del path[keep:]
+        for node in chain[keep:]:
+            if not self.ll.consume_token(tokens[node]):
+                raise RuntimeError(f"grammar: an allowed token {tokens[node]} was refused ({self.ll.get_error()})")
+            path.append(node)
+
+    def _rollback(self, k: int) -> None:
+        if k and not self.ll.rollback(k):
+            raise RuntimeError(f"grammar: rollback of {k} tokens failed ({self.ll.get_error()})")
+
+    def _fill(self, row: torch.Tensor) -> None:
+        self.ll.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+
+def _chain(node: int, parents: list[int]) -> list[int]:
+    """`node` and its ancestors below the root, root-first ([] for the root)."""
+    chain = []
+    while node > 0:
+        chain.append(node)
+        node = parents[node]
+    return chain[::-1]

@@ -1,0 +1,124 @@
+"""Per-request logits processors: logit bias, penalties and grammar masks, per tree node.
+
+Owns the one function that turns a model's logits into the distribution each request
+samples from, before temperature and filters (runner/sampler.py): plain decoding calls it
+with one row per request, a speculative verify with one row per draft-tree node. Each
+node's row is processed with the history of its own path: the request's prompt and
+committed output plus the draft tokens of the node's ancestors and itself (the root is
+the last committed token, already in the output). So a tree's accepted path sees exactly
+what plain decoding would have seen at each of its positions, and speculation stays
+lossless for the processed distribution. In order:
+
+  1. logit_bias (OpenAI): logit[t] += bias[t].
+  2. repetition_penalty (vLLM / Hugging Face): a token seen in the prompt, the output or
+     the path has its logit divided by the penalty when positive, multiplied when not.
+  3. frequency_penalty and presence_penalty (OpenAI): logit -= f * count + p * (count > 0),
+     counting output and path tokens.
+  4. the grammar mask: -inf on every token the request's matcher refuses at that node.
+
+Logprobs are read from the processed logits, on both paths. Rows of requests without
+processors are returned untouched (the tensor itself when no request has any).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.core.request import Req
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass
+class TreePaths:
+    """A draft tree batch as the processors need it: host lists (for the grammar) and
+    device tensors (for the counts). anc[b, i, j]: node j is node i or one of its ancestors."""
+
+    tokens: list[list[int]]
+    parents: list[list[int]]
+    valid: list[list[bool]]
+    tok: torch.Tensor  # [B, N] int64
+    anc: torch.Tensor  # [B, N, N] bool, valid nodes only
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
+           anc: torch.Tensor) -> TreePaths:
+        return cls(tokens.tolist(), parents.tolist(), valid.bool().tolist(), tokens, anc & valid[:, None, :])
+
+
+def process(logits: torch.Tensor, reqs: list[Req], tree: TreePaths | None = None) -> torch.Tensor:
+    """logits [B, N, V] (N nodes a request; N = 1 and tree None for plain rows) ->
+    the processed logits (a new tensor when any request has processors)."""
+    rows = [b for b, r in enumerate(reqs) if r.params.processed]
+    if not rows:
+        return logits
+    logits = logits.float().clone()  # may be a graph's output view or an inference tensor
+    for b in rows:
+        bias = reqs[b].params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), device=logits.device)
+            logits[b, :, ids] += torch.tensor(list(bias.values()), device=logits.device)
+    penalized = [b for b in rows if reqs[b].params.penalized]
+    if penalized:
+        logits[penalized] = _penalize(logits[penalized], [reqs[b] for b in penalized], tree, penalized)
+    constrained = [b for b in rows if reqs[b].grammar is not None]
+    if constrained:
+        allowed = _grammar_allowed(reqs, constrained, tree, logits.shape[1], logits.shape[2], logits.device)
+        logits[constrained] = logits[constrained].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def process_rows(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """Plain sampling's form: logits [B, V], one row per request."""
+    if not any(r.params.processed for r in reqs):
+        return logits
+    return process(logits[:, None, :], reqs)[:, 0]
+
+
+def _penalize(logits: torch.Tensor, reqs: list[Req], tree: TreePaths | None, rows: list[int]) -> torch.Tensor:
+    """logits [R, N, V] of the penalized requests -> penalized."""
+    r, n, vocab = logits.shape
+    dev = logits.device
+    out_counts = _counts([q.output_ids for q in reqs], vocab, dev)  # [R, V]
+    path = torch.zeros(r, n, vocab, device=dev)
+    if tree is not None and n > 1:  # each node's ancestors and itself, the root excepted
+        idx = torch.tensor(rows, device=dev)
+        tok, anc = tree.tok.to(dev)[idx], tree.anc.to(dev)[idx]
+        path.scatter_add_(2, tok[:, None, 1:].expand(r, n, n - 1), anc[:, :, 1:].float())
+    counts = out_counts[:, None, :] + path
+    p = [q.params for q in reqs]
+    rep = torch.tensor([x.repetition_penalty for x in p], device=dev)[:, None, None]
+    if any(x.repetition_penalty != 1.0 for x in p):
+        prompt = _counts([q.prompt_ids for q in reqs], vocab, dev)
+        seen = (prompt[:, None, :] + counts) > 0
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    freq = torch.tensor([x.frequency_penalty for x in p], device=dev)[:, None, None]
+    presence = torch.tensor([x.presence_penalty for x in p], device=dev)[:, None, None]
+    return logits - freq * counts - presence * (counts > 0)
+
+
+def _counts(ids: list[list[int]], vocab: int, dev: torch.device) -> torch.Tensor:
+    """[R, V] float32 occurrences of each token in each list."""
+    counts = torch.zeros(len(ids), vocab, device=dev)
+    flat = [t for x in ids for t in x]
+    if flat:
+        row = torch.tensor([i for i, x in enumerate(ids) for _ in x], device=dev)
+        counts.index_put_((row, torch.tensor(flat, device=dev)), torch.ones(len(flat), device=dev), accumulate=True)
+    return counts
+
+
+def _grammar_allowed(reqs: list[Req], rows: list[int], tree: TreePaths | None, n: int,
+                     vocab: int, dev: torch.device) -> torch.Tensor:
+    """[R, N, V] bool: the tokens each constrained request's grammar allows at each node."""
+    masks = []
+    for b in rows:
+        g = reqs[b].grammar
+        g.sync(reqs[b].output_ids)
+        if tree is None:
+            masks.append(g.mask()[None])
+        else:
+            masks.append(g.tree_masks(tree.tokens[b], tree.parents[b], tree.valid[b]))
+    words = torch.stack(masks).to(dev, non_blocking=True)  # [R, N, W] int32: V/32 words a row cross
+    bits = (words[..., None] >> _BITS.to(dev)) & 1
+    return bits.reshape(len(rows), n, -1)[..., :vocab].bool()
