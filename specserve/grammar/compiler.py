@@ -22,8 +22,10 @@ from specserve.grammar.matcher import GrammarMatcher
 
 CACHE_SIZE = 256  # compiled grammars kept per process
 _JSON_OBJECT = json.dumps({"type": "object"})
-_FORMATS = {"json_schema": "json_schema", "json_object": "json_schema", "regex": "regex", "ebnf": "ebnf",
-            "lark": "lark"}
+# Whitespace between JSON tokens: free, as a pretty-printing model writes it, but at most 16
+# characters a gap, so a sampled model cannot loop on whitespace until max_tokens.
+JSON_OPTIONS = {"whitespace_pattern": r"[\n\t ]{0,16}"}
+_FORMATS = {"regex": "regex", "ebnf": "ebnf", "lark": "lark"}
 
 
 class GrammarError(ValueError):
@@ -40,11 +42,13 @@ class GrammarCompiler:
 
     def grammar(self, c: Constraint) -> str:
         """llguidance's grammar text for `c` (not yet checked)."""
-        if c.kind not in _FORMATS:
-            raise GrammarError(f"unknown constraint kind {c.kind!r}")
-        source = _JSON_OBJECT if c.kind == "json_object" else c.source
         try:
-            return llguidance.grammar_from(_FORMATS[c.kind], source)  # type: ignore[arg-type]
+            if c.kind in ("json_schema", "json_object"):
+                schema = _JSON_OBJECT if c.kind == "json_object" else c.source
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore
+            if c.kind not in _FORMATS:
+                raise GrammarError(f"unknown constraint kind {c.kind!r}")
+            return llguidance.grammar_from(_FORMATS[c.kind], c.source)  # type: ignore[arg-type]
         except ValueError as e:
             raise GrammarError(f"invalid {c.kind}: {e}") from None
 
@@ -58,13 +62,13 @@ class GrammarCompiler:
             template = self._cache.get(c)
             if template is not None:
                 self._cache.move_to_end(c)
-                return GrammarMatcher(template.deep_copy(), self.vocab_size)
+                return GrammarMatcher(template.deep_copy(), self.vocab_size, self.eos_ids)
         template = self._build(c)  # outside the lock: llguidance releases the GIL while it builds
         with self._lock:
             self._cache[c] = template
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return GrammarMatcher(template.deep_copy(), self.vocab_size)
+        return GrammarMatcher(template.deep_copy(), self.vocab_size, self.eos_ids)
 
     def _build(self, c: Constraint) -> llguidance.LLMatcher:
         grammar = self.grammar(c)
@@ -74,10 +78,15 @@ class GrammarCompiler:
         ll = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if ll.is_error():
             raise GrammarError(f"invalid {c.kind}: {_first_lines(ll.get_error())}")
-        if not GrammarMatcher(ll.deep_copy(), self.vocab_size).mask().any():
-            raise GrammarError(f"the {c.kind} matches no text: no token can start the output")
+        probe = ll.deep_copy()
+        GrammarMatcher(probe, self.vocab_size, self.eos_ids).mask()
+        if probe.is_error():  # llguidance finds no byte that can start a match
+            raise GrammarError(f"the {c.kind} matches no text")
         return ll
 
 
-def _first_lines(message: str, lines: int = 3) -> str:
-    return " ".join(line.strip() for line in message.strip().splitlines()[:lines])
+def _first_lines(message: str) -> str:
+    """llguidance's message on one line: its first line and its `error:` lines (the source
+    excerpts and carets between them read badly in a JSON error body)."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    return " ".join(lines[:1] + [line for line in lines[1:] if line.startswith("error:")])

@@ -14,11 +14,19 @@ the parent is -inf, so no acceptance rule can take it.
 
 Invariants: outside a call the matcher sits exactly at the committed output; it never
 consumes a token it did not first find allowed (llguidance cannot leave an error state).
+Should llguidance still fail (a parser limit hit mid-output), the matcher records the
+error, stops advancing and allows EOS alone from then on: the request ends, the engine
+does not.
 """
 from __future__ import annotations
 
 import llguidance
 import torch
+
+
+def _bit(k: int) -> int:
+    """Bit k of an int32 word, as a Python int in int32's range (bit 31 is negative)."""
+    return -(1 << 31) if k == 31 else 1 << k
 
 
 def mask_words(vocab_size: int) -> int:
@@ -31,22 +39,27 @@ def allows(mask: torch.Tensor, token: int) -> bool:
 
 
 class GrammarMatcher:
-    def __init__(self, ll: llguidance.LLMatcher, vocab_size: int) -> None:
-        self.ll, self.vocab_size = ll, vocab_size
+    def __init__(self, ll: llguidance.LLMatcher, vocab_size: int, eos_ids: list[int]) -> None:
+        self.ll, self.vocab_size, self.eos_ids = ll, vocab_size, eos_ids
         self.words = mask_words(vocab_size)
         self.consumed = 0  # output tokens consumed so far
+        self.error: str | None = None
 
     def sync(self, output_ids: list[int]) -> None:
         """Consume the output tokens committed since the last call."""
         for tok in output_ids[self.consumed:]:
-            if not self.ll.consume_token(tok):
-                raise RuntimeError(f"grammar: committed token {tok} was not allowed ({self.ll.get_error()})")
+            if self.error is not None or not self._consume(tok):
+                return
             self.consumed += 1
 
     def mask(self) -> torch.Tensor:
-        """[W] int32 bitmask of the tokens allowed next."""
+        """[W] int32 bitmask of the tokens allowed next (EOS alone after an error)."""
         out = torch.zeros(self.words, dtype=torch.int32)
-        self._fill(out)
+        if self.error is None:
+            self._fill(out)
+        else:
+            for tok in self.eos_ids:
+                out[tok // 32] |= _bit(tok % 32)
         return out
 
     def tree_masks(self, tokens: list[int], parents: list[int], valid: list[bool]) -> torch.Tensor:
@@ -54,6 +67,9 @@ class GrammarMatcher:
         before their children (the Drafts contract), so one pass in node order suffices."""
         n = len(tokens)
         out = torch.full((n, self.words), -1, dtype=torch.int32)  # dead nodes: everything
+        if self.error is not None:
+            out[0] = self.mask()
+            return out
         alive = [False] * n
         path: list[int] = []  # nodes consumed beyond the committed state, root-first
         for i in range(n):
@@ -61,28 +77,37 @@ class GrammarMatcher:
                 p = parents[i]
                 if not valid[i] or not alive[p] or not allows(out[p], tokens[i]):
                     continue
-                self._move_to(path, _chain(p, parents) + [i], tokens)
+                if not self._move_to(path, _chain(p, parents) + [i], tokens):
+                    break
             alive[i] = True
             self._fill(out[i])
         self._rollback(len(path))
         return out
 
-    def _move_to(self, path: list[int], chain: list[int], tokens: list[int]) -> None:
+    def _move_to(self, path: list[int], chain: list[int], tokens: list[int]) -> bool:
         """Make the consumed path `chain` (root-excluded, root-first): roll back to the
-        common prefix, consume the rest (each found allowed before)."""
+        common prefix, consume the rest (each found allowed before). False if llguidance
+        failed (recorded in `error`; the path is then rolled back whole)."""
         keep = 0
         while keep < min(len(path), len(chain)) and path[keep] == chain[keep]:
             keep += 1
         self._rollback(len(path) - keep)
         del path[keep:]
         for node in chain[keep:]:
-            if not self.ll.consume_token(tokens[node]):
-                raise RuntimeError(f"grammar: an allowed token {tokens[node]} was refused ({self.ll.get_error()})")
+            if not self._consume(tokens[node]):
+                return False
             path.append(node)
+        return True
+
+    def _consume(self, tok: int) -> bool:
+        if self.ll.consume_token(tok):
+            return True
+        self.error = f"token {tok} refused: {self.ll.get_error().splitlines()[0]}"
+        return False
 
     def _rollback(self, k: int) -> None:
-        if k and not self.ll.rollback(k):
-            raise RuntimeError(f"grammar: rollback of {k} tokens failed ({self.ll.get_error()})")
+        if k and self.error is None and not self.ll.rollback(k):
+            self.error = f"rollback of {k} tokens failed: {self.ll.get_error().splitlines()[0]}"
 
     def _fill(self, row: torch.Tensor) -> None:
         self.ll.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())

@@ -50,6 +50,7 @@ _NATIVE_NAMES = {
     **{k: f"sampling_params.{k}" for k in NativeSamplingParams.model_fields},
     "max_tokens": "sampling_params.max_new_tokens",
     "top_logprobs": "top_logprobs_num",
+    "constraint": "sampling_params",
 }
 
 

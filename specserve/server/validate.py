@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from specserve.core.sampling_params import SamplingParams
+from specserve.core.sampling_params import Constraint, SamplingParams
 from specserve.engine.protocol import EngineClient
+from specserve.grammar.compiler import GrammarCompiler, GrammarError
 from specserve.server.errors import APIError, bad_request, from_pydantic
 
 M = TypeVar("M", bound=BaseModel)
@@ -115,3 +116,26 @@ def validate_params(client: EngineClient, params: SamplingParams, names: Mapping
         if name is not None and names:
             name = names.get(name, name)
         raise bad_request(str(exc), name) from None
+    if params.constraint is not None:
+        check_constraint(client, params.constraint, (names or {}).get("constraint", "response_format"))
+
+
+_COMPILERS: dict[int, GrammarCompiler] = {}  # id(tokenizer) -> its compiler: one per served model
+
+
+def grammar_compiler(client: EngineClient) -> GrammarCompiler:
+    """The front end's grammar compiler, built at the first constrained request (~0.5 s)."""
+    key = id(client.tokenizer)
+    if key not in _COMPILERS:
+        _COMPILERS[key] = GrammarCompiler(client.tokenizer.to_json(), client.info.vocab_size,
+                                          sorted(client.tokenizer.eos_token_ids))
+    return _COMPILERS[key]
+
+
+def check_constraint(client: EngineClient, constraint: Constraint, param: str) -> None:
+    """400 naming the problem when `constraint` does not compile or matches no text. The
+    engine builds the same grammar again (from its own cache): nothing invalid reaches it."""
+    try:
+        grammar_compiler(client).check(constraint)
+    except GrammarError as exc:
+        raise bad_request(str(exc), param) from None
