@@ -29,6 +29,7 @@ from specserve.core.config import (
     ServerConfig,
     SpecConfig,
 )
+from specserve.server.tool_parsers import TOOL_CALL_PARSERS
 from specserve.spec import registry
 
 __all__ = ["ConfigError", "CheckContext", "build_parser", "parse_config", "check_config",
@@ -269,6 +270,11 @@ def _add_server(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=_V.host, help="address to listen on")
     g.add_argument("--port", type=int, default=_V.port, help="port to listen on")
     g.add_argument("--api-key", default=_V.api_key, help="API key clients must send")
+    g.add_argument("--chat-template", default=_V.chat_template,
+                   help="jinja file that replaces the model's chat template (default: None, the model's own)")
+    g.add_argument("--tool-call-parser", default=_V.tool_call_parser,
+                   help=f"format of the model's tool calls ({', '.join(TOOL_CALL_PARSERS)}), for `tools` "
+                        "in chat requests (default: None, chat requests that need one are refused)")
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:

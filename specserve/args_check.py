@@ -19,6 +19,7 @@ from typing import Any
 
 from specserve.args_parallel import check_parallel
 from specserve.core.config import Config, ConfigError
+from specserve.server.tool_parsers import TOOL_CALL_PARSERS
 from specserve.spec import registry
 from specserve.spec.eagle.batch_tree import AUTO, OFF, parse_tree
 
@@ -137,6 +138,13 @@ def check_kv_cache_dtype(cfg: Config, ctx: CheckContext) -> Config:
         raise ConfigError(f"--kv-cache-dtype {cfg.cache.kv_cache_dtype}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     return replace(cfg, cache=replace(cfg.cache, kv_cache_dtype=value))
 
+
+def check_tool_call_parser(cfg: Config, ctx: CheckContext) -> Config:
+    """--tool-call-parser: SGLang's names (and vLLM's hermes); server/tool_parsers.py reads them."""
+    name = cfg.server.tool_call_parser
+    if name is not None and name not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"--tool-call-parser {name}: expected one of {', '.join(TOOL_CALL_PARSERS)}")
+    return cfg
 
 
 # ---- speculative decoding -----------------------------------------------------------------
@@ -308,9 +316,9 @@ def apply_spec_defaults(cfg: Config, ctx: CheckContext) -> Config:
 # SGLang's order where it has one: the Spec v2 topk check runs before auto-tuning.
 RULES: tuple[Rule, ...] = (
     normalize_algorithm, reject_stray_spec_flags, check_ranges, check_algorithm_flags,
-    check_unsupported, check_kv_cache_dtype, check_parallel, check_spec_v2, check_step_triple, check_batch_tree,
-    require_draft_model, check_draft_options, warn_ignored_spec_flags, warn_lossy_thresholds, note_on_cpu,
-    default_max_running_requests, apply_spec_defaults,
+    check_unsupported, check_kv_cache_dtype, check_tool_call_parser, check_parallel, check_spec_v2,
+    check_step_triple, check_batch_tree, require_draft_model, check_draft_options, warn_ignored_spec_flags,
+    warn_lossy_thresholds, note_on_cpu, default_max_running_requests, apply_spec_defaults,
 )
 
 

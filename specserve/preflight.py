@@ -2,11 +2,12 @@
 
 A mistake a user can make on the command line should cost seconds, not a model load: the
 port is bound first (a taken port fails at once, and the server later serves on this very
-socket), then the sources are resolved in the order that fails fastest: an explicit draft
-path, the target (fetched or converted once), the tokenizer, the target's config (its
-architecture must be one we serve), and the speculative set-up (spec/registry.py `plan`:
-the draft's directory, shipped heads, MTP layers, token maps, the tree). The result is an
-`EngineStart` nothing later needs to re-resolve, and the tokenizer.
+socket), then the sources are resolved in the order that fails fastest: a --chat-template
+file, an explicit draft path, the target (fetched or converted once), the tokenizer, the
+target's config (its architecture must be one we serve), and the speculative set-up
+(spec/registry.py `plan`: the draft's directory, shipped heads, MTP layers, token maps, the
+tree). The result is an `EngineStart` nothing later needs to re-resolve, and the tokenizer
+(with the --chat-template file's template, when one is given).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from specserve.models.loader import read_hf_config
 from specserve.models.source import resolve_model_dir
 from specserve.spec import registry
 from specserve.spec.sources import explicit_draft_dir
-from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
+from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer, read_chat_template
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -43,13 +44,17 @@ def bind_port(host: str, port: int) -> socket.socket:
 def resolve_sources(cfg: Config) -> tuple[EngineStart, Tokenizer]:
     """What an engine starts from, and the tokenizer; ValueError naming the first source
     that is wrong (module docstring for the order)."""
-    draft = explicit_draft_dir(cfg.spec)  # a wrong draft path fails before the target is fetched
+    # a wrong draft or template path fails before the target is fetched
+    template = read_chat_template(cfg.server.chat_template) if cfg.server.chat_template else None
+    draft = explicit_draft_dir(cfg.spec)
     if draft is not None:
         cfg = replace(cfg, spec=replace(cfg.spec, draft_dir=str(draft)))
     model_dir = resolve_model_dir(cfg.model.model_path, cfg.model.revision, cfg.model.load_format)
     tokenizer_path = cfg.model.tokenizer_path
     tokenizer_dir = resolve_model_dir(tokenizer_path) if tokenizer_path is not None else model_dir
     tokenizer = load_tokenizer(tokenizer_dir)
+    if template is not None:
+        tokenizer.chat_template = template
     target = LlamaConfig.from_hf(read_hf_config(model_dir))
     plan = registry.plan(cfg.spec, model_dir, target)
     if plan is not None:

@@ -136,6 +136,8 @@ class ServerConfig:
     api_key: str | None = None
     log_level: str = "info"
     enable_metrics: bool = False
+    chat_template: str | None = None  # a jinja file that replaces the model's chat template
+    tool_call_parser: str | None = None  # how tool calls are read from the output (server/tool_parsers.py)
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,9 @@ class Tokenizer:
         except Exception as e:  # jinja errors, raise_exception(), type errors inside the template
             raise ValueError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True))
+    def encode_chat(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+        """The prompt of a chat; `template_kwargs` are template variables (e.g. `tools`)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs))
 
     def to_json(self) -> str:
         """The tokenizer serialized as tokenizer.json (what a grammar engine reads)."""
@@ -174,6 +175,20 @@ def _chat_template(path: Path, cfg: dict[str, Any]) -> str | None:
     if template is None:
         template = _read_json(path / "chat_template.json").get("chat_template")
     return template
+
+
+def read_chat_template(path: str | Path) -> str:
+    """A jinja chat template file (--chat-template); ValueError with one line if it is
+    missing or does not compile."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"chat template {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        _compile(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template {path} is not valid jinja: {e.message} (line {e.lineno})") from None
+    return text
 
 
 def load_tokenizer(tokenizer_dir: Path) -> Tokenizer:
