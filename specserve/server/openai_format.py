@@ -1,8 +1,9 @@
 """Engine outputs -> OpenAI response objects: final responses, stream chunks, logprobs, usage.
 
 Owns the mapping from `TokenOut`/`ChoiceState` to the shapes in `server/responses.py`,
-for chat and for completions, streaming and not. It knows nothing about HTTP or the engine
-beyond those output types; the tokenizer is used only to spell token ids (`token_str`).
+for chat and for completions, streaming and not, tool calls included (read from the text
+by server/tool_parsers.py). It knows nothing about HTTP or the engine beyond those output
+types; the tokenizer is used only to spell token ids (`token_str`).
 """
 from __future__ import annotations
 
@@ -23,11 +24,16 @@ from specserve.server.responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCall,
+    FunctionDelta,
     PromptTokensDetails,
     TokenLogprobOut,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
+from specserve.server.tool_parsers import ToolFormat, ToolStream, split
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -44,6 +50,7 @@ class ResponseCtx:
     tokenizer: Any
     logprobs: bool = False
     include_usage: bool = False
+    tool_format: ToolFormat | None = None  # chat: the output is read for tool calls in this format
 
 
 def _clamp(logprob: float) -> float:
@@ -93,16 +100,24 @@ def completion_logprobs(tokenizer: Any, logprobs: list[TokenLogprob], offset: in
     return out, offset
 
 
+def _message(ctx: ResponseCtx, state: ChoiceState) -> tuple[AssistantMessage, str | None]:
+    """The choice's message and finish_reason ("tool_calls" when calls were read)."""
+    reason = finish_reason_str(state.finish_reason)
+    if ctx.tool_format is None:
+        return AssistantMessage(content=state.text), reason
+    content, calls = split(ctx.tool_format, state.text)
+    if not calls:
+        return AssistantMessage(content=content), reason
+    out = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+    return AssistantMessage(content=content, tool_calls=out), "tool_calls"
+
+
 def chat_response(ctx: ResponseCtx, states: list[ChoiceState]) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(
-            index=s.index,
-            message=AssistantMessage(content=s.text),
-            logprobs=chat_logprobs(ctx.tokenizer, s.logprobs) if ctx.logprobs else None,
-            finish_reason=finish_reason_str(s.finish_reason),
-        )
-        for s in states
-    ]
+    choices = []
+    for s in states:
+        message, reason = _message(ctx, s)
+        choices.append(ChatChoice(index=s.index, message=message, finish_reason=reason,
+                                  logprobs=chat_logprobs(ctx.tokenizer, s.logprobs) if ctx.logprobs else None))
     return ChatCompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices,
                                   usage=make_usage(ctx, states))
 
@@ -136,7 +151,16 @@ class _StreamBase:
 
 
 class ChatStream(_StreamBase):
-    """Chunks of /v1/chat/completions: a role delta per choice, content deltas, usage last."""
+    """Chunks of /v1/chat/completions: a role delta per choice, content deltas, usage last.
+
+    With a tool format, each choice's text goes through a `ToolStream`: content streams as
+    it is known not to start a call, and each call goes out whole as two tool_calls deltas
+    (index, id, type and name; then its arguments)."""
+
+    def __init__(self, ctx: ResponseCtx, num_choices: int):
+        super().__init__(ctx, num_choices)
+        fmt = ctx.tool_format
+        self._splitters = None if fmt is None else [ToolStream(fmt) for _ in range(num_choices)]
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         c = self.ctx
@@ -151,8 +175,37 @@ class ChatStream(_StreamBase):
         if not self._track(index, out):
             return []
         lps = chat_logprobs(self.ctx.tokenizer, out.logprobs) if self.ctx.logprobs else None
-        delta = ChatDelta(content=out.text) if out.text or not out.finished else ChatDelta()
-        return [self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=lps, finish_reason=self._finish(out))])]
+        finish = self._finish(out)
+        if self._splitters is None:
+            deltas = [ChatDelta(content=out.text) if out.text or not out.finished else ChatDelta()]
+        else:
+            deltas, called = self._tool_deltas(self._splitters[index], out)
+            finish = "tool_calls" if finish is not None and called else finish
+            if not deltas and not lps and finish is None:
+                return []  # held back: it may be the start of a call
+            deltas = deltas or [ChatDelta()]
+        last = len(deltas) - 1
+        return [self._chunk([ChatChunkChoice(index=index, delta=d, logprobs=lps if k == 0 else None,
+                                             finish_reason=finish if k == last else None)])
+                for k, d in enumerate(deltas)]
+
+    @staticmethod
+    def _tool_deltas(stream: ToolStream, out: TokenOut) -> tuple[list[ChatDelta], bool]:
+        """The deltas of `out.text` through the choice's splitter; True once a call was read."""
+        first = stream.calls  # the index of the next call
+        pieces = stream.feed(out.text) + (stream.finish() if out.finished else [])
+        deltas: list[ChatDelta] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                if piece:
+                    deltas.append(ChatDelta(content=piece))
+                continue
+            head = ToolCallDelta(index=first, id=piece.id, type="function",
+                                 function=FunctionDelta(name=piece.name, arguments=""))
+            args = ToolCallDelta(index=first, function=FunctionDelta(arguments=piece.arguments))
+            deltas += [ChatDelta(tool_calls=[head]), ChatDelta(tool_calls=[args])]
+            first += 1
+        return deltas, stream.calls > 0
 
     def end(self) -> list[str]:
         return [self._chunk([], make_usage(self.ctx, self.states))] if self.ctx.include_usage else []

@@ -1,12 +1,14 @@
 """`POST /v1/chat/completions` and `POST /v1/completions`.
 
 Owns the request flow of the two OpenAI generation endpoints: parse -> check model ->
-tokenize -> budget the context -> build and validate `SamplingParams` -> fan out one engine
-request per choice -> answer as one JSON object or as SSE chunks. Every check happens before
-the first engine request is submitted, so a 4xx never leaves work behind.
+(chat: plan the tools, server/tool_calls.py) -> tokenize -> budget the context -> build and
+validate `SamplingParams` -> fan out one engine request per choice -> answer as one JSON
+object or as SSE chunks. Every check happens before the first engine request is submitted,
+so a 4xx never leaves work behind.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -23,6 +25,8 @@ from specserve.server.fanout import ChoiceState, ClientDisconnected, FanOut, col
 from specserve.server.openai_format import ChatStream, CompletionStream, ResponseCtx, chat_response, completion_response
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.sse import SSEResponse, StreamFormatter, sse_stream
+from specserve.server.tool_calls import PARAM_NAMES as TOOL_PARAM_NAMES
+from specserve.server.tool_calls import plan_tools, tokenize_with_tools
 from specserve.server.validate import (
     check_model,
     parse_body,
@@ -90,15 +94,22 @@ async def serve(
 async def chat_completions(request: Request, client: EngineClient) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     model = check_model(client, body.model)
-    ids = tokenize_chat(client, [m.to_template() for m in body.messages])
+    tools = plan_tools(client.config.server.tool_call_parser, body.tools, body.tool_choice, body.parallel_tool_calls)
+    messages = [m.to_template() for m in body.messages]
+    ids = tokenize_chat(client, messages) if tools.tools is None else tokenize_with_tools(client, messages, tools.tools)
     max_new = resolve_max_tokens(client, len(ids), body.requested_max_tokens(), "messages")
-    base = body.to_sampling_params(max_new)
-    validate_params(client, base)
+    base = tools.apply(body.to_sampling_params(max_new))
+    names = TOOL_PARAM_NAMES if tools.constraint is not None else None
+    if base.constraint is None:
+        validate_params(client, base)
+    else:  # compiling a grammar takes a while (the first one builds the compiler): off the event loop
+        await asyncio.to_thread(validate_params, client, base, names)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     reqs = fan_requests(client, rid, [(ids, base)], body.num_choices)
     ctx = ResponseCtx(
         id=rid, model=model, created=int(time.time()), n=body.num_choices, prompt_lens=[len(ids)],
         tokenizer=client.tokenizer, logprobs=bool(body.logprobs), include_usage=body.include_usage,
+        tool_format=tools.fmt,
     )
     final = lambda states: chat_response(ctx, states).model_dump(mode="json")  # noqa: E731
     return await serve(request, client, reqs, bool(body.stream), ChatStream(ctx, len(reqs)), final)

@@ -12,9 +12,24 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, cast
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from specserve.core.sampling_params import Constraint, SamplingParams
+from specserve.server.tool_calls import (
+    check_message_tool_calls,
+    check_tool_choice,
+    check_tool_choice_fits,
+    check_tools,
+)
 
 MAX_N = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -253,6 +268,9 @@ def _flatten_content(value: Any) -> Any:
 
 class ChatMessage(_Strict):
     role: str
+    # before content: content's validator reads them (an assistant's tool calls may stand alone)
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
     content: Annotated[str | None, BeforeValidator(_flatten_content)] = Field(None, validate_default=True)
     name: str | None = None
 
@@ -263,18 +281,29 @@ class ChatMessage(_Strict):
             raise ValueError(f"'{role}' is not a valid role; expected one of {', '.join(ROLES)}")
         return role
 
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _tool_calls(cls, value: Any, info: ValidationInfo) -> list[dict] | None:
+        return check_message_tool_calls(value, info.data.get("role"))
+
     @field_validator("content")
     @classmethod
-    def _has_content(cls, content: str | None) -> str:
-        if content is None:
-            raise ValueError("every message needs a 'content' (a string or a list of text parts)")
+    def _has_content(cls, content: str | None, info: ValidationInfo) -> str | None:
+        if content is None and not info.data.get("tool_calls"):
+            raise ValueError("every message needs a 'content' (a string or a list of text parts), "
+                             "except an assistant message with tool_calls")
         return content
 
-    def to_template(self) -> dict[str, str]:
-        """The dict a chat template expects: role and plain-text content (and name if given)."""
-        msg = {"role": self.role, "content": self.content or ""}
+    def to_template(self) -> dict[str, Any]:
+        """The dict a chat template expects: role and plain-text content (and name, an
+        assistant's tool_calls, a tool result's tool_call_id, if given)."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
@@ -283,6 +312,9 @@ class ChatCompletionRequest(_OpenAIBase):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0)
+    tools: Annotated[list[dict] | None, BeforeValidator(check_tools)] = None
+    tool_choice: Annotated[str | dict | None, BeforeValidator(check_tool_choice)] = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("messages")
     @classmethod
@@ -295,6 +327,11 @@ class ChatCompletionRequest(_OpenAIBase):
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice_fits(self) -> ChatCompletionRequest:
+        check_tool_choice_fits(self.tools, self.tool_choice, self.constraint() is not None)
         return self
 
     def requested_max_tokens(self) -> int | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 def now() -> int:
@@ -42,9 +42,36 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobOut] = Field(default_factory=list)
 
 
+class _NoNulls(BaseModel):
+    """Serialized without its None fields: OpenAI leaves such keys out of stream deltas."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the message is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_if_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -63,14 +90,25 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
+class FunctionDelta(_NoNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_NoNulls):
+    """A piece of call `index`: the first carries id, type and name, later ones arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
+class ChatDelta(_NoNulls):
+    # OpenAI sends {"role": ...} once and then {"content": ...}: absent, not null.
     role: str | None = None
     content: str | None = None
-
-    @model_serializer
-    def _drop_none(self) -> dict[str, Any]:
-        # OpenAI sends {"role": ...} once and then {"content": ...}: absent, not null.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
