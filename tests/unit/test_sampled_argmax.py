@@ -67,10 +67,9 @@ def _batch(p: dict, counters: torch.Tensor, top_k: int = 10**6) -> SamplingBatch
     rows = counters.numel()
     zeros = torch.zeros(rows, device=DEV)
     top_k = torch.full((rows,), top_k, device=DEV)
-    return SamplingBatch(top_p=torch.ones(rows, device=DEV), top_k=top_k, min_p=zeros, freq_penalty=zeros,
-                         presence_penalty=zeros, counters=counters, output_ids=[[] for _ in range(rows)],
-                         flags=HostFlags(all_greedy=False, has_penalties=False,
-                                         needs_sort=bool((top_k < 10**6).any()), needs_min_p=False), **p)
+    return SamplingBatch(top_p=torch.ones(rows, device=DEV), top_k=top_k, min_p=zeros, counters=counters,
+                         flags=HostFlags(all_greedy=False, needs_sort=bool((top_k < 10**6).any()),
+                                         needs_min_p=False), **p)
 
 
 def test_sample_takes_the_fused_draw_where_only_temperatures_apply(monkeypatch):

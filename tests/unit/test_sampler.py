@@ -1,4 +1,4 @@
-"""Sampler: distribution, filters, penalties, seeds and logprobs."""
+"""Sampler: distribution, filters, seeds and logprobs (penalties: test_logits_process.py)."""
 from __future__ import annotations
 
 import torch
@@ -12,9 +12,8 @@ def _sb(b: int, **kw) -> SamplingBatch:
         return torch.full((b,), v, dtype=dtype)
 
     args = dict(temperature=full(1.0), greedy=full(False, torch.bool), top_p=full(1.0),
-                top_k=full(1000, torch.int64), min_p=full(0.0), freq_penalty=full(0.0),
-                presence_penalty=full(0.0), seeds=torch.arange(b, dtype=torch.int64) * 7919 + 1,
-                counters=torch.zeros(b, dtype=torch.int64), output_ids=[[] for _ in range(b)])
+                top_k=full(1000, torch.int64), min_p=full(0.0), seeds=torch.arange(b, dtype=torch.int64) * 7919 + 1,
+                counters=torch.zeros(b, dtype=torch.int64))
     args.update(kw)
     return SamplingBatch(**args)
 
@@ -38,11 +37,12 @@ def test_top_k_top_p_min_p_filters():
                              [True, True, False, False]]
 
 
-def test_greedy_rows_take_argmax_and_penalties_apply():
-    logits = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]])
-    sb = _sb(2, greedy=torch.tensor([True, True]), freq_penalty=torch.tensor([0.0, 0.6]),
-             output_ids=[[1, 1], [1, 1]])
-    assert sample(logits, sb).next_ids.tolist() == [1, 2]
+def test_greedy_rows_take_argmax_and_noise_is_finite():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [1.0, 3.0, -1.0]])
+    assert sample(logits, _sb(2, greedy=torch.tensor([True, True]))).next_ids.tolist() == [1, 1]
+    # the largest hash value must not round to u = 1 (+inf noise: NaN on a masked -inf logit)
+    u = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
 
 
 def test_same_seed_same_tokens_regardless_of_batch():
@@ -79,10 +79,9 @@ def test_greedy_batches_share_their_tensors_and_take_the_argmax():
     greedy = SamplingParams(temperature=0)
     a, b = sampling_batch(reqs(greedy, greedy), 100, torch.device("cpu")), \
         sampling_batch(reqs(greedy, greedy), 100, torch.device("cpu"))
-    assert a.all_greedy and not a.has_penalties and a.temperature is b.temperature
+    assert a.all_greedy and a.temperature is b.temperature
     logits = torch.randn(2, 100)
     assert torch.equal(sample(logits, a).next_ids, logits.argmax(-1))
-    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, frequency_penalty=0.5),
-                  SamplingParams(temperature=0, logprobs=True)):
+    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=True)):
         mixed = sampling_batch(reqs(greedy, other), 100, torch.device("cpu"))
         assert mixed.temperature is not a.temperature

@@ -252,9 +252,6 @@ def test_seeded_sampling_with_speculation_reproduces_plain_sampling(smollm2_engi
     b = engine.generate(input_ids=ids, sampling_params=p)  # the trie has learned: other drafts
     assert a["output_ids"] == b["output_ids"] == plain["output_ids"]
     assert a["meta_info"]["spec_accept_length"] > 1.0
-    pen = engine.generate(input_ids=ids, sampling_params={**p, "frequency_penalty": 0.5})
-    # root-only trees: counted as plain steps, not as verifies of drafts
-    assert "spec_verify_ct" not in pen["meta_info"] and pen["meta_info"]["spec_plain_ct"] > 0
     _clean(engine)
 
 
