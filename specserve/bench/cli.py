@@ -14,6 +14,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "limit": ("specserve.bench.limit", "batch-1 decode against the GPUs' memory bandwidth (8B/70B shape, TP sizes)"),
     "allreduce": ("specserve.bench.allreduce", "a tensor-parallel all-reduce: NCCL against symmetric memory"),
     "quality": ("specserve.bench.quality", "a quantized model's greedy text against the float model's"),
+    "structured": ("specserve.bench.structured", "JSON-schema answers with and without speculation; the mask's cost"),
     "compile": ("specserve.bench.compile", "the engine with and without --enable-torch-compile"),
     "ngram-cost": ("specserve.bench.ngram_cost", "the NGRAM proposer's CPU cost per decode step"),
     "governor-sim": ("specserve.bench.governor_sim", "the speculation governor on a simulated batch-1 round"),

@@ -295,9 +295,15 @@ def test_metrics_are_served_only_with_enable_metrics() -> None:
 LONG = "x" * (CTX + 5)
 BAD_INPUTS = [
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, None, "`tools` is not supported"),
-    ("/v1/chat/completions", chat(logit_bias={"5": 10}), 400, None, "`logit_bias` is not supported"),
-    ("/v1/chat/completions", chat(response_format={"type": "json_object"}), 400, None, "`response_format`"),
-    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.3}, 400, None, "`repetition_penalty`"),
+    ("/v1/chat/completions", chat(logit_bias={"5": 101}), 400, "logit_bias", "must be in [-100, 100]"),
+    ("/v1/chat/completions", chat(logit_bias={str(VOCAB): 1}), 400, "logit_bias", "out of range"),
+    ("/v1/chat/completions", chat(logit_bias={"five": 1}), 400, None, "keys must be token ids"),
+    ("/v1/chat/completions", chat(response_format={"type": "xml"}), 400, None, "response_format type must be"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema"}), 400, None, "needs a `json_schema` object"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}, "guided_regex": "a+"}, 400, None,
+     "at most one of"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "repetition_penalty"),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, 400, "sampling_params", "at most one of"),
     ("/v1/chat/completions", '{"messages": [', 400, None, "Malformed JSON"),
     ("/v1/chat/completions", chat(max_tokens="ten"), 400, "max_tokens", "max_tokens"),
     ("/v1/chat/completions", chat(temperature="hot"), 400, "temperature", "temperature"),
