@@ -1,8 +1,9 @@
 """Tool calling: the output formats (whole and streamed), the grammar that forces a call,
 the request checks, and the chat route end to end against a scripted fake engine.
 
-The parsers and the route need no model; the grammar is compiled with the real SmolLM2
-tokenizer, and one test decodes through the shared offline Engine under it.
+The parsers and the route need no model; grammars are compiled and checked against each
+format's text with the real SmolLM2 tokenizer, and one test decodes through the shared
+offline Engine under a grammar.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import llguidance
 import pytest
 from fastapi.testclient import TestClient
 
@@ -17,6 +19,7 @@ from specserve import preflight
 from specserve.args import ConfigError, parse_config
 from specserve.core.config import Config, ModelConfig, ServerConfig
 from specserve.core.messages import GenerateReq
+from specserve.core.sampling_params import Constraint
 from specserve.engine.protocol import ModelInfo
 from specserve.grammar.compiler import GrammarCompiler
 from specserve.server.http import build_app
@@ -69,8 +72,7 @@ def test_split(parser: str, text: str, content: str | None, calls: list) -> None
 @pytest.mark.parametrize("parser,text,content,calls", CASES)
 @pytest.mark.parametrize("step", [1, 3, 7])
 def test_streaming_agrees_with_split(parser: str, text: str, content: str | None, calls: list, step: int) -> None:
-    """Fed in pieces, the splitter emits the same text and calls, and no text that could
-    not still be a marker is held back."""
+    """Fed in pieces of any size, the splitter emits the same text and calls as `split`."""
     stream, pieces = ToolStream(FORMATS[parser]), []
     for i in range(0, len(text), step):
         pieces += stream.feed(text[i:i + step])
@@ -90,35 +92,60 @@ def test_content_before_a_call_streams_before_the_call_is_complete() -> None:
 
 # -- grammar -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def compiler(smollm2_dir: Path) -> GrammarCompiler:
-    tok = load_tokenizer(smollm2_dir)
-    return GrammarCompiler(tok.to_json(), tok.vocab_size, sorted(tok.eos_token_ids))
+def real_tokenizer(smollm2_dir: Path) -> Any:
+    """One real tokenizer for the tests that compile a grammar (the front end keeps one
+    compiler per tokenizer, so the route tests build it once)."""
+    return load_tokenizer(smollm2_dir)
 
 
-@pytest.mark.parametrize("parser", ["qwen25", "llama3", "mistral"])
-@pytest.mark.parametrize("choice,parallel", [("required", True), ("required", False),
-                                             ({"type": "function", "function": {"name": "get_time"}}, True)])
-def test_tool_grammar_compiles(compiler: GrammarCompiler, parser: str, choice: Any, parallel: bool) -> None:
-    compiler.check(tool_grammar(FORMATS[parser], TOOLS, choice, parallel))
+@pytest.fixture(scope="module")
+def compiler(real_tokenizer: Any) -> GrammarCompiler:
+    return GrammarCompiler(real_tokenizer.to_json(), real_tokenizer.vocab_size, sorted(real_tokenizer.eos_token_ids))
+
+
+# One call's text in each format, from (name, arguments JSON) pairs.
+LAYOUT = {
+    "qwen25": lambda calls: "\n".join(f'<tool_call>\n{{"name":"{n}","arguments":{a}}}\n</tool_call>' for n, a in calls),
+    "llama3": lambda calls: "; ".join(f'{{"name":"{n}","parameters":{a}}}' for n, a in calls),
+    "mistral": lambda calls: "[TOOL_CALLS] [" + ", ".join(f'{{"name":"{n}","arguments":{a}}}' for n, a in calls) + "]",
+}
+TZ, PARIS = ("get_time", '{"tz":"CET"}'), ("get_weather", '{"city":"Paris","unit":"C"}')
+
+
+@pytest.mark.parametrize("parser", list(LAYOUT))
+def test_the_grammar_admits_what_the_parser_reads(compiler: GrammarCompiler, real_tokenizer: Any, parser: str) -> None:
+    """Each format's grammar accepts its calls of the offered tools and nothing else, and
+    everything it accepts parses back into those calls."""
+    fmt, layout = FORMATS[parser], LAYOUT[parser]
+    tok = real_tokenizer
+
+    def accepts(constraint: Constraint, calls: list[tuple[str, str]]) -> bool:
+        ll = llguidance.LLMatcher(compiler.tokenizer, compiler.grammar(constraint), log_level=0)
+        ids = tok.encode(layout(calls), add_special_tokens=False)
+        return ll.validate_tokens(ids) == len(ids) and ll.consume_tokens(ids) and ll.is_accepting()
+
+    many, one = (tool_grammar(fmt, TOOLS, "required", parallel) for parallel in (True, False))
+    named = tool_grammar(fmt, TOOLS, {"type": "function", "function": {"name": "get_time"}}, True)
+    assert accepts(many, [TZ, PARIS]) and accepts(one, [PARIS]) and accepts(named, [TZ])
+    assert _calls(split(fmt, layout([TZ, PARIS]))[1]) == [("get_time", {"tz": "CET"}),
+                                                          ("get_weather", {"city": "Paris", "unit": "C"})]
+    assert not accepts(one, [TZ, PARIS]) and not accepts(named, [PARIS])
+    assert not accepts(many, [("get_tim", '{"tz":"CET"}')])  # not an offered tool
+    assert not accepts(many, [("get_time", '{"tz":"CET","x":1}')])  # a property it does not declare
+    assert not accepts(many, [("get_weather", '{"city":"Paris","unit":"K"}')])  # $ref into $defs holds
 
 
 @pytest.mark.slow
-def test_forced_calls_parse(engine_no_leak) -> None:
-    """Greedy SmolLM2 under each format's grammar: exactly one call of an offered tool,
-    whose arguments satisfy its schema."""
+def test_forced_call_from_the_model_parses(engine_no_leak) -> None:
+    """Greedy SmolLM2 under the grammar writes one call of an offered tool that parses."""
     tok = engine_no_leak.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "What is the weather in Paris?"}])
-    fmts = [FORMATS[p] for p in ("qwen25", "llama3", "mistral")]
-    params = [{"constraint": tool_grammar(f, TOOLS, "required", False), "temperature": 0, "max_new_tokens": 40}
-              for f in fmts]
-    outs = engine_no_leak.generate(input_ids=[prompt] * len(fmts), sampling_params=params)
-    for fmt, out in zip(fmts, outs):
-        content, calls = split(fmt, out["text"])
-        assert content is None and len(calls) == 1, (fmt.name, out["text"])
-        args = json.loads(calls[0].arguments)
-        assert calls[0].name in ("get_weather", "get_time") and isinstance(args, dict), out["text"]
-        if calls[0].name == "get_weather":
-            assert isinstance(args["city"], str) and args.get("unit", "C") in ("C", "F")
+    fmt = FORMATS["qwen25"]
+    params = {"constraint": tool_grammar(fmt, TOOLS, "required", False), "temperature": 0, "max_new_tokens": 40}
+    text = engine_no_leak.generate(input_ids=prompt, sampling_params=params)["text"]
+    content, calls = split(fmt, text)
+    assert content is None and len(calls) == 1, text
+    assert calls[0].name in ("get_weather", "get_time") and isinstance(json.loads(calls[0].arguments), dict), text
 
 
 # -- the route -----------------------------------------------------------------------------
@@ -197,13 +224,6 @@ def test_none_renders_tools_and_answers_text() -> None:
     assert choice["message"] == {"role": "assistant", "content": HERMES_TWO}
     assert choice["finish_reason"] != "tool_calls"
     assert "<tool>get_time" in fake.tokenizer.decode(fake.submitted[0].input_ids)
-
-
-@pytest.fixture(scope="module")
-def real_tokenizer(smollm2_dir: Path) -> Any:
-    """One real tokenizer for the route tests that compile a grammar (the front end keeps
-    one compiler per tokenizer, so it is built once here)."""
-    return load_tokenizer(smollm2_dir)
 
 
 def _real(tokenizer: Any, parser: str = "qwen25") -> ScriptedEngine:
