@@ -47,11 +47,11 @@ def _answers(args: argparse.Namespace, prompts: list[str], **flags) -> tuple[lis
     info = engine.server_info()["weight_quantization"]
     del engine
     gc.collect()
-    _free_gpu()
+    free_gpu()
     return outs, info
 
 
-def _free_gpu() -> None:
+def free_gpu() -> None:
     import torch
 
     if torch.cuda.is_available():

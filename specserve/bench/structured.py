@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from specserve.bench.prompts import mt_bench_first_turns
+from specserve.bench.quality import free_gpu
 from specserve.bench.report import report
 from specserve.bench.spec_compare import engine_kwargs, spec_counts
 from specserve.grammar.matcher import GrammarMatcher
@@ -105,6 +106,7 @@ def _run(args, prompts: list[str], bs: int, constrained: bool, **flags) -> dict:
         seconds = time.perf_counter() - start
     del engine
     gc.collect()
+    free_gpu()
     _, _, accept = spec_counts(outs)
     tokens = sum(len(o["output_ids"]) for o in outs)
     steps = max(clock.steps, 1)

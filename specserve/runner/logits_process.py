@@ -14,15 +14,21 @@ lossless for the processed distribution. In order:
      the path has its logit divided by the penalty when positive, multiplied when not.
   3. frequency_penalty and presence_penalty (OpenAI): logit -= f * count + p * (count > 0),
      counting output and path tokens.
-  4. the grammar mask: -inf on every token the request's matcher refuses at that node.
+  4. the grammar mask: -inf on every token the request's matcher refuses at that node
+     (skipped for a greedy request when the grammar allows its argmax wherever the
+     greedy walk goes: the masked argmax is then the same token).
 
 Logprobs are read from the processed logits, on both paths. Rows of requests without
 processors are returned untouched (the tensor itself when no request has any).
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 
+import numpy as np
 import torch
 
 from specserve.core.request import Req
@@ -62,11 +68,31 @@ def process(logits: torch.Tensor, reqs: list[Req], tree: TreePaths | None = None
     penalized = [b for b in rows if reqs[b].params.penalized]
     if penalized:
         logits[penalized] = _penalize(logits[penalized], [reqs[b] for b in penalized], tree, penalized)
-    constrained = [b for b in rows if reqs[b].grammar is not None]
+    constrained = _needing_masks(logits, reqs, [b for b in rows if reqs[b].grammar is not None], tree)
     if constrained:
         allowed = _grammar_allowed(reqs, constrained, tree, logits.shape[1], logits.shape[2], logits.device)
         logits[constrained] = logits[constrained].masked_fill(~allowed, float("-inf"))
     return logits
+
+
+def _needing_masks(logits: torch.Tensor, reqs: list[Req], rows: list[int], tree: TreePaths | None) -> list[int]:
+    """The constrained rows that need their grammar's masks. A greedy request without
+    logprobs reads only the argmax along its greedy walk; where the grammar allows the
+    unmasked argmax at each node of that walk, the masked argmax is the same token, so
+    its logits stay unmasked (exact, and a mask is ~10x the cost of that check)."""
+    fast = [b for b in rows if reqs[b].params.greedy and not reqs[b].params.logprobs]
+    if not fast:
+        return rows
+    top = logits[fast].argmax(-1).tolist()  # [F, N]: one read-back
+    keep = set()
+    for b, t in zip(fast, top):
+        g = reqs[b].grammar
+        g.sync(reqs[b].output_ids)
+        ok = g.greedy_allows(t, tree.tokens[b], tree.parents[b], tree.valid[b]) if tree is not None \
+            else g.greedy_allows(t)
+        if ok:
+            keep.add(b)
+    return [b for b in rows if b not in keep]
 
 
 def process_rows(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
@@ -110,15 +136,25 @@ def _counts(ids: list[list[int]], vocab: int, dev: torch.device) -> torch.Tensor
 
 def _grammar_allowed(reqs: list[Req], rows: list[int], tree: TreePaths | None, n: int,
                      vocab: int, dev: torch.device) -> torch.Tensor:
-    """[R, N, V] bool: the tokens each constrained request's grammar allows at each node."""
-    masks = []
-    for b in rows:
+    """[R, N, V] bool: the tokens each constrained request's grammar allows at each node.
+    Requests' matchers are independent and llguidance computes a mask without the GIL, so
+    several requests' masks are computed on a thread pool."""
+    def masks_of(b: int) -> torch.Tensor:
         g = reqs[b].grammar
         g.sync(reqs[b].output_ids)
         if tree is None:
-            masks.append(g.mask()[None])
-        else:
-            masks.append(g.tree_masks(tree.tokens[b], tree.parents[b], tree.valid[b]))
-    words = torch.stack(masks).to(dev, non_blocking=True)  # [R, N, W] int32: V/32 words a row cross
-    bits = (words[..., None] >> _BITS.to(dev)) & 1
-    return bits.reshape(len(rows), n, -1)[..., :vocab].bool()
+            return g.mask()[None]
+        return g.tree_masks(tree.tokens[b], tree.parents[b], tree.valid[b])
+
+    masks = list(_pool().map(masks_of, rows)) if len(rows) > 1 else [masks_of(rows[0])]
+    words = torch.stack(masks)  # [R, N, W] int32
+    if dev.type == "cpu":  # numpy's unpackbits (little-endian words): one pass, where shifts take several
+        bits = np.unpackbits(words.numpy().view(np.uint8), axis=-1, bitorder="little")
+        return torch.from_numpy(bits[..., :vocab]).bool()
+    words = words.to(dev, non_blocking=True)  # V/32 words a row cross to the device
+    return ((words[..., None] >> _BITS.to(dev)) & 1).reshape(len(rows), n, -1)[..., :vocab].bool()
+
+
+@cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="masks")

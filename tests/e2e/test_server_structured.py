@@ -31,7 +31,7 @@ ASK = [{"role": "user", "content": "Describe a person as JSON: name, age and pet
 REGEX = r"(yes|no), because [a-z ,]{4,40}\."
 EBNF = 'root ::= colour "."\ncolour ::= "red" | "green" | "blue" | "yellow"'
 ALGORITHMS = {
-    "NGRAM": ["--speculative-algorithm", "NGRAM"],
+    "NGRAM": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6"],
     "STANDALONE": ["--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "3",
                    "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"],
     "EAGLE3": ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
