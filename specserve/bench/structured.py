@@ -5,8 +5,9 @@ greedy, at each batch size of `--batch-sizes`: first by the plain engine, then w
 `--algorithm` (EAGLE3 on the default model drafts with its shipped head), each engine
 built, warmed up, timed and released in turn. A row reports tokens/s, the accept length,
 the speedup over plain at the same batch size, the answers token-identical to plain's
-and the grammar's host cost per step: the time llguidance spends in matchers (advancing,
-the mask at each request's state or at each draft-tree node) over the steps that carried
+and the grammar's host cost per step: the wall time of the grammar's part of the logits
+processors (advancing the matchers, the greedy argmax checks, the masks at each
+request's state or at each draft-tree node, their unpacking) over the steps that carried
 a constrained request, against the mean step time. `--free` adds the same rows without a
 schema, for what the constraint costs end to end.
 """
@@ -23,7 +24,6 @@ from specserve.bench.prompts import mt_bench_first_turns
 from specserve.bench.quality import free_gpu
 from specserve.bench.report import report
 from specserve.bench.spec_compare import engine_kwargs, spec_counts
-from specserve.grammar.matcher import GrammarMatcher
 from specserve.runner import logits_process
 from specserve.spec import worker
 
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 class GrammarClock:
-    """Host seconds inside GrammarMatcher's methods, and the steps that processed logits."""
+    """Wall seconds in the grammar's part of the processors, and the steps that processed logits."""
 
     def __init__(self) -> None:
         self.seconds, self.steps = 0.0, 0
@@ -57,9 +57,10 @@ class GrammarClock:
 
 @contextmanager
 def clocked() -> Iterator[GrammarClock]:
-    """Time every matcher call and count every process() call while the block runs."""
+    """Time the grammar's phases (on the scheduler's thread: wall time, the mask threads'
+    work inside it) and count every process() call while the block runs."""
     clock = GrammarClock()
-    saved = {name: getattr(GrammarMatcher, name) for name in ("sync", "mask", "tree_masks")}
+    saved = {name: getattr(logits_process, name) for name in ("_needing_masks", "_grammar_allowed")}
     saved_process = logits_process.process
 
     def timed(fn: Callable) -> Callable:
@@ -76,13 +77,13 @@ def clocked() -> Iterator[GrammarClock]:
         return saved_process(*args, **kwargs)
 
     for name, fn in saved.items():
-        setattr(GrammarMatcher, name, timed(fn))
+        setattr(logits_process, name, timed(fn))
     logits_process.process = worker.process = counted  # plain steps (process_rows) and verifies
     try:
         yield clock
     finally:
         for name, fn in saved.items():
-            setattr(GrammarMatcher, name, fn)
+            setattr(logits_process, name, fn)
         logits_process.process = worker.process = saved_process
 
 
