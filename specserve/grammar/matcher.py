@@ -12,6 +12,10 @@ state at the end. A node whose token the grammar forbids at its parent is dead: 
 allows everything, which is harmless because the target's masked logit of that token at
 the parent is -inf, so no acceptance rule can take it.
 
+EOS never advances a matcher: an EOS the grammar allows (it is in an accepting state)
+ends a request, and with ignore_eos the grammar stays where it was. (llguidance keeps no
+EOS in its token history, so a rollback over one would undo a real token as well.)
+
 Invariants: outside a call the matcher sits exactly at the committed output; it never
 consumes a token it did not first find allowed (llguidance cannot leave an error state).
 Should llguidance still fail (a parser limit hit mid-output), the matcher records the
@@ -78,7 +82,7 @@ class GrammarMatcher:
             child = _child_with(node, top[node], tokens, parents, valid) if tokens is not None else None
             if child is None or not self._consume(top[node]):
                 break
-            node, depth = child, depth + 1
+            node, depth = child, depth + (top[node] not in self.eos_ids)
         self._rollback(depth)
         return ok and self.error is None
 
@@ -106,7 +110,7 @@ class GrammarMatcher:
                     break
             alive[i] = True
             self._fill(out[i])
-        self._rollback(len(path))
+        self._rollback(self._advancing(path, tokens))
         return out
 
     def _move_to(self, path: list[int], chain: list[int], tokens: list[int]) -> bool:
@@ -116,7 +120,7 @@ class GrammarMatcher:
         keep = 0
         while keep < min(len(path), len(chain)) and path[keep] == chain[keep]:
             keep += 1
-        self._rollback(len(path) - keep)
+        self._rollback(self._advancing(path[keep:], tokens))
         del path[keep:]
         for node in chain[keep:]:
             if not self._consume(tokens[node]):
@@ -124,7 +128,14 @@ class GrammarMatcher:
             path.append(node)
         return True
 
+    def _advancing(self, nodes: list[int], tokens: list[int]) -> int:
+        """How many of `nodes` advanced the matcher (all but EOS nodes)."""
+        return sum(tokens[i] not in self.eos_ids for i in nodes)
+
     def _consume(self, tok: int) -> bool:
+        """Advance over `tok` (EOS: stay; see the module docstring)."""
+        if tok in self.eos_ids:
+            return True
         if self.ll.consume_token(tok):
             return True
         self.error = f"token {tok} refused: {self.ll.get_error().splitlines()[0]}"

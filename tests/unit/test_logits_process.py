@@ -223,3 +223,23 @@ def test_greedy_walks_without_masks_where_the_argmax_is_allowed(compiler, smollm
     monkeypatch.setattr(logits_process, "_needing_masks", lambda logits, reqs, rows, tree: rows)
     assert fast == walk()
     assert len(fast[1]) >= 2
+
+
+@pytest.mark.slow
+def test_an_eos_in_a_draft_never_moves_the_matcher(compiler, smollm2_dir):
+    """llguidance keeps no EOS in its history: a rollback over one undid a real token, and
+    the grammar then allowed text after its end. Checks and masks over a tree with an
+    EOS node leave the matcher exactly at the committed state."""
+    from specserve.tokenizer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    m = compiler.matcher(Constraint("ebnf", 'root ::= colour "."\ncolour ::= "red" | "blue"'))
+    m.sync(enc("red."))
+    done = m.mask()
+    eos, dot = 2, enc(".")[0]
+    tokens, parents = [dot, eos, dot], [-1, 0, 1]
+    assert m.greedy_allows([eos, dot, dot], tokens, parents, [True] * 3) is False  # '.' after the end: refused
+    assert torch.equal(m.mask(), done)
+    m.tree_masks(tokens, parents, [True] * 3)
+    assert torch.equal(m.mask(), done) and not m.ll.is_error()
