@@ -6,8 +6,8 @@ greedy, at each batch size of `--batch-sizes`: first by the plain engine, then w
 built, warmed up, timed and released in turn. A row reports tokens/s, the accept length,
 the speedup over plain at the same batch size, the answers token-identical to plain's
 and the grammar's host cost per step: the wall time of the grammar's part of the logits
-processors (advancing the matchers, the greedy argmax checks, the masks at each
-request's state or at each draft-tree node, their unpacking) over the steps that carried
+processors (advancing the matchers, the masks at each request's state or at each
+draft-tree node, their unpacking) over the steps that carried
 a constrained request, against the mean step time. `--free` adds the same rows without a
 schema, for what the constraint costs end to end.
 """
@@ -62,7 +62,7 @@ def clocked() -> Iterator[GrammarClock]:
     """Time the grammar's phases (on the scheduler's thread: wall time, the mask threads'
     work inside it) and count every process() call while the block runs."""
     clock = GrammarClock()
-    saved = {name: getattr(logits_process, name) for name in ("_needing_masks", "_grammar_allowed")}
+    saved = {name: getattr(logits_process, name) for name in ("_grammar_allowed",)}
     saved_process = logits_process.process
 
     def timed(fn: Callable) -> Callable:

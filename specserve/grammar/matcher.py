@@ -66,31 +66,6 @@ class GrammarMatcher:
                 out[tok // 32] |= _bit(tok % 32)
         return out
 
-    def greedy_allows(self, top: list[int], tokens: list[int] | None = None, parents: list[int] | None = None,
-                      valid: list[bool] | None = None) -> bool:
-        """Whether the grammar allows the unmasked argmax `top[i]` at every node a greedy walk
-        can reach (the root and, while the argmax is drafted, the child carrying it). Then
-        masking changes no argmax there: greedy decoding needs no mask at all. No tree:
-        the root alone. A few microseconds a node, where a mask costs tens."""
-        if self.error is not None:
-            return False
-        node, depth, ok = 0, 0, True
-        while True:
-            if not self._allows_now(top[node]):
-                ok = False
-                break
-            child = _child_with(node, top[node], tokens, parents, valid) if tokens is not None else None
-            if child is None or not self._consume(top[node]):
-                break
-            node, depth = child, depth + (top[node] not in self.eos_ids)
-        self._rollback(depth)
-        return ok and self.error is None
-
-    def _allows_now(self, tok: int) -> bool:
-        if tok in self.eos_ids:
-            return self.ll.is_accepting()
-        return self.ll.validate_tokens([tok]) == 1
-
     def tree_masks(self, tokens: list[int], parents: list[int], valid: list[bool]) -> torch.Tensor:
         """[N, W] int32: row i the mask after node i's path (node 0 the root). Parents come
         before their children (the Drafts contract), so one pass in node order suffices."""
@@ -157,12 +132,3 @@ def _chain(node: int, parents: list[int]) -> list[int]:
         node = parents[node]
     return chain[::-1]
 
-
-def _child_with(node: int, token: int, tokens: list[int], parents: list[int] | None,
-                valid: list[bool] | None) -> int | None:
-    """The first valid child of `node` (node order) carrying `token`: the greedy walk's next node."""
-    assert parents is not None and valid is not None, "a tree comes with its parents and validity"
-    for j in range(node + 1, len(tokens)):
-        if parents[j] == node and valid[j] and tokens[j] == token:
-            return j
-    return None

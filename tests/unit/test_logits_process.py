@@ -184,52 +184,10 @@ def test_grammar_rows_are_masked_to_minus_inf(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(6))
-def test_greedy_walks_without_masks_where_the_argmax_is_allowed(compiler, smollm2_dir, seed, monkeypatch):
-    """A greedy request's masks are skipped when the grammar allows the argmax along its
-    walk: the accepted path and tokens equal those of the fully masked logits, whether
-    the argmax is allowed (no mask) or forbidden somewhere (masks, as before)."""
-    from specserve.runner.sampler import sampling_batch
-    from specserve.spec.accept import accept
-    from specserve.tokenizer.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(smollm2_dir)
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    gen = torch.Generator().manual_seed(seed)
-    chain = enc('{"a": 12, "b": "xy"}')
-    req = _req(SamplingParams(temperature=0, constraint=Constraint("json_schema", json.dumps(SCHEMA))), [1], chain[:2])
-    req.grammar = compiler.matcher(req.params.constraint)
-    # the greedy chain's next tokens drafted, with a wrong sibling at each depth
-    nxt = chain[2:6]
-    tokens, parents = [chain[1]], [-1]
-    for d, t in enumerate(nxt):
-        tokens += [t, enc("}")[0]]
-        parents += [2 * d if d else 0, 2 * d if d else 0]
-    drafts = Drafts.from_lists([tokens], [parents])
-    logits = torch.randn(1, len(tokens), tok.vocab_size, generator=gen)
-    for i, t in enumerate(nxt):  # the model favours the chain (allowed) ...
-        logits[0, 0 if i == 0 else 2 * i - 1, t] += 30
-    if seed % 2:  # ... or, at one node, a token the grammar forbids
-        logits[0, 2 * (seed % 3), enc("zz")[0]] += 60
-    sb = sampling_batch([req], tok.vocab_size, torch.device("cpu"))
-    unused = torch.zeros(1, len(tokens) + 1)
-
-    def walk() -> tuple[list[int], list[int]]:
-        out = accept(drafts, process(logits, [req], _tree_paths(drafts)), sb, unused[:, :-1], unused[:, -1],
-                     force_greedy=True)
-        return out.paths[0], out.tokens[0]
-
-    fast = walk()
-    monkeypatch.setattr(logits_process, "_needing_masks", lambda logits, reqs, rows, tree: rows)
-    assert fast == walk()
-    assert len(fast[1]) >= 2
-
-
-@pytest.mark.slow
 def test_an_eos_in_a_draft_never_moves_the_matcher(compiler, smollm2_dir):
     """llguidance keeps no EOS in its history: a rollback over one undid a real token, and
-    the grammar then allowed text after its end. Checks and masks over a tree with an
-    EOS node leave the matcher exactly at the committed state."""
+    the grammar then allowed text after its end. Masks over a tree with an EOS node leave
+    the matcher exactly at the committed state."""
     from specserve.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_dir)
@@ -239,7 +197,5 @@ def test_an_eos_in_a_draft_never_moves_the_matcher(compiler, smollm2_dir):
     done = m.mask()
     eos, dot = 2, enc(".")[0]
     tokens, parents = [dot, eos, dot], [-1, 0, 1]
-    assert m.greedy_allows([eos, dot, dot], tokens, parents, [True] * 3) is False  # '.' after the end: refused
-    assert torch.equal(m.mask(), done)
     m.tree_masks(tokens, parents, [True] * 3)
     assert torch.equal(m.mask(), done) and not m.ll.is_error()
