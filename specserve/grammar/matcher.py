@@ -66,6 +66,30 @@ class GrammarMatcher:
                 out[tok // 32] |= _bit(tok % 32)
         return out
 
+    def greedy_walk_allowed(self, top: list[int], tokens: list[int] | None = None,
+                            parents: list[int] | None = None, valid: list[bool] | None = None) -> bool:
+        """Whether the mask allows the unmasked argmax `top[i]` at every node a greedy walk
+        reaches: the root and, while the argmax is drafted, the first valid child carrying
+        it. Then masking changes none of the argmaxes the walk reads, and a greedy request
+        needs no mask applied. The masks are computed at those nodes alone (about the
+        accept length), not at every node of the tree. No tree: the root alone."""
+        if self.error is not None:
+            return False
+        row = torch.zeros(self.words, dtype=torch.int32)
+        node, ok = 0, True
+        path: list[int] = []
+        while True:
+            self._fill(row)
+            if not allows(row, top[node]):
+                ok = False
+                break
+            child = _child_with(node, top[node], tokens, parents, valid) if tokens is not None else None
+            if child is None or not self._move_to(path, path + [child], tokens or []):
+                break
+            node = child
+        self._rollback(self._advancing(path, tokens or []))
+        return ok and self.error is None
+
     def tree_masks(self, tokens: list[int], parents: list[int], valid: list[bool]) -> torch.Tensor:
         """[N, W] int32: row i the mask after node i's path (node 0 the root). Parents come
         before their children (the Drafts contract), so one pass in node order suffices."""
@@ -132,3 +156,12 @@ def _chain(node: int, parents: list[int]) -> list[int]:
         node = parents[node]
     return chain[::-1]
 
+
+def _child_with(node: int, token: int, tokens: list[int], parents: list[int] | None,
+                valid: list[bool] | None) -> int | None:
+    """The first valid child of `node` (node order) carrying `token`: where the greedy walk goes."""
+    assert parents is not None and valid is not None, "a tree comes with its parents and validity"
+    for j in range(node + 1, len(tokens)):
+        if parents[j] == node and valid[j] and tokens[j] == token:
+            return j
+    return None

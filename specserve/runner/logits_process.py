@@ -14,10 +14,9 @@ lossless for the processed distribution. In order:
      the path has its logit divided by the penalty when positive, multiplied when not.
   3. frequency_penalty and presence_penalty (OpenAI): logit -= f * count + p * (count > 0),
      counting output and path tokens.
-  4. the grammar mask: -inf on every token the request's matcher refuses at that node.
-     (A greedy shortcut, "no mask where llguidance validates the argmax", is not exact:
-     its masks refuse some tokens its validate_tokens accepts, e.g. a property name's
-     first token that is not the canonical one.)
+  4. the grammar mask: -inf on every token the request's matcher refuses at that node
+     (not applied to a greedy request whose mask allows its argmax wherever its greedy
+     walk goes: the masked argmax is then the same token; `_needing_masks`).
 
 Logprobs are read from the processed logits, on both paths. Rows of requests without
 processors are returned untouched (the tensor itself when no request has any).
@@ -69,11 +68,31 @@ def process(logits: torch.Tensor, reqs: list[Req], tree: TreePaths | None = None
     penalized = [b for b in rows if reqs[b].params.penalized]
     if penalized:
         logits[penalized] = _penalize(logits[penalized], [reqs[b] for b in penalized], tree, penalized)
-    constrained = [b for b in rows if reqs[b].grammar is not None]
+    constrained = _needing_masks(logits, reqs, [b for b in rows if reqs[b].grammar is not None], tree)
     if constrained:
         allowed = _grammar_allowed(reqs, constrained, tree, logits.shape[1], logits.shape[2], logits.device)
         logits[constrained] = logits[constrained].masked_fill(~allowed, float("-inf"))
     return logits
+
+
+def _needing_masks(logits: torch.Tensor, reqs: list[Req], rows: list[int], tree: TreePaths | None) -> list[int]:
+    """The constrained rows whose masks must be applied. A greedy request without logprobs
+    reads only the argmaxes along its greedy walk; where its mask allows the unmasked
+    argmax at each node of that walk, the masked argmax is the same token (masking only
+    removes tokens), so its logits stay as they are: exact, and its masks are computed
+    at the walk's nodes only."""
+    fast = [b for b in rows if reqs[b].params.greedy and not reqs[b].params.logprobs]
+    if not fast:
+        return rows
+    top = logits[fast].argmax(-1).tolist()  # [F, N]: one read-back
+    keep = set()
+    for b, t in zip(fast, top):
+        g = reqs[b].grammar
+        g.sync(reqs[b].output_ids)
+        walk = (tree.tokens[b], tree.parents[b], tree.valid[b]) if tree is not None else (None, None, None)
+        if g.greedy_walk_allowed(t, *walk):
+            keep.add(b)
+    return [b for b in rows if b not in keep]
 
 
 def process_rows(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:

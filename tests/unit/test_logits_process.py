@@ -199,3 +199,49 @@ def test_an_eos_in_a_draft_never_moves_the_matcher(compiler, smollm2_dir):
     tokens, parents = [dot, eos, dot], [-1, 0, 1]
     m.tree_masks(tokens, parents, [True] * 3)
     assert torch.equal(m.mask(), done) and not m.ll.is_error()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_rows_skip_masks_only_where_the_walk_is_unchanged(compiler, smollm2_dir, seed, monkeypatch):
+    """A greedy request's masks are not applied when its mask allows the argmax at every
+    node of its greedy walk: the accepted path and tokens equal those of fully masked
+    logits, whether the argmax is allowed everywhere or refused somewhere; and the argmax
+    that llguidance's validate_tokens accepts but its mask refuses ('pet' where the mask
+    wants 'p' + 'ets') is masked like any other."""
+    from specserve.runner.sampler import sampling_batch
+    from specserve.spec.accept import accept
+    from specserve.tokenizer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    pets = {"type": "object", "properties": {"name": {"type": "string"}, "pets": {"type": "array"}},
+            "required": ["name", "pets"], "additionalProperties": False}
+    chain = enc('{"name": "Jo", "pets": []}')
+    cut = chain.index(enc(' "')[0], 4) + 1  # just after the second key's opening quote
+    req = _req(SamplingParams(temperature=0, constraint=Constraint("json_schema", json.dumps(pets))), [1], chain[:cut])
+    req.grammar = compiler.matcher(req.params.constraint)
+    nxt = chain[cut:cut + 4]
+    tokens, parents = [chain[cut - 1]], [-1]
+    for d, t in enumerate(nxt):  # the chain drafted, a wrong sibling at each depth
+        tokens += [t, enc("}")[0]]
+        parents += [2 * d - 1 if d else 0] * 2
+    drafts = Drafts.from_lists([tokens], [parents])
+    logits = torch.randn(1, len(tokens), tok.vocab_size, generator=torch.Generator().manual_seed(seed))
+    for i, t in enumerate(nxt + enc("}")):  # the model favours the chain, then the closing brace ...
+        logits[0, 0 if i == 0 else 2 * i - 1, t] += 30
+    if seed % 2:  # ... or, at the root, 'pet': validated by llguidance, refused by its mask
+        logits[0, 0, enc("pet")[0]] += 60
+    sb = sampling_batch([req], tok.vocab_size, torch.device("cpu"))
+    unused = torch.zeros(1, len(tokens) + 1)
+
+    def walk() -> tuple[list[int], list[int]]:
+        out = accept(drafts, process(logits, [req], _tree_paths(drafts)), sb, unused[:, :-1], unused[:, -1],
+                     force_greedy=True)
+        return out.paths[0], out.tokens[0]
+
+    fast = walk()
+    assert logits_process._needing_masks(logits, [req], [0], _tree_paths(drafts)) == ([0] if seed % 2 else [])
+    monkeypatch.setattr(logits_process, "_needing_masks", lambda logits, reqs, rows, tree: rows)
+    assert fast == walk()
+    assert seed % 2 or len(fast[1]) == len(nxt) + 1  # the whole chain accepted where nothing was refused
