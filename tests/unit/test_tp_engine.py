@@ -5,10 +5,13 @@ Every algorithm (plain, NGRAM, STANDALONE, EAGLE-2, EAGLE-3, MTP) on targets who
 are perfect (perfect_draft.py), greedy: the same tokens and the same acceptance counts at
 TP 2 as at TP 1, so the drafts run and are accepted under TP, not merely verified. SmolLM2
 with its shipped EAGLE-3 head: greedy token-identical on real prompts, and seeded sampling
-the same draw for draw. After each engine's requests its KV memory is back to idle.
+the same draw for draw, also under a JSON schema, penalties and logit_bias (every rank
+builds the grammar in the same step). After each engine's requests its KV memory is back
+to idle.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -85,11 +88,17 @@ def test_smollm2_eagle3_at_tp2(smollm2_dir):
     sampled = [{"temperature": 0.8, "top_p": 0.9, "seed": 7 + i, "max_new_tokens": 12} for i in range(2)]
     want = _generate(one, prompts, {"temperature": 0, "max_new_tokens": 20})
     want_sampled = _generate(one, prompts, sampled)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+    processed = [{"temperature": 0, "max_new_tokens": 16, "json_schema": json.dumps(schema)},
+                 {"temperature": 0.8, "seed": 3, "max_new_tokens": 12, "frequency_penalty": 0.5, "logit_bias": {"28": 2}}]
+    want_processed = _generate(one, prompts, processed)
     with Engine(tp_size=2, **flags) as two:
         got = _generate(two, prompts, {"temperature": 0, "max_new_tokens": 20})
         got_sampled = _generate(two, prompts, sampled)
+        got_processed = _generate(two, prompts, processed)
         # unseeded: each request's seed comes from the scheduler's generator, one for all ranks
         unseeded = _generate(two, prompts, {"temperature": 1.0, "max_new_tokens": 12})
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert [o["output_ids"] for o in got_sampled] == [o["output_ids"] for o in want_sampled]
+    assert [o["output_ids"] for o in got_processed] == [o["output_ids"] for o in want_processed]
     assert all(len(o["output_ids"]) > 0 for o in unseeded)
