@@ -27,10 +27,12 @@ collective with a dead rank are not waited for.
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import socket
+import threading
 import time
-from collections.abc import Collection
-from contextlib import closing
+from collections.abc import Collection, Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -89,6 +91,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends (then they arrive as they would have).
+
+    `Process.start()` writes the child's start-up pickle into a pipe; a handler that raises
+    halfway through that write left the child, which reads the pickle before any of our
+    code runs, to die with an EOFError traceback. Python-level handlers only (a blocked
+    signal mask would be inherited by the child); off the main thread there are none."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    saved = {sig: signal.signal(sig, lambda s, _frame: caught.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        for first in caught[:1]:
+            signal.raise_signal(first)
+
+
 class Replica:
     """This node's processes of one engine replica; the pipes when rank 0 is among them."""
 
@@ -105,7 +129,8 @@ class Replica:
                 ends = (inbox_r, outbox_w)
             name = f"specserve-engine-{index}" + (f"-tp{place.rank}" if place.tp_size > 1 else "")
             proc = ctx.Process(target=engine_main, args=(start, place, *ends), daemon=True, name=name)
-            proc.start()
+            with _signals_held():
+                proc.start()
             self.procs.append(proc)
             for end in ends:
                 if end is not None:
