@@ -290,6 +290,25 @@ def warn_lossy_thresholds(cfg: Config, ctx: CheckContext) -> Config:
     return cfg
 
 
+def check_deterministic(cfg: Config, ctx: CheckContext) -> Config:
+    """--enable-deterministic-inference covers one dense GPU (or CPU) in the model's dtype,
+    verified exactly: what it does not cover yet is refused, never silently inexact."""
+    if not cfg.runner.enable_deterministic_inference:
+        return cfg
+    flag = "--enable-deterministic-inference"
+    refused = {
+        "--tp-size > 1": cfg.runner.tp_size > 1 or cfg.runner.nnodes > 1,
+        "--quantization": cfg.model.quantization is not None,
+        "--enable-torch-compile": cfg.runner.enable_torch_compile,
+        "--speculative-accept-threshold-* below 1.0": (cfg.spec.accept_threshold_single < 1.0
+                                                       or cfg.spec.accept_threshold_acc < 1.0),
+    }
+    for what, on in refused.items():
+        if on:
+            raise ConfigError(f"{flag} with {what} is not supported yet")
+    return cfg
+
+
 def note_on_cpu(cfg: Config, ctx: CheckContext) -> Config:
     algo, device = _algo(cfg), cfg.model.device
     if algo is None or not algo.cpu_note:  # before has_cuda(): only then may torch be imported
@@ -318,7 +337,7 @@ RULES: tuple[Rule, ...] = (
     normalize_algorithm, reject_stray_spec_flags, check_ranges, check_algorithm_flags,
     check_unsupported, check_kv_cache_dtype, check_tool_call_parser, check_parallel, check_spec_v2,
     check_step_triple, check_batch_tree, require_draft_model, check_draft_options, warn_ignored_spec_flags,
-    warn_lossy_thresholds, note_on_cpu, default_max_running_requests, apply_spec_defaults,
+    warn_lossy_thresholds, check_deterministic, note_on_cpu, default_max_running_requests, apply_spec_defaults,
 )
 
 

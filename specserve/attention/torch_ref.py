@@ -9,6 +9,9 @@ against. Each forward pads the batch to [B, max_new] queries over [B, max_kv] ke
 A DECODE batch with a `draft_tail` reads keys [0, prefix_b) through the row and then the
 tail's d slots: kv_index = row[:max_prefix] ++ tail, with row columns >= prefix_b masked.
 An fp8 pool's K/V are read back as stored * scale in the queries' dtype (cache/kv_pool.py).
+`float64=True` (--enable-deterministic-inference on a CPU, models/invariant.py) runs SDPA
+in float64 and rounds once: a query's output then does not depend on the padding, the
+masked keys between its visible ones or its batch.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ class _Meta:
 
 
 class TorchRefBackend(AttentionBackend):
+    def __init__(self, float64: bool = False) -> None:
+        self.float64 = float64
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         fb.settle_prefix()
         if fb.draft_tail is not None:
@@ -112,8 +118,10 @@ class TorchRefBackend(AttentionBackend):
             qp = q.reshape(bsz, max_new, heads, dim).transpose(1, 2)  # [B, H, max_new, D]
         else:
             qp = q[m.q_index].transpose(1, 2)
+        if self.float64:
+            qp, keys, vals = qp.double(), keys.double(), vals.double()
         out = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=m.mask, scale=scale,
-                                             enable_gqa=heads != keys.shape[1])
+                                             enable_gqa=heads != keys.shape[1]).to(q.dtype)
         out = out.transpose(1, 2).reshape(bsz * max_new, heads * dim)  # [B*max_new, H*D]
         if out.shape[0] == q.shape[0]:  # no padding: rows are already the packed tokens
             return out

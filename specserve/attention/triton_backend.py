@@ -251,6 +251,27 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"batch {fb.batch_size} exceeds the graph state's max_bs {self._graph_seq_lens.numel()}")
 
 
+class InvariantTritonBackend(TritonBackend):
+    """The same metadata, graphs and buffers, with one kernel pair for every mode
+    (`triton_invariant.py`): a query's output does not depend on the forward mode or the
+    batch (--enable-deterministic-inference)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
+                fb: ForwardBatch, scale: float) -> torch.Tensor:
+        from specserve.attention.triton_invariant import invariant_attention
+
+        if k is not None:  # else stored by the caller (pooled_kv)
+            assert v is not None, "k and v come together"
+            fb.kv_pool.write(layer_id, fb.out_slots, k, v)
+        pool = fb.kv_pool
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+        invariant_attention(q, pool.k[layer_id], pool.v[layer_id], out, fb.req_to_token,
+                            cast(TritonMeta, fb.attn_meta), scale, k_scale=pool.k_scale, v_scale=pool.v_scale)
+        return out.view(q.shape[0], -1)  # [T, H*D]
+
+
 _FIXED_N_MODES = (ForwardMode.VERIFY, ForwardMode.DRAFT_EXTEND)
 
 

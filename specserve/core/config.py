@@ -61,6 +61,8 @@ class RunnerConfig:
     disable_cuda_graph: bool = False
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
+    # every logit computed with one arithmetic whatever the batch (models/invariant.py)
+    enable_deterministic_inference: bool = False
     tp_size: int = 1  # tensor-parallel ranks per replica (engine/ranks.py)
     dp_size: int = 1  # engine replicas behind the one HTTP server
     nnodes: int = 1  # hosts one tensor-parallel group spans

@@ -10,7 +10,9 @@ instead: `matvec.py`); per tree-drafting depth, the children's top-k log-probabi
 (`topk.py`) and the frontier's bookkeeping (`frontier.py`), per pass the kept nodes and
 their ancestor masks (`node_select.py`); per sampled step, the seeded Gumbel noise
 (`gumbel.py`), or the whole Gumbel-max draw without storing the noise (`argmax.py`); per
-verify, the greedy accept walk (`walk.py`), over seeded sampling's targets too.
+verify, the greedy accept walk (`walk.py`), over seeded sampling's targets too. Under
+--enable-deterministic-inference every linear layer runs `invariant_mm.py` instead of the
+GEMVs and cuBLAS: its rows' arithmetic does not depend on how many rows there are.
 The model files call these only when `use_fused(tensor)` says so; everywhere else
 (CPU) they keep their exact torch path.
 
@@ -167,6 +169,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: to
     x = x.reshape(-1, x.shape[-1])
     return skinny.skinny(x, weight, norm_weight=norm_weight, eps=eps, residual=residual.reshape(x.shape[0], -1)
                          if residual is not None else None, gated=gated, out_dtype=out_dtype)
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) with each row's arithmetic independent of M
+    (invariant_mm.py: --enable-deterministic-inference)."""
+    from specserve.kernels import invariant_mm
+
+    return invariant_mm.invariant_matmul(x, weight, bias, out_dtype)
 
 
 def int4_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = None,

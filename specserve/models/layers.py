@@ -9,6 +9,9 @@ zero points (`quantize_storage`, core/quant.py): the few-token kernels read them
 are, longer inputs go through `quant_linear.py`, and the CPU holds the dequantized values
 instead (`dequantize_storage`).
 
+`invariant` (set by `models/invariant.py` under --enable-deterministic-inference) puts a
+`Linear` on `invariant_linear` and a CPU `RMSNorm` in float64: every row computed one way.
+
 `RMSNorm` runs the fused Triton kernels (`specserve.kernels`) where `use_fused` says so
 (CUDA), else the torch path below, which is the reference the kernels are tested against.
 `forward_add` folds the residual add that precedes a pre-norm into the norm's launch.
@@ -25,6 +28,8 @@ from specserve.models.quant_linear import quant_linear
 
 
 class RMSNorm(nn.Module):
+    invariant = False  # --enable-deterministic-inference (models/invariant.py)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -43,6 +48,8 @@ class RMSNorm(nn.Module):
         return self._torch_forward(residual), residual
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:  # float64, rounded once: the same bits whatever the row count
+            return self.weight * F.rms_norm(x.double(), (x.shape[-1],), None, self.eps).to(x.dtype)
         if x.dtype == torch.float32:  # one fused op; bit-identical to the unfused form
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Half types: normalise in fp32, cast back, then scale, as Hugging Face does.
@@ -50,6 +57,8 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
+    invariant = False  # --enable-deterministic-inference: `invariant_linear` (models/invariant.py)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
@@ -59,6 +68,7 @@ class Linear(nn.Module):
         self.weight_zeros: torch.Tensor | None = None  # int4: uint8 zero points [out, groups]
         self.group = in_features  # quantized: input columns one scale covers
         self.method = "fp8"  # quantized: core/quant.py's method of `weight`
+        self.weight64: torch.Tensor | None = None  # invariant on a CPU: float64 [in, out]
 
     def quantize_storage(self, group: int | None = None, method: str = "fp8") -> None:
         """Hold the weight quantized (`method` "fp8" or "int4", core/quant.py) with float32
@@ -110,6 +120,10 @@ class Linear(nn.Module):
         return self.weight if self.weight_t is None else self.weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            weight = self.out_in_weight
+            assert isinstance(weight, torch.Tensor), "invariant layers are not quantized"
+            return invariant_linear(x, weight, self.weight64, self.bias)
         qw = self.quantized
         if qw is not None:
             return quant_linear(x, qw, self.bias)
@@ -118,6 +132,24 @@ class Linear(nn.Module):
         if self.bias is None:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, weight64: torch.Tensor | None, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] times weight [N, K] (+ bias) -> [..., N] in `out_dtype` (default x's), each
+    row computed one way whatever the row count: the Triton kernel where the fused kernels
+    run (kernels/invariant_mm.py), else float64 against `weight64` ([K, N]; from `weight`
+    when None), rounded once (models/invariant.py)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if kernels.use_fused(flat):
+        y = kernels.invariant_matmul(flat, weight, bias, out_dtype)
+    else:
+        w64 = weight64 if weight64 is not None else weight.detach().t().double()
+        y64 = flat.double() @ w64
+        if bias is not None:
+            y64 += bias.double()
+        y = y64.to(out_dtype or x.dtype)
+    return y.view(*x.shape[:-1], -1)
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:

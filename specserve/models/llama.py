@@ -39,10 +39,11 @@ from specserve.core import parallel
 from specserve.core.forward_batch import ForwardBatch
 from specserve.core.quant import QuantWeight
 from specserve.core.rope import RopeAt
+from specserve.models import invariant
 from specserve.models.checkpoint import check_complete, load_tensor, loadable_tensors
 from specserve.models.compile import CompiledForward
 from specserve.models.compile import attention as compiled_attention
-from specserve.models.layers import Embedding, Linear, RMSNorm, cpu_layout
+from specserve.models.layers import Embedding, Linear, RMSNorm, cpu_layout, invariant_linear
 from specserve.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
@@ -216,6 +217,8 @@ class MLP(nn.Module):
         if kernels.use_fused(gate_up):
             return parallel.all_reduce(self.down_proj(kernels.silu_and_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.gate_up_proj.invariant:  # the CPU's invariant path: SiLU in float64, rounded once
+            return parallel.all_reduce(self.down_proj(F.silu(gate.double()).to(gate.dtype) * up))
         return parallel.all_reduce(self.down_proj(F.silu(gate) * up))
 
     def forward_few_tokens(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -296,6 +299,10 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.compiled: CompiledForward | None = None  # --enable-torch-compile (models/compile.py)
         self.weight_quant: WeightQuant | None = None  # how the loader quantized it (models/quantization.py)
+        # --enable-deterministic-inference (models/invariant.py): the head's rows one way on any
+        # batch; on a CPU, multiplied by this float64 [hidden, vocab] copy
+        self.invariant = False
+        self.head64: torch.Tensor | None = None
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden [T, hidden] and the aux hidden states [T, hidden] asked for,
@@ -327,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
     def _few_tokens(self, h: torch.Tensor, fb: ForwardBatch) -> bool:
         """Whether this forward takes the few-token GEMV path (`kernels.use_gemv`: up to 32
         tokens), a pooled KV cache, and layers it supports."""
-        return (kernels.use_gemv(h) and fb.attn_backend.pooled_kv and len(self.model.layers) > 0
+        return (not self.invariant and kernels.use_gemv(h) and fb.attn_backend.pooled_kv and len(self.model.layers) > 0
                 and all(layer.few_tokens_ready for layer in self.model.layers))
 
     def _forward_few_tokens(self, h: torch.Tensor, fb: ForwardBatch,
@@ -345,11 +352,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Logits of `hidden` [T, H]: float32, or (float32 False, for an argmax alone) maybe
         in the model's dtype, whose conversion would change no argmax (it is exact and
-        keeps order) and at a verify of 2048 tokens would read and write some 600 MB a step."""
+        keeps order) and at a verify of 2048 tokens would read and write some 600 MB a step.
+        Invariant (models/invariant.py): float32 always, straight from the accumulator."""
+        if self.invariant:
+            return invariant_linear(hidden, self.lm_head.weight, self.head64, None, torch.float32)
         if kernels.use_gemv(hidden, lm_head=True):  # the float32 logits of the half ones, in the GEMV's launch
             return parallel.gather_vocab(kernels.gemv(hidden, self.lm_head.weight, out_dtype=torch.float32))
         logits = parallel.gather_vocab(self.lm_head(hidden))
         return logits.float() if float32 else logits
+
+    def make_invariant(self) -> None:
+        """--enable-deterministic-inference (models/invariant.py): every layer, the head
+        and the forward's path one way for any batch."""
+        invariant.enable_layers(self)
+        self.invariant = True
+        if not self.lm_head.weight.is_cuda:
+            self.head64 = self.lm_head.weight.detach().t().double().contiguous()
 
     def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
         """After weights are loaded: tie the head if asked and build RoPE tables."""

@@ -37,16 +37,17 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """`name` None: Triton on CUDA (when triton is installed), the torch reference on CPU."""
+def make_backend(name: str | None, device: torch.device, invariant: bool = False) -> AttentionBackend:
+    """`name` None: Triton on CUDA (when triton is installed), the torch reference on CPU;
+    `invariant`: their batch-invariant forms (--enable-deterministic-inference)."""
     if name is None:
         name = "triton" if device.type == "cuda" and _has_triton() else "torch"
     if name == "torch":
-        return TorchRefBackend()
+        return TorchRefBackend(float64=invariant)
     if name == "triton":
-        from specserve.attention.triton_backend import TritonBackend
+        from specserve.attention.triton_backend import InvariantTritonBackend, TritonBackend
 
-        return TritonBackend()
+        return InvariantTritonBackend() if invariant else TritonBackend()
     raise ValueError(f"attention backend {name!r} is not available (available: torch, triton)")
 
 
@@ -97,7 +98,10 @@ class ModelRunner:
         logger.info("KV cache is allocated. #tokens: %d, dtype: %s, K size: %.2f GB, V size: %.2f GB",
                     self.num_slots, str(self.kv_dtype).removeprefix("torch."), k_gb, k_gb)
         self.attn_backend_name = runner_cfg.attention_backend
-        self.attn_backend = make_backend(runner_cfg.attention_backend, self.device)
+        invariant = runner_cfg.enable_deterministic_inference
+        if invariant:
+            self.model.make_invariant()
+        self.attn_backend = make_backend(runner_cfg.attention_backend, self.device, invariant)
         self.feature_mode: str | None = None  # what forward_with_features returns (EAGLE drafts)
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # prefill chunks (one request or several)
