@@ -68,13 +68,15 @@ def _query(SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart, b, i, tai
         n = tl.load(Extend + b)
         exists = i < n
         t = tl.load(QStarts + b) + i
-        if MODE == CAUSAL:
-            from_row = tl.load(Prefix + b)
-            length = from_row + i + 1
+        if MODE == CAUSAL:  # every key is in the table row
+            length = tl.load(Prefix + b) + i + 1
+            from_row = length
         else:
             from_row = tl.load(Prefix + b)
             j = tl.arange(0, BLOCK_T)
-            row_mask = tl.load(Mask + tl.load(MaskPtr + b) + i * n + j, mask=exists & (j < n), other=0)
+            # j < n, or nothing when query i does not exist (a where: the interpreter cannot
+            # mask with a scalar comparison and'ed into a vector)
+            row_mask = tl.load(Mask + tl.load(MaskPtr + b) + i * n + j, mask=j < tl.where(exists, n, 0), other=0)
             vis = row_mask != 0
             length = from_row + tl.sum(vis.to(tl.int32), axis=0)
     return t, length, from_row, vis, exists

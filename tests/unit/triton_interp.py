@@ -63,6 +63,33 @@ def _patch_fp8_rounding() -> None:
     interpreter._convert_float = convert
 
 
+def _patch_bf16_dot() -> None:
+    """The interpreter keeps bf16 values as their raw 16 bits (numpy has no bf16) and
+    tl.dot hands those integers to np.matmul: widen bf16 operands to float32 first (exact:
+    the bits shifted left 16), as a GPU's bf16 MMA multiplies exactly into fp32."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "bf16_widened", False):
+        return
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        bits = np.ascontiguousarray(h.data).view(np.uint16).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot.bf16_widened = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_old_interpreter()
     _patch_fp8_rounding()
+    _patch_bf16_dot()

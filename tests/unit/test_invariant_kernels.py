@@ -1,0 +1,179 @@
+"""--enable-deterministic-inference's kernels are batch-invariant, bit for bit, in bf16.
+
+Compiled on CUDA, under TRITON_INTERPRET=1 on a CPU. For each kernel the mode runs:
+row i of a call over M rows equals the call over that row alone, over a sweep of M and
+shapes (the linear layer, the norms, SiLU*mul, RoPE + KV write, the embedding); and the
+attention of a token is the same bits as a decode (alone or batched), as a row of a
+prefill (whole or chunked), as a node of a verified tree (siblings masked in between)
+and after a draft tail. Their values are also checked against torch, loosely.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.unit.triton_interp import DEV  # first: sets TRITON_INTERPRET on CPU (and widens bf16 dots)
+
+pytest.importorskip("triton")
+
+from specserve import kernels  # noqa: E402
+from specserve.attention import triton_invariant  # noqa: E402
+from specserve.attention.torch_ref import TorchRefBackend  # noqa: E402
+from specserve.attention.triton_backend import InvariantTritonBackend  # noqa: E402
+from specserve.cache.kv_pool import KVPool  # noqa: E402
+from specserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+
+BF16 = torch.bfloat16
+ROWS = (1, 2, 5, 16, 17, 33)
+
+
+def _rows_alone(fn, m: int) -> None:
+    """fn(idx) (the rows idx of its inputs) over rows 0..m-1 equals fn over its first,
+    middle and last rows alone, bit for bit."""
+    with torch.no_grad():
+        whole = fn(torch.arange(m, device=DEV))
+        for i in sorted({0, m // 2, m - 1}):
+            assert torch.equal(fn(torch.tensor([i], device=DEV))[0], whole[i]), (m, i)
+
+
+@pytest.mark.parametrize("n, k, bias, rows", [(40, 48, False, ROWS), (70, 200, True, ROWS),
+                                              (8200, 32, False, (1, 17))])
+def test_linear_rows_do_not_depend_on_the_row_count(n, k, bias, rows):
+    g = torch.Generator().manual_seed(n)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, BF16)
+    b = torch.randn(n, generator=g).to(DEV, BF16) if bias else None
+    x = torch.randn(max(rows), k, generator=g).to(DEV, BF16)
+    for m in rows:
+        _rows_alone(lambda idx: kernels.invariant_matmul(x[idx], w, b), m)
+    got = kernels.invariant_matmul(x, w, b, out_dtype=torch.float32)
+    ref = x.float() @ w.float().T + (b.float() if bias else 0)
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_row_local_kernels_do_not_depend_on_the_row_count():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(max(ROWS), 96, generator=g).to(DEV, BF16)
+    w = torch.rand(48, generator=g).to(DEV, BF16)
+    heads, kv, dim = 3, 1, 16
+    qkv = torch.randn(max(ROWS), heads + 2 * kv, dim, generator=g).to(DEV, BF16)
+    cos, sin = (torch.randn(max(ROWS), 1, dim, generator=g).to(DEV, BF16) for _ in range(2))
+
+    def rope(idx: torch.Tensor) -> torch.Tensor:  # the rotated queries and the keys stored at slots idx
+        k_cache, v_cache = (torch.zeros(max(ROWS), kv, dim, dtype=BF16, device=DEV) for _ in range(2))
+        q = kernels.rope_store_kv(qkv[idx], heads, cos[idx], sin[idx], k_cache, v_cache, idx)
+        return torch.cat([q, k_cache[idx], v_cache[idx]], 1)
+    for m in ROWS:
+        _rows_alone(lambda idx: kernels.rms_norm(x[idx, :48], w, 1e-5), m)
+        _rows_alone(lambda idx: torch.cat(kernels.fused_add_rms_norm(x[idx, :48], x[idx, 48:], w, 1e-5), 1), m)
+        _rows_alone(lambda idx: kernels.silu_and_mul(x[idx]), m)
+        _rows_alone(lambda idx: kernels.embedding(idx, x), m)
+        _rows_alone(rope, m)
+
+
+# -- attention -------------------------------------------------------------------------
+# Pieces of at most S_CAP = 2 here (8 in the server), so 100 keys split 64 + 36 and the
+# interpreter stays quick: the same code, whatever the cap
+L, P, HEADS, KV_HEADS, DIM = 100, 80, 4, 2, 16
+SLOTS = 200
+
+
+class _World:
+    """One sequence of L tokens (slots 1..L in table row 0) with random q/k/v, and draft
+    trees over positions P.. (table rows 1, 2): the path nodes reuse the sequence's K/V
+    slots, siblings get slots of their own with random K/V."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.pool = KVPool(SLOTS, 1, KV_HEADS, DIM, BF16, DEV)
+        for t in self.pool.k + self.pool.v:
+            t.copy_(torch.randn(t.shape, generator=g))
+        self.q = torch.randn(L + 16, HEADS, DIM, generator=g).to(DEV, BF16)  # rows past L: siblings' queries
+        self.table = torch.zeros(4, 512, dtype=torch.int64)
+        self.table[0, :L] = torch.arange(1, L + 1)
+        self.backend = InvariantTritonBackend(DEV)
+
+    def run(self, mode: ForwardMode, rows: list[int], prefix: list[int], extend: list[int], q: torch.Tensor,
+            masks: list[torch.Tensor] | None = None, tail: torch.Tensor | None = None,
+            backend: object = None) -> torch.Tensor:
+        n = q.shape[0]
+        zeros = torch.zeros(n, dtype=torch.int64, device=DEV)
+        fb = ForwardBatch(mode, zeros, zeros, zeros, torch.tensor(rows, device=DEV), prefix, extend,
+                          self.table.to(DEV), self.pool, backend or self.backend, custom_masks=masks,
+                          draft_tail=tail)
+        fb.attn_backend.init_forward_metadata(fb)
+        with torch.no_grad():
+            return fb.attn_backend.forward(q, None, None, 0, fb, DIM ** -0.5).view(n, HEADS, DIM)
+
+    def decode(self, positions: list[int]) -> torch.Tensor:
+        """Each position decoded, all in one batch."""
+        k = len(positions)
+        return self.run(ForwardMode.DECODE, [0] * k, positions, [1] * k, self.q[positions])
+
+    def tree(self, row: int, parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Verify a tree (node 0 the root at position P; parents[i] < i) whose first-child
+        chain is the sequence; returns (outputs [n, H, D], sequence position per node or -1)."""
+        n = len(parents)
+        pos, sib = [P], L
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        self.table[row, :P] = self.table[0, :P]
+        self.table[row, P] = self.table[0, P]
+        mask[0, 0] = True
+        q_rows = [P]
+        for i in range(1, n):
+            parent = parents[i]
+            on_chain = pos[parent] >= 0 and pos[parent] + 1 not in pos
+            pos.append(pos[parent] + 1 if on_chain else -1)
+            slot = int(self.table[0, pos[i]]) if on_chain else SLOTS - 1 - i
+            self.table[row, P + i] = slot
+            mask[i] = mask[parent]
+            mask[i, i] = True
+            q_rows.append(pos[i] if on_chain else sib + i)
+        out = self.run(ForwardMode.VERIFY, [row], [P], [n], self.q[q_rows], masks=[mask.to(DEV)])
+        return out, pos
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[_World]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_invariant, "S_CAP", 2)
+        yield _World()
+
+
+def test_decode_is_the_same_alone_or_batched(world):
+    positions = [0, 31, 32, 63, 64, 65, L - 2, L - 1]
+    batched = world.decode(positions)
+    for i in (0, 4, 5, 7):
+        assert torch.equal(world.decode([positions[i]])[0], batched[i]), positions[i]
+    ref = world.run(ForwardMode.DECODE, [0] * len(positions), positions, [1] * len(positions),
+                    world.q[positions], backend=TorchRefBackend())
+    torch.testing.assert_close(batched, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_prefill_rows_equal_decodes(world):
+    whole = world.run(ForwardMode.EXTEND, [0], [0], [L], world.q[:L])
+    chunk = world.run(ForwardMode.EXTEND, [0, 0], [20, 60], [10, L - 60], torch.cat([world.q[20:30], world.q[60:L]]))
+    positions = list(range(20, 30)) + list(range(60, L))
+    decoded = world.decode(positions)
+    assert torch.equal(whole[positions], decoded)
+    assert torch.equal(chunk, decoded)
+
+
+def test_tree_nodes_equal_decodes(world):
+    # node 1 continues the root, node 2 is its sibling, node 3 continues node 1, node 4 a
+    # sibling below node 1, node 5 continues node 3: masked siblings sit between ancestors
+    out, pos = world.tree(1, [0, 0, 0, 1, 1, 3])
+    chain = [i for i, p in enumerate(pos) if p >= 0]
+    assert len(chain) == 4
+    assert torch.equal(out[chain], world.decode([pos[i] for i in chain]))
+    out2, pos2 = world.tree(2, [0, 0, 1, 2, 0, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+    chain2 = [i for i, p in enumerate(pos2) if p >= 0]
+    assert torch.equal(out2[chain2], world.decode([pos2[i] for i in chain2]))
+
+
+def test_a_draft_tail_equals_the_decode(world):
+    depth = 5  # keys [0, P) from the row, then the tail's slots of positions P .. P + 4
+    tail = world.table[0, P:P + depth].view(1, depth).to(DEV)
+    out = world.run(ForwardMode.DECODE, [0], [P], [1], world.q[P + depth - 1:P + depth], tail=tail)
+    assert torch.equal(out[0], world.decode([P + depth - 1])[0])
