@@ -13,8 +13,9 @@ the answers of an earlier run. `--rounds R` times each of our engines R times on
 prompts and reports its middle round (transformers runs once).
 
 Every row reports tokens/s, the accept length (from `meta_info.spec_verify_ct`), the speedup
-over our plain engine at the same batch size and how many questions got token-identical
-answers to plain. Rows print as an aligned table (method | bs | tok/s | accept len | speedup |
+over our plain engine at the same batch size, how many questions got token-identical
+answers to plain at that batch size, and to plain at the first batch size ("same as bs1":
+with --enable-deterministic-inference, a request's answer does not depend on its batch). Rows print as an aligned table (method | bs | tok/s | accept len | speedup |
 identical) and go to `--output` as JSON lines; one summary line follows, then a PNG bar chart
 of tokens/s per method and batch size (`--plot`, skipped with a note without matplotlib).
 """
@@ -349,7 +350,9 @@ def identical(a: Answers, b: Answers) -> int:
 
 
 def make_row(args: argparse.Namespace, method: Method, bs: int, answers: Answers, plain: Answers,
-             runtime: Runtime) -> dict:
+             runtime: Runtime, first_plain: Answers | None = None) -> dict:
+    """One JSON row; `first_plain`: plain at the first batch size, which `identical_to_first_bs`
+    counts against (a request's output should not depend on its batch)."""
     tok_s = answers.tokens / answers.seconds
     return {"bench": "mtbench", "model": args.model, "method": method.label, "algorithm": method.algorithm,
             "draft": method.draft, "batch_size": bs, "device": str(runtime.device),
@@ -358,11 +361,12 @@ def make_row(args: argparse.Namespace, method: Method, bs: int, answers: Answers
             "tokens": answers.tokens,
             "seconds": answers.seconds, "tok_s": tok_s, "accept_length": accept_length(method, answers),
             "speedup": tok_s / (plain.tokens / plain.seconds), "identical_outputs": identical(answers, plain),
+            "identical_to_first_bs": identical(answers, first_plain or plain),
             "plain_steps": answers.plain_steps,
             "spec_args": args.spec_args if method.algorithm else "", "rounds": 1 if method.hf else args.rounds}
 
 
-COLUMNS = (("bs", 4), ("tok/s", 10), ("accept len", 11), ("speedup", 8), ("identical", 10))
+COLUMNS = (("bs", 4), ("tok/s", 10), ("accept len", 11), ("speedup", 8), ("identical", 10), ("same as bs1", 11))
 
 
 def table_header(width: int) -> str:
@@ -372,7 +376,8 @@ def table_header(width: int) -> str:
 def table_line(row: dict, width: int) -> str:
     accept = "-" if row["accept_length"] is None else f"{row['accept_length']:.2f}"
     cells = (row["batch_size"], f"{row['tok_s']:.1f}", accept, f"{row['speedup']:.2f}x",
-             f"{row['identical_outputs']}/{row['num_questions']}")
+             f"{row['identical_outputs']}/{row['num_questions']}",
+             f"{row['identical_to_first_bs']}/{row['num_questions']}")
     return " | ".join([f"{row['method']:<{width}}"] + [f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS)])
 
 
@@ -438,13 +443,15 @@ def run(args: argparse.Namespace) -> list[dict]:
     width = max(len("method"), *(len(m.label) for m in methods))
     print(table_header(width), flush=True)
     rows: list[dict] = []
+    first_plain: Answers | None = None
     for bs in batch_sizes(args):
         plain, runtime = None, None
         for method in methods:
             answers, runtime = measure(args, method, bs, tok, questions, runtime)
             if plain is None:  # methods[0]: every speedup and identical count is against it
                 plain = answers
-            row = make_row(args, method, bs, answers, plain, runtime)
+                first_plain = first_plain or answers
+            row = make_row(args, method, bs, answers, plain, runtime, first_plain)
             report(table_line(row, width), row, args.output)
             rows.append(row)
     return rows

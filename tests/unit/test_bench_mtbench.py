@@ -79,6 +79,7 @@ def test_rows_for_every_method_and_batch_size(one_turn):
     for r in rows:
         assert r["bench"] == "mtbench" and r["num_questions"] == 3 and r["turns"] == 1
         assert r["identical_outputs"] == 3, r  # greedy fp32: speculation is lossless
+        assert r["identical_to_first_bs"] == 3, r  # ... and batching too
         assert r["tok_s"] > 0 and r["seconds"] > 0 and 3 <= r["tokens"] <= 3 * 6
         assert r["accept_length"] >= 1.0
         assert r["device"] == "cpu" and r["dtype"] == "float32"
