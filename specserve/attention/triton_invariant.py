@@ -85,7 +85,7 @@ def _query(SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart, b, i, tai
 @triton.jit
 def _split_len(length, BLOCK_N: tl.constexpr, S_CAP: tl.constexpr):
     """SPLIT(L): the module docstring's piece length."""
-    split = BLOCK_N
+    split = length * 0 + BLOCK_N  # an int32 scalar tensor: the loop carries it
     while split * S_CAP < length:
         split *= 2
     return split

@@ -11,7 +11,8 @@ runner with a read-back after each (host work included; the verify of a speculat
 is read back at once), and as the GPU time of their captured graphs' replays (CUDA
 events, the two graphs alternated in blocks), which host noise does not move.
 
-With --quantizations none,fp8 each weight format runs in turn (ratios to the first);
+With --quantizations none,fp8 each weight format runs in turn (ratios to the first), and
+with --deterministic off,on the model without and with --enable-deterministic-inference;
 the bytes a step reads are the weights as stored. With --tp-sizes 1,2 (or 4) each size
 runs in turn, sharded over GPUs 0..N-1 (one process
 a rank, bench/ranks.py); the bandwidth is every rank's bytes over the step time, against
@@ -55,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="tensor-parallel sizes to time in turn, e.g. 1,2 (each on GPUs 0..N-1, one process each)")
     p.add_argument("--quantizations", default="none",
                    help="weight quantizations to time in turn, e.g. none,fp8 (the first is the ratios' base)")
+    p.add_argument("--deterministic", default="off",
+                   help="--enable-deterministic-inference off and/or on, timed in turn, e.g. off,on")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3"))
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=256)
@@ -93,14 +96,17 @@ def step_bytes(model, kv_len: int, kv_element: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     sizes = [int(t) for t in args.tp_sizes.split(",")]
-    runs = [(q, tp) for q in args.quantizations.split(",") for tp in sizes]
+    runs = [(q, det, tp) for q in args.quantizations.split(",") for det in args.deterministic.split(",")
+            for tp in sizes]
     first: dict | None = None
-    for q, tp in runs:
-        args.quantization = None if q == "none" else q
+    for q, det, tp in runs:
+        args.quantization, args.invariant = (None if q == "none" else q), det == "on"
         row = _measure(args) if sizes == [1] else _combine(run_on_ranks(_measure, tp, args))
         first = first or row
         row["tp_size"], row["speedup_vs_first"] = tp, row["tok_s"] / first["tok_s"]
-        report(f"limit: {args.shape}-shaped bf16 weights {q} KV {args.kv_cache_dtype} TP {tp} bs=1 "
+        row["deterministic"] = args.invariant
+        report(f"limit: {args.shape}-shaped bf16 weights {q} KV {args.kv_cache_dtype} TP {tp} "
+               f"deterministic {det} bs=1 "
                f"{row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms/step, "
                f"{row['speedup_vs_first']:.2f}x the first run), {row['achieved_GBps']:.0f} GB/s = "
                f"{100 * row['fraction_of_copy']:.1f}% of copy {row['copy_GBps']:.0f} GB/s (no overlap: "
@@ -171,6 +177,8 @@ def _scheduler(model_dir: Path, args: argparse.Namespace):
     argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
+    if getattr(args, "invariant", False):
+        argv.append("--enable-deterministic-inference")
     start = EngineStart(parse_config(argv), model_dir, model_dir)  # no tokenizer files: a word tokenizer
     return Scheduler(start, _word_tokenizer(SHAPES[args.shape]["vocab_size"]))
 

@@ -15,8 +15,9 @@ prompts and reports its middle round (transformers runs once).
 Every row reports tokens/s, the accept length (from `meta_info.spec_verify_ct`), the speedup
 over our plain engine at the same batch size, how many questions got token-identical
 answers to plain at that batch size, and to plain at the first batch size ("same as bs1":
-with --enable-deterministic-inference, a request's answer does not depend on its batch). Rows print as an aligned table (method | bs | tok/s | accept len | speedup |
-identical) and go to `--output` as JSON lines; one summary line follows, then a PNG bar chart
+with --enable-deterministic-inference, a request's answer does not depend on its batch).
+Rows print as an aligned table (method | bs | tok/s | accept len | speedup | identical |
+same as bs1) and go to `--output` as JSON lines; one summary line follows, then a PNG bar chart
 of tokens/s per method and batch size (`--plot`, skipped with a note without matplotlib).
 """
 from __future__ import annotations

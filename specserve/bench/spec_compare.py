@@ -105,10 +105,12 @@ def random_head(args, out_dir: str) -> str:
     return str(save_eagle3(Path(out_dir) / "eagle3", target, draft_vocab=min(32000, vocab), scale=0.02))
 
 
-def engine_kwargs(text: str) -> dict[str, str]:
-    """'a=1,b=x' -> {'a': '1', 'b': 'x'} (the Engine parses values as its flags do)."""
+def engine_kwargs(text: str) -> dict[str, str | bool]:
+    """'a=1,b=x,c=true' -> {'a': '1', 'b': 'x', 'c': True} (the Engine parses values as its
+    flags do; true/false switch a flag on or off)."""
     pairs = (item.split("=", 1) for item in filter(None, text.split(",")))
-    return {key.strip(): value.strip() for key, value in pairs}
+    switches = {"true": True, "false": False}
+    return {key.strip(): switches.get(value.strip().lower(), value.strip()) for key, value in pairs}
 
 
 def _spec_kwargs(args, draft: str | None) -> dict:
