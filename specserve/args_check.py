@@ -334,10 +334,10 @@ def apply_spec_defaults(cfg: Config, ctx: CheckContext) -> Config:
 
 # SGLang's order where it has one: the Spec v2 topk check runs before auto-tuning.
 RULES: tuple[Rule, ...] = (
-    normalize_algorithm, reject_stray_spec_flags, check_ranges, check_algorithm_flags,
+    normalize_algorithm, reject_stray_spec_flags, check_ranges, check_deterministic, check_algorithm_flags,
     check_unsupported, check_kv_cache_dtype, check_tool_call_parser, check_parallel, check_spec_v2,
     check_step_triple, check_batch_tree, require_draft_model, check_draft_options, warn_ignored_spec_flags,
-    warn_lossy_thresholds, check_deterministic, note_on_cpu, default_max_running_requests, apply_spec_defaults,
+    warn_lossy_thresholds, note_on_cpu, default_max_running_requests, apply_spec_defaults,
 )
 
 

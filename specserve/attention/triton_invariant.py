@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 
 BLOCK_N = 32
 S_CAP = 8  # pieces per query at most
-DECODE, CAUSAL, TREE, TAIL = 0, 1, 2, 3
+DECODE, CAUSAL, TREE, TAIL = 0, 1, 2, 3  # MODE, as the host passes it; the kernels read these:
+_DECODE, _CAUSAL, _TREE, _TAIL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 
 @triton.jit
@@ -56,11 +57,11 @@ def _query(SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart, b, i, tai
     """(token row t, key count L, keys taken from the table row, visible tree nodes [BLOCK_T],
     whether query i exists) of request b's query i."""
     vis = tl.zeros((BLOCK_T,), dtype=tl.int1)
-    if MODE == DECODE:
+    if MODE == _DECODE:
         t, exists = b, i == 0
         from_row = tl.load(SeqLens + b)
         length = from_row
-    elif MODE == TAIL:
+    elif MODE == _TAIL:
         t, exists = b, i == 0
         from_row = tl.load(TailStart + b).to(tl.int32)
         length = from_row + tail_width
@@ -68,7 +69,7 @@ def _query(SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart, b, i, tai
         n = tl.load(Extend + b)
         exists = i < n
         t = tl.load(QStarts + b) + i
-        if MODE == CAUSAL:  # every key is in the table row
+        if MODE == _CAUSAL:  # every key is in the table row
             length = tl.load(Prefix + b) + i + 1
             from_row = length
         else:
@@ -97,7 +98,7 @@ def _slots(Table, row, tail, offs, valid, from_row, vis, MODE: tl.constexpr, BLO
     request's draft tail."""
     in_row = valid & (offs < from_row)
     slots = tl.load(Table + row + offs, mask=in_row, other=0)
-    if MODE == TREE:  # position from_row + r is the r-th visible node
+    if MODE == _TREE:  # position from_row + r is the r-th visible node
         rank = tl.cumsum(vis.to(tl.int32), axis=0) - 1
         j = tl.arange(0, BLOCK_T)
         r = offs - from_row
@@ -105,7 +106,7 @@ def _slots(Table, row, tail, offs, valid, from_row, vis, MODE: tl.constexpr, BLO
         node = tl.sum(tl.where(hit, j[None, :], 0), axis=1)
         tree_slots = tl.load(Table + row + from_row + node, mask=valid & (r >= 0), other=0)
         slots = tl.where(in_row, slots, tree_slots)
-    if MODE == TAIL:
+    if MODE == _TAIL:
         tail_slots = tl.load(tail + offs - from_row, mask=valid & (offs >= from_row), other=0)
         slots = tl.where(in_row, slots, tail_slots)
     return slots
