@@ -51,11 +51,11 @@ def _invariant_mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, HAS_BI
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
-def config(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of a weight [n, k]: a function of the weight alone. Wide outputs
-    (an lm_head) take 64-row weight tiles, the rest 32 so narrow layers still spread
-    over enough programs at one token."""
-    return (64 if n >= 8192 else 32), max(16, min(128, triton.next_power_of_2(k)))
+def config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of a weight [n, k]: a function of the
+    weight alone. Wide outputs (an lm_head) take 64-row weight tiles, the rest 32 so
+    narrow layers still spread over enough programs at one token."""
+    return (64 if n >= 8192 else 32), max(16, min(128, triton.next_power_of_2(k))), 4, 3
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -70,11 +70,11 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return y
-    block_n, block_k = config(n, k)
+    block_n, block_k, warps, stages = config(n, k)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M))
     _invariant_mm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
                                weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, PREC=prec,
-                               BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+                               BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
                                **pdl_flags(x.device))
     return y
