@@ -32,8 +32,8 @@ BLOCK_M = 16
 def _invariant_mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, HAS_BIAS: tl.constexpr,
                          PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, nmask = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     wait_and_release(USE_PDL)
@@ -53,9 +53,11 @@ def _invariant_mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, HAS_BI
 
 def config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of a weight [n, k]: a function of the
-    weight alone. Wide outputs (an lm_head) take 64-row weight tiles, the rest 32 so
-    narrow layers still spread over enough programs at one token."""
-    return (64 if n >= 8192 else 32), max(16, min(128, triton.next_power_of_2(k))), 4, 3
+    weight alone, chosen on an H200 at one row (docs/benchmarks.md): wide outputs (an
+    lm_head) take 64-row weight tiles, the rest 32 so that narrow layers still spread
+    over enough programs; longer rows take longer K tiles."""
+    block_k = 128 if k < 1024 else 256 if k <= 4096 else 512
+    return (64 if n >= 16384 else 32), min(block_k, max(16, triton.next_power_of_2(k))), 4, (4 if block_k <= 256 else 3)
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -72,7 +74,9 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return y
     block_n, block_k, warps, stages = config(n, k)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M))
+    # row tiles vary fastest: the programs that read one weight tile run together, so at
+    # many rows the weight streams from memory about once (the rest hit L2)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
     _invariant_mm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
                                weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, PREC=prec,
                                BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
