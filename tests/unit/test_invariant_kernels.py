@@ -24,6 +24,8 @@ from specserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from specserve.attention.triton_backend import InvariantTritonBackend  # noqa: E402
 from specserve.cache.kv_pool import KVPool  # noqa: E402
 from specserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from specserve.models.loader import load_model  # noqa: E402
+from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
 
 BF16 = torch.bfloat16
 ROWS = (1, 2, 5, 16, 17, 33)
@@ -50,6 +52,30 @@ def test_linear_rows_do_not_depend_on_the_row_count(n, k, bias, rows):
     got = kernels.invariant_matmul(x, w, b, out_dtype=torch.float32)
     ref = x.float() @ w.float().T + (b.float() if bias else 0)
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("form", ["norm", "residual", "gated"])
+def test_fused_forms_do_not_depend_on_the_row_count(form):
+    """The pre-norm, the residual add and gate_up's SiLU*mul ride on the product, row by row,
+    and round as the separate ops do (to a bf16 ulp: the norm's sum runs in another order)."""
+    g = torch.Generator().manual_seed(1)
+    n, k = 40, 48
+    w = (torch.randn(2 * n if form == "gated" else n, k, generator=g) / k ** 0.5).to(DEV, BF16)
+    x = torch.randn(max(ROWS), k, generator=g).to(DEV, BF16)
+    r = torch.randn(max(ROWS), n, generator=g).to(DEV, BF16)
+    nw = torch.rand(k, generator=g).to(DEV, BF16)
+    forms = {"norm": lambda idx: {"norm_weight": nw, "eps": 1e-5}, "residual": lambda idx: {"residual": r[idx]},
+             "gated": lambda idx: {"gated": True}}[form]
+    for m in ROWS:
+        _rows_alone(lambda idx: kernels.invariant_matmul(x[idx], w, **forms(idx)), m)
+    got = kernels.invariant_matmul(x, w, **forms(torch.arange(max(ROWS), device=DEV)))
+    if form == "norm":
+        ref = kernels.invariant_matmul(kernels.rms_norm(x, nw, 1e-5), w)
+    elif form == "residual":
+        ref = r + kernels.invariant_matmul(x, w)
+    else:
+        ref = kernels.silu_and_mul(kernels.invariant_matmul(x, w))
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
 
 def test_row_local_kernels_do_not_depend_on_the_row_count():
@@ -177,3 +203,26 @@ def test_a_draft_tail_equals_the_decode(world):
     tail = world.table[0, P:P + depth].view(1, depth).to(DEV)
     out = world.run(ForwardMode.DECODE, [0], [P], [1], world.q[P + depth - 1:P + depth], tail=tail)
     assert torch.equal(out[0], world.decode([P + depth - 1])[0])
+
+
+def test_a_tiny_models_logits_are_the_same_prefilled_decoded_or_verified(tmp_path):
+    """The invariant model on the fused kernels (the GPU's path): one sequence prefilled
+    whole; prefilled in part and decoded a token at a time; and prefilled in part and
+    verified as the chain of a tree with a sibling. Same logits, bit for bit."""
+    model = load_model(save_tiny_hf("llama", tmp_path / "tiny"), BF16, DEV)
+    model.make_invariant()
+    ids = [5, 17, 99, 3, 250, 7, 1, 42, 8]
+    with kernels.fused_kernels(True):
+        r = BareRunner(model)
+        r.backend = InvariantTritonBackend(DEV)
+        whole = r.forward([0], [0], [ids])
+        r.forward([1], [0], [ids[:5]])
+        decoded = torch.cat([r.forward([1], [5 + i], [[ids[5 + i]]], mode=ForwardMode.DECODE) for i in range(3)])
+        r.forward([2], [0], [ids[:5]])
+        # nodes: ids[5] (root), ids[6], a sibling of it, ids[7] below ids[6]
+        mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        verified = r.forward([2], [5], [[ids[5], ids[6], 300, ids[7]]], positions=[[5, 6, 6, 7]],
+                             masks=[mask.to(DEV)], mode=ForwardMode.VERIFY)
+    assert whole.dtype == torch.float32
+    assert torch.equal(decoded, whole[5:8])
+    assert torch.equal(verified[[0, 1, 3]], whole[5:8])
