@@ -172,14 +172,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: to
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None, *, norm_weight: torch.Tensor | None = None,
-                     eps: float = 0.0, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias) with each row's arithmetic independent of M, with
-    `gemv`'s fused forms (invariant_mm.py: --enable-deterministic-inference)."""
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) with each row's arithmetic independent of M
+    (invariant_mm.py: --enable-deterministic-inference)."""
     from specserve.kernels import invariant_mm
 
-    return invariant_mm.invariant_matmul(x, weight, bias, out_dtype, norm_weight=norm_weight, eps=eps,
-                                         residual=residual, gated=gated)
+    return invariant_mm.invariant_matmul(x, weight, bias, out_dtype)
 
 
 def int4_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = None,

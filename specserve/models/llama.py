@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -193,16 +193,16 @@ class Attention(nn.Module):
         norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         caches = pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots
         scales = pool.k_scale, pool.v_scale  # an fp8 cache's (cache/kv_pool.py)
-        q = None if self.qkv_proj.invariant else kernels.qkv_rope_store(
-            stream, self.qkv_proj.out_in_weight, h, rope, *caches, norm_weight=norm_weight, eps=eps,
-            k_scale=scales[0], v_scale=scales[1])
-        if q is None:  # one token (or an odd head dim, or invariant): the GEMV, then RoPE and the KV write
-            qkv = _fused_linear(self.qkv_proj, stream, norm_weight=norm_weight, eps=eps)
+        q = kernels.qkv_rope_store(stream, self.qkv_proj.out_in_weight, h, rope, *caches, norm_weight=norm_weight,
+                                   eps=eps, k_scale=scales[0], v_scale=scales[1])
+        if q is None:  # one token (or an odd head dim): the GEMV, then RoPE and the KV write
+            qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=norm_weight, eps=eps)
             q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope.tables(), *caches,
                                       k_scale=scales[0], v_scale=scales[1])
         out = fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale)
         residual = _rank0_residual(stream if residual is None else residual)
-        return parallel.all_reduce(_fused_linear(self.o_proj, out.reshape(stream.shape[0], -1), residual=residual))
+        return parallel.all_reduce(kernels.gemv(out.reshape(stream.shape[0], -1), self.o_proj.out_in_weight,
+                                                residual=residual))
 
 
 class MLP(nn.Module):
@@ -224,18 +224,10 @@ class MLP(nn.Module):
     def forward_few_tokens(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """stream [T, hidden] + mlp(norm(stream)) in two GEMVs (the norm and SiLU*mul ride on
         gate_up's, the residual add on down_proj's)."""
-        act = _fused_linear(self.gate_up_proj, stream, norm_weight=norm.weight, eps=norm.eps, gated=True)
-        return parallel.all_reduce(_fused_linear(self.down_proj, act, residual=_rank0_residual(stream)))
-
-
-def _fused_linear(layer: Linear, x: torch.Tensor, **forms: Any) -> torch.Tensor:
-    """`kernels.gemv` of x through `layer` with its fused `forms` (norm_weight, eps,
-    residual, gated); an invariant layer's through the batch-invariant kernel instead."""
-    weight = layer.out_in_weight
-    if layer.invariant:
-        assert isinstance(weight, torch.Tensor), "invariant layers are not quantized"
-        return kernels.invariant_matmul(x.reshape(-1, x.shape[-1]), weight, **forms)
-    return kernels.gemv(x, weight, **forms)
+        act = kernels.gemv(stream, self.gate_up_proj.out_in_weight, norm_weight=norm.weight, eps=norm.eps,
+                           gated=True)
+        return parallel.all_reduce(kernels.gemv(act, self.down_proj.out_in_weight,
+                                                residual=_rank0_residual(stream)))
 
 
 def _rank0_residual(stream: torch.Tensor) -> torch.Tensor | None:
@@ -341,10 +333,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _few_tokens(self, h: torch.Tensor, fb: ForwardBatch) -> bool:
         """Whether this forward takes the few-token GEMV path (`kernels.use_gemv`: up to 32
-        tokens; invariant, any count, through kernels/invariant_mm.py), a pooled KV cache,
-        and layers it supports."""
-        fused = kernels.use_fused(h) if self.invariant else kernels.use_gemv(h)  # invariant: any token count
-        return (fused and fb.attn_backend.pooled_kv and len(self.model.layers) > 0
+        tokens), a pooled KV cache, and layers it supports."""
+        return (not self.invariant and kernels.use_gemv(h) and fb.attn_backend.pooled_kv and len(self.model.layers) > 0
                 and all(layer.few_tokens_ready for layer in self.model.layers))
 
     def _forward_few_tokens(self, h: torch.Tensor, fb: ForwardBatch,

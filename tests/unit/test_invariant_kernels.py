@@ -54,30 +54,6 @@ def test_linear_rows_do_not_depend_on_the_row_count(n, k, bias, rows):
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("form", ["norm", "residual", "gated"])
-def test_fused_forms_do_not_depend_on_the_row_count(form):
-    """The pre-norm, the residual add and gate_up's SiLU*mul ride on the product, row by row,
-    and round as the separate ops do (to a bf16 ulp: the norm's sum runs in another order)."""
-    g = torch.Generator().manual_seed(1)
-    n, k = 40, 48
-    w = (torch.randn(2 * n if form == "gated" else n, k, generator=g) / k ** 0.5).to(DEV, BF16)
-    x = torch.randn(max(ROWS), k, generator=g).to(DEV, BF16)
-    r = torch.randn(max(ROWS), n, generator=g).to(DEV, BF16)
-    nw = torch.rand(k, generator=g).to(DEV, BF16)
-    forms = {"norm": lambda idx: {"norm_weight": nw, "eps": 1e-5}, "residual": lambda idx: {"residual": r[idx]},
-             "gated": lambda idx: {"gated": True}}[form]
-    for m in ROWS:
-        _rows_alone(lambda idx: kernels.invariant_matmul(x[idx], w, **forms(idx)), m)
-    got = kernels.invariant_matmul(x, w, **forms(torch.arange(max(ROWS), device=DEV)))
-    if form == "norm":
-        ref = kernels.invariant_matmul(kernels.rms_norm(x, nw, 1e-5), w)
-    elif form == "residual":
-        ref = r + kernels.invariant_matmul(x, w)
-    else:
-        ref = kernels.silu_and_mul(kernels.invariant_matmul(x, w))
-    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
-
-
 def test_row_local_kernels_do_not_depend_on_the_row_count():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(max(ROWS), 96, generator=g).to(DEV, BF16)
@@ -206,7 +182,7 @@ def test_a_draft_tail_equals_the_decode(world):
 
 
 def test_a_tiny_models_logits_are_the_same_prefilled_decoded_or_verified(tmp_path):
-    """The invariant model on the fused kernels (the GPU's path): one sequence prefilled
+    """The invariant model on the Triton kernels (the GPU's path): one sequence prefilled
     whole; prefilled in part and decoded a token at a time; and prefilled in part and
     verified as the chain of a tree with a sibling. Same logits, bit for bit."""
     model = load_model(save_tiny_hf("llama", tmp_path / "tiny"), BF16, DEV)
