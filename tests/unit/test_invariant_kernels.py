@@ -41,7 +41,7 @@ def _rows_alone(fn, m: int) -> None:
 
 
 @pytest.mark.parametrize("n, k, bias, rows", [(40, 48, False, ROWS), (70, 200, True, ROWS),
-                                              (8200, 32, False, (1, 17))])
+                                              (24, 1100, False, (1, 17))])  # K tiles of 256 and a tail
 def test_linear_rows_do_not_depend_on_the_row_count(n, k, bias, rows):
     g = torch.Generator().manual_seed(n)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, BF16)
@@ -75,9 +75,9 @@ def test_row_local_kernels_do_not_depend_on_the_row_count():
 
 
 # -- attention -------------------------------------------------------------------------
-# Pieces of at most S_CAP = 2 here (8 in the server), so 100 keys split 64 + 36 and the
+# Pieces of at most S_CAP = 2 here (8 in the server), so 72 keys split 64 + 8 and the
 # interpreter stays quick: the same code, whatever the cap
-L, P, HEADS, KV_HEADS, DIM = 100, 80, 4, 2, 16
+L, P, HEADS, KV_HEADS, DIM = 72, 54, 4, 2, 16
 SLOTS = 200
 
 
@@ -144,9 +144,9 @@ def world() -> Iterator[_World]:
 
 
 def test_decode_is_the_same_alone_or_batched(world):
-    positions = [0, 31, 32, 63, 64, 65, L - 2, L - 1]
+    positions = [0, 31, 32, 63, 64, 65, L - 1]
     batched = world.decode(positions)
-    for i in (0, 4, 5, 7):
+    for i in (0, 4, 5, 6):
         assert torch.equal(world.decode([positions[i]])[0], batched[i]), positions[i]
     ref = world.run(ForwardMode.DECODE, [0] * len(positions), positions, [1] * len(positions),
                     world.q[positions], backend=TorchRefBackend())
