@@ -54,7 +54,7 @@ def _invariant_mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, swk, sy, H
 
 def config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of a weight [n, k]: a function of the
-    weight alone, chosen on an H200 at one row (docs/benchmarks.md): wide outputs (an
+    weight alone, chosen by a sweep at one row (docs/benchmarks.md): wide outputs (an
     lm_head) take 64-row weight tiles, the rest 32 so that narrow layers still spread
     over enough programs; longer rows take longer K tiles."""
     block_k = 128 if k < 1024 else 256 if k <= 4096 else 512

@@ -6,8 +6,8 @@ chunk, or batched with any other requests. Greedy speculative decoding then equa
 decoding bit for bit in bf16 (exact arithmetic alone made it equal in fp32), and a
 request's output never depends on its neighbours.
 
-What `enable` changes on a target (drafts are left as they are: they only propose, and
-exact verification makes the output the target's):
+What `LlamaForCausalLM.make_invariant` changes on a target (drafts are left as they are:
+they only propose, and exact verification makes the output the target's):
   * every linear layer and the LM head run one kernel whose row arithmetic is fixed by the
     weight alone (`kernels/invariant_mm.py`), never cuBLAS (its kernel follows M) nor the
     few-token GEMVs (their tiles follow the token count): `Linear.invariant`, and
