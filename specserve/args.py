@@ -279,6 +279,15 @@ def _add_server(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=_V.tool_call_parser,
                    help=f"format of the model's tool calls ({', '.join(TOOL_CALL_PARSERS)}), for `tools` "
                         "in chat requests (default: None, chat requests that need one are refused)")
+    g.add_argument("--max-request-mb", type=float, default=_V.max_request_mb,
+                   help="largest request body in MiB; a larger one is answered 413 before it is read")
+    g.add_argument("--max-choices-per-request", type=int, default=_V.max_choices_per_request,
+                   help="most engine requests one HTTP call may create (prompts x n); more is a 400")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=_V.graceful_shutdown_timeout,
+                   help="seconds running requests may take to finish after SIGTERM or Ctrl-C; the rest "
+                        "are aborted (finish reason abort)")
+    g.add_argument("--watchdog-timeout", type=float, default=_V.watchdog_timeout,
+                   help="seconds an engine step may take; a longer one (a hang) stops the server with an error")
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:

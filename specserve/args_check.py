@@ -69,7 +69,7 @@ _AT_LEAST_1 = (
     ("runner", "cuda_graph_max_bs"),
     ("runner", "torch_compile_max_bs"), ("runner", "tp_size"), ("spec", "num_steps"),
     ("spec", "eagle_topk"), ("spec", "num_draft_tokens"), ("spec", "ngram_capacity"),
-    ("spec", "batch_tree_from"),
+    ("spec", "batch_tree_from"), ("server", "max_choices_per_request"),
 )
 _RANGES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("server", "port", lambda v: 1 <= v <= 65535, "in 1..65535"),
@@ -78,6 +78,9 @@ _RANGES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("runner", "cuda_graph_max_prefill_tokens", lambda v: v >= 0, ">= 0 (0: prefill eagerly)"),
     ("spec", "accept_threshold_single", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("spec", "accept_threshold_acc", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("server", "max_request_mb", lambda v: v > 0, "> 0"),
+    ("server", "graceful_shutdown_timeout", lambda v: v >= 0, ">= 0"),
+    ("server", "watchdog_timeout", lambda v: v > 0, "> 0"),
     *((section, name, lambda v: v >= 1, ">= 1") for section, name in _AT_LEAST_1),
 )
 

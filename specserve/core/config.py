@@ -140,6 +140,10 @@ class ServerConfig:
     enable_metrics: bool = False
     chat_template: str | None = None  # a jinja file that replaces the model's chat template
     tool_call_parser: str | None = None  # how tool calls are read from the output (server/tool_parsers.py)
+    max_request_mb: float = 32.0  # a larger request body is a 413, refused before it is parsed
+    max_choices_per_request: int = 256  # prompts x n of one HTTP call; more is a 400
+    graceful_shutdown_timeout: float = 5.0  # seconds running requests get after SIGTERM / Ctrl-C
+    watchdog_timeout: float = 300.0  # an engine step longer than this stops the server (SGLang's)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,15 @@ and their answers are merged (`merge.py`). A watcher thread waits on every engin
 process: if one exits while serving, every waiting request ends with an abort,
 `is_alive()` turns False, the other processes are stopped and `on_death` (the launcher's:
 stop the server with an error) is called with what happened.
+
+Request ids: a caller's rid is refused while a request with it is in flight
+(`DuplicateRequestId`), and the engine is sent a submission-unique id, so no two requests
+ever share a stream.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -21,7 +26,7 @@ from typing import Any
 
 from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
 from specserve.engine.merge import merge_metrics, merge_model_info, merge_server_info
-from specserve.engine.protocol import EngineStart, ModelInfo
+from specserve.engine.protocol import DuplicateRequestId, EngineStart, ModelInfo
 from specserve.engine.ranks import Layout, Replica
 from specserve.engine.router import Router
 from specserve.tokenizer.tokenizer import Tokenizer
@@ -49,7 +54,9 @@ class ProcessEngineClient:
         self.info: ModelInfo = merge_model_info(infos)
         self.router = Router(len(self._replicas))
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, asyncio.Queue] = {}  # by the id the engine sees
+        self._in_flight: dict[str, str] = {}  # a caller's rid -> the id the engine sees
+        self._submissions = itertools.count()
         self._controls: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count(1)
         self._alive = True
@@ -126,28 +133,35 @@ class ProcessEngineClient:
             raise ValueError(f"the prompt has {len(req.input_ids)} tokens, the context length is "
                              f"{self.info.context_length}")
         req.params.validate(self.info.vocab_size)
+        if req.rid in self._in_flight:  # checked and claimed with no await between: atomic on the loop
+            raise DuplicateRequestId(f"a request with rid {req.rid!r} is already in flight")
         self._loop = asyncio.get_running_loop()
+        # The engine sees a submission-unique id: outputs of an earlier request with the same
+        # rid, still in the pipe after its abort, find no queue instead of this request's.
+        sent = dataclasses.replace(req, rid=f"{req.rid}#{next(self._submissions)}")
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[req.rid] = queue
+        self._queues[sent.rid], self._in_flight[req.rid] = queue, sent.rid
         d = self.router.pick(req.input_ids)
         replica = self._replicas[d]
         finished = False
         try:
-            self._send(replica, req)
+            self._send(replica, sent)
             while not finished:
                 out = await queue.get()
                 finished = out.finished
-                yield out
+                yield dataclasses.replace(out, rid=req.rid)
         finally:
             self.router.done(d)
-            self._queues.pop(req.rid, None)
+            self._queues.pop(sent.rid, None)
+            self._in_flight.pop(req.rid, None)
             if not finished and self._alive and replica.inbox is not None:
-                replica.inbox.send(AbortReq(req.rid))
+                replica.inbox.send(AbortReq(sent.rid))
 
     async def abort(self, rid: str) -> None:
-        if self._alive:
+        sent = self._in_flight.get(rid)
+        if self._alive and sent is not None:
             for r in self._replicas:
-                self._send(r, AbortReq(rid))
+                self._send(r, AbortReq(sent))
 
     async def control(self, op: str) -> Any:
         """Ask every replica; one replica's answer as it is, several merged."""

@@ -17,6 +17,11 @@ from specserve.core.messages import GenerateReq, TokenOut
 from specserve.engine.speculation import SpecPlan
 
 
+class DuplicateRequestId(ValueError):
+    """A request id that is already in flight: refused, so that no two requests share a
+    stream (the HTTP layer answers 409)."""
+
+
 @dataclass(frozen=True)
 class EngineStart:
     """Everything an engine is built from, settled by start-up (picklable)."""
@@ -58,7 +63,9 @@ class EngineClient(Protocol):
         If the consumer stops early (the async generator is closed or its task cancelled,
         e.g. on a client disconnect), the request is aborted and its KV memory freed.
         Raises ValueError before submitting if the request cannot be served (prompt too
-        long for the context, bad sampling params): the caller maps it to a 4xx.
+        long for the context, bad sampling params): the caller maps it to a 4xx; its
+        subclass DuplicateRequestId when `req.rid` is already in flight (nothing else is
+        touched: the request with that id keeps its stream).
         """
         ...
 

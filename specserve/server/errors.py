@@ -9,6 +9,7 @@ routes or the engine.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -125,7 +126,14 @@ class CatchAllMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:  # noqa: BLE001 - the point is to catch everything
-            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            err = internal_error(f"unhandled error on {scope.get('method')} {scope.get('path')}", exc)
             if not started:
-                err = APIError(500, f"Internal server error: {type(exc).__name__}: {exc}")
                 await err.response()(scope, receive, send)
+
+
+def internal_error(what: str, exc: BaseException) -> APIError:
+    """A 500 that tells the client nothing of the server's internals: `exc` goes to the
+    log under an id, and the body names only that id."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("%s (error id %s)", what, error_id, exc_info=exc)
+    return APIError(500, f"Internal server error (error id {error_id}); the server log has the details")

@@ -17,8 +17,8 @@ import anyio
 from starlette.requests import Request
 
 from specserve.core.messages import GenerateReq, TokenLogprob, TokenOut
-from specserve.engine.protocol import EngineClient
-from specserve.server.errors import APIError
+from specserve.engine.protocol import DuplicateRequestId, EngineClient
+from specserve.server.errors import APIError, internal_error
 
 T = TypeVar("T")
 
@@ -146,9 +146,11 @@ async def collect(fan: FanOut) -> list[ChoiceState]:
 def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, DuplicateRequestId):
+        return APIError(409, str(exc), "rid", type_="conflict_error")
     if isinstance(exc, ValueError):  # the engine refused the request before queueing it
         return APIError(400, str(exc))
-    return APIError(500, f"Engine error: {type(exc).__name__}: {exc}")
+    return internal_error("the engine stream failed", exc)
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve.engine.protocol import EngineClient
+from specserve.server.body_guard import BodyGuardMiddleware
 from specserve.server.errors import APIError, CatchAllMiddleware, install_error_handlers
 from specserve.server.metrics import render_metrics
 from specserve.server.native_routes import make_native_router
@@ -28,22 +29,26 @@ from specserve.server.responses import ModelCard, ModelList
 # The classic text format, which is what generate_latest writes and every Prometheus parses.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no credentials
+SECRET_KEYS = frozenset({"api_key"})
+REDACTED = "<redacted>"
 
 
 class AuthMiddleware:
     """Pure ASGI (a BaseHTTPMiddleware would buffer streams and hide disconnects):
-    every route except OPEN_PATHS needs `Authorization: Bearer <api_key>`."""
+    every route except OPEN_PATHS needs `Authorization: Bearer <api_key>` (the scheme in
+    any case, as HTTP says; the key compared in constant time)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers") or []).get(b"authorization")
-        if given is not None and hmac.compare_digest(given, self.expected):
+        scheme, _, token = (given or b"").strip().partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
             await self.app(scope, receive, send)
             return
         message = (
@@ -55,6 +60,15 @@ class AuthMiddleware:
         await APIError(401, message).response()(scope, receive, send)
 
 
+def redact(info: Any) -> Any:
+    """`info` with every secret (the API key) replaced: nothing echoes it back."""
+    if isinstance(info, dict):
+        return {k: REDACTED if k in SECRET_KEYS and v else redact(v) for k, v in info.items()}
+    if isinstance(info, list):
+        return [redact(v) for v in info]
+    return info
+
+
 def build_app(client: EngineClient) -> FastAPI:
     """The server's ASGI app over `client`; serve it with uvicorn."""
     app = FastAPI(title="specserve", version="0.1.0")
@@ -62,6 +76,7 @@ def build_app(client: EngineClient) -> FastAPI:
     app.include_router(make_openai_router(client))
     app.include_router(make_native_router(client))
     app.include_router(_admin_router(client))
+    app.add_middleware(BodyGuardMiddleware, max_bytes=int(client.config.server.max_request_mb * 2**20))
     app.add_middleware(CatchAllMiddleware)
     if client.config.server.api_key:
         app.add_middleware(AuthMiddleware, api_key=client.config.server.api_key)  # outermost
@@ -106,7 +121,7 @@ def _add_ops_routes(router: APIRouter, client: EngineClient) -> None:
     @router.get("/get_server_info")
     @router.get("/server_info")
     async def server_info() -> JSONResponse:
-        return JSONResponse(jsonable_encoder(await client.control("server_info")))
+        return JSONResponse(jsonable_encoder(redact(await client.control("server_info"))))
 
     @router.get("/get_model_info")
     @router.get("/model_info")

@@ -22,17 +22,17 @@ from specserve.server.errors import APIError, bad_request
 from specserve.server.fanout import ChoiceState, ClientDisconnected, FanOut, collect, until_disconnected
 from specserve.server.openai_routes import serve
 from specserve.server.protocol import GenerateRequest, NativeSamplingParams
-from specserve.server.validate import parse_body, resolve_max_tokens, tokenize_prompt, validate_params
+from specserve.server.validate import check_choices, parse_body, resolve_max_tokens, tokenize_prompt, validate_params
 
 HEALTH_TIMEOUT_S = 20.0
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when sampling_params omits it
 
 
-def _budget(client: EngineClient, body: GenerateRequest, prompt_len: int) -> int:
+def _budget(client: EngineClient, body: GenerateRequest, prompt_len: int, param: str) -> int:
     """SGLang semantics: an explicit max_new_tokens must fit; the default shrinks to fit."""
     explicit = "max_new_tokens" in body.sampling_params.model_fields_set
     requested = body.sampling_params.max_new_tokens if explicit else None
-    budget = resolve_max_tokens(client, prompt_len, requested, "prompt")
+    budget = resolve_max_tokens(client, prompt_len, requested, "prompt", (param, _NATIVE_NAMES["max_tokens"]))
     return budget if explicit else min(budget, DEFAULT_MAX_NEW_TOKENS)
 
 
@@ -40,6 +40,8 @@ def _rids(body: GenerateRequest, count: int) -> list[str]:
     if isinstance(body.rid, list):
         if len(body.rid) != count:
             raise bad_request(f"'rid' has {len(body.rid)} entries for {count} prompts", "rid")
+        if len(set(body.rid)) != count:
+            raise bad_request("'rid' has duplicate entries; each prompt needs its own id", "rid")
         return list(body.rid)
     base = body.rid or uuid.uuid4().hex
     return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
@@ -60,7 +62,7 @@ def build_requests(client: EngineClient, body: GenerateRequest) -> list[Generate
     rids = _rids(body, len(prompts))
     reqs = []
     for rid, ids in zip(rids, prompts):
-        params: SamplingParams = body.to_sampling_params(_budget(client, body, len(ids)))
+        params: SamplingParams = body.to_sampling_params(_budget(client, body, len(ids), param))
         validate_params(client, params, _NATIVE_NAMES)
         reqs.append(GenerateReq(rid=rid, input_ids=ids, params=params))
     return reqs
@@ -153,7 +155,8 @@ def make_native_router(client: EngineClient) -> APIRouter:
     @router.post("/generate")
     async def generate(request: Request) -> Response:
         body = await parse_body(request, GenerateRequest)
-        reqs = build_requests(client, body)
+        check_choices(client, len(body.prompts), 1, "text" if body.text is not None else "input_ids")
+        reqs = await asyncio.to_thread(build_requests, client, body)  # tokenizing: off the event loop
         view = NativeView(client, body, reqs)
         return await serve(request, client, reqs, body.stream, view, view.final)
 

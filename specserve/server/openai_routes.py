@@ -26,8 +26,9 @@ from specserve.server.openai_format import ChatStream, CompletionStream, Respons
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.sse import SSEResponse, StreamFormatter, sse_stream
 from specserve.server.tool_calls import PARAM_NAMES as TOOL_PARAM_NAMES
-from specserve.server.tool_calls import plan_tools, tokenize_with_tools
+from specserve.server.tool_calls import plan_tools
 from specserve.server.validate import (
+    check_choices,
     check_model,
     parse_body,
     resolve_max_tokens,
@@ -96,7 +97,9 @@ async def chat_completions(request: Request, client: EngineClient) -> Response:
     model = check_model(client, body.model)
     tools = plan_tools(client.config.server.tool_call_parser, body.tools, body.tool_choice, body.parallel_tool_calls)
     messages = [m.to_template() for m in body.messages]
-    ids = tokenize_chat(client, messages) if tools.tools is None else tokenize_with_tools(client, messages, tools.tools)
+    check_choices(client, 1, body.num_choices)
+    template_vars = {} if tools.tools is None else {"tools": tools.tools}
+    ids = await asyncio.to_thread(tokenize_chat, client, messages, **template_vars)  # off the event loop
     max_new = resolve_max_tokens(client, len(ids), body.requested_max_tokens(), "messages")
     base = tools.apply(body.to_sampling_params(max_new))
     names = TOOL_PARAM_NAMES if tools.constraint is not None else None
@@ -119,15 +122,21 @@ async def chat_completions(request: Request, client: EngineClient) -> Response:
 _COMPLETION_NAMES = {"top_logprobs": "logprobs"}
 
 
-async def completions(request: Request, client: EngineClient) -> Response:
-    body = await parse_body(request, CompletionRequest)
-    model = check_model(client, body.model)
+def _completion_prompts(client: EngineClient, body: CompletionRequest) -> list[tuple[list[int], SamplingParams]]:
     prompts = []
     for prompt in body.prompts:
         ids = tokenize_prompt(client, prompt, "prompt")
         base = body.to_sampling_params(resolve_max_tokens(client, len(ids), body.max_tokens, "prompt"))
         validate_params(client, base, _COMPLETION_NAMES)
         prompts.append((ids, base))
+    return prompts
+
+
+async def completions(request: Request, client: EngineClient) -> Response:
+    body = await parse_body(request, CompletionRequest)
+    model = check_model(client, body.model)
+    check_choices(client, len(body.prompts), body.num_choices)
+    prompts = await asyncio.to_thread(_completion_prompts, client, body)  # tokenizing: off the event loop
     rid = f"cmpl-{uuid.uuid4().hex}"
     reqs = fan_requests(client, rid, prompts, body.num_choices)
     ctx = ResponseCtx(

@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from specserve.core.sampling_params import Constraint, SamplingParams
-from specserve.engine.protocol import EngineClient
 from specserve.server.errors import bad_request
 from specserve.server.tool_parsers import FORMATS, TOOL_CALL_PARSERS, ToolFormat
 
@@ -172,14 +171,3 @@ def plan_tools(parser: str | None, tools: list[dict] | None, choice: str | dict 
     if choice == "auto":
         return ToolPlan(tools, fmt)
     return ToolPlan(tools, fmt, tool_grammar(fmt, tools, choice, parallel is not False))
-
-
-def tokenize_with_tools(client: EngineClient, messages: list[dict[str, Any]], tools: list[dict]) -> list[int]:
-    """The prompt with `tools` passed to the chat template (its variable `tools`)."""
-    try:
-        ids = list(client.tokenizer.encode_chat(messages, tools=tools))
-    except ValueError as exc:
-        raise bad_request(f"Invalid messages: {exc}", "messages") from None
-    if not ids:
-        raise bad_request("The messages produced an empty prompt", "messages")
-    return ids

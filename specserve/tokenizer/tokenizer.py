@@ -26,6 +26,8 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+LONG_TEXT_CHARS = 4096
+
 
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the model's special-token policy and chat template."""
@@ -64,8 +66,13 @@ class Tokenizer:
                    chat_template=_chat_template(path, cfg), special_tokens=special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; BOS is prepended iff add_bos_token, and never twice."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; BOS is prepended iff add_bos_token, and never twice. A long
+        text goes through `encode_batch`, which releases the GIL while it works (`encode`
+        holds it), so a thread tokenizing a huge prompt does not stall the event loop."""
+        if len(text) > LONG_TEXT_CHARS:
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if ids[:1] != [self.bos_token_id]:  # e.g. a chat template that writes BOS itself
                 ids.insert(0, self.bos_token_id)

@@ -38,13 +38,13 @@ class FakeTokenizer:
         return "".join(chr(i) for i in ids if i >= 32 or not skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if all(m["role"] == "system" for m in messages):
+            raise ValueError("the conversation has no user message")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        if all(m["role"] == "system" for m in messages):
-            raise ValueError("the conversation has no user message")
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages))
 
     def token_str(self, token_id: int) -> str:
         return chr(token_id) if token_id >= 32 else f"<{token_id}>"
@@ -348,7 +348,10 @@ BAD_INPUTS = [
     ("/generate", {"input_ids": [-1]}, 400, "input_ids", "out of vocabulary"),
     ("/generate", {"text": "a", "sampling_params": {"temperature": -1}}, 400, "sampling_params.temperature", "temperature"),
     ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": "x"}}, 400, "sampling_params.max_new_tokens", "integer"),
-    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 100}}, 400, "max_tokens", "maximum context length"),
+    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 100}}, 400, "sampling_params.max_new_tokens",
+     "maximum context length"),
+    ("/generate", {"input_ids": [5] * 70}, 400, "input_ids", "maximum context length"),
+    ("/generate", {"text": "x" * 70}, 400, "text", "maximum context length"),
     ("/generate", [1, 2], 400, None, "JSON object"),
 ]
 
