@@ -4,7 +4,8 @@ serves no HTTP (node 0 does).
 It resolves the same sources as node 0 (preflight.py, no port), starts its ranks
 (engine/ranks.py), joins the hosts' watch (engine/nodes.py) and waits. It ends with status
 0 when its ranks end cleanly (node 0 stopped them), and with one error line and status 1
-when one of its ranks dies (after telling the other hosts) or another host fails. Ctrl-C
+when one of its ranks dies or outlasts --watchdog-timeout in a step (after telling the
+other hosts) or another host fails. Ctrl-C
 or SIGTERM stops its ranks.
 """
 from __future__ import annotations
@@ -49,19 +50,20 @@ def serve_follower_node(cfg: Config) -> int:
     replica = Replica(start, layout.places(0))
     logger.info("Node %d runs tensor-parallel ranks %s", r.node_rank, [p.rank for p in replica.places])
     try:
-        return _wait(replica, watch, failed, why)
+        return _wait(replica, watch, failed, why, cfg.server.watchdog_timeout)
     finally:
         replica.stop(grace_s=2)
         watch.close()
 
 
-def _wait(replica, watch, failed: threading.Event, why: list[str]) -> int:
+def _wait(replica, watch, failed: threading.Event, why: list[str], watchdog_s: float) -> int:
     while not failed.wait(0.5):
         codes = [p.exitcode for p in replica.procs]
         if all(c == 0 for c in codes):
             return 0  # node 0 stopped the group
-        if any(c not in (None, 0) for c in codes):
-            dead = replica.dead() or "a rank exited"
+        stuck = replica.stuck(watchdog_s)
+        if stuck is not None or any(c not in (None, 0) for c in codes):
+            dead = stuck or replica.dead() or "a rank exited"
             watch.report(dead)
             print(f"error: {dead}", file=sys.stderr)
             return 1

@@ -4,7 +4,9 @@ With no flags it serves the embedded default model (SmolLM2-135M-Instruct) on CP
 there is no GPU. Bad flags print one clear line and exit with status 2; a taken port or a
 bad model, tokenizer or draft source exits with status 1 before any weights load
 (`preflight.py`). SIGINT (Ctrl-C) and SIGTERM shut down the same way: the HTTP server
-stops, the engine processes are told to stop and waited for, and the exit status is 0. An
+stops admitting, running requests get --graceful-shutdown-timeout seconds to finish (the
+rest end with an abort, server/uvicorn_server.py), the engine processes are told to stop
+and waited for, and the exit status is 0. An
 engine process (or, with --nnodes, another host) that dies while serving stops the server
 with one error line and exit status 1. With --node-rank > 0 this host runs its ranks
 only (`follower_node.py`); node 0 serves HTTP.
@@ -119,11 +121,12 @@ def _run_http(client: ProcessEngineClient, sock: socket.socket, stopper: _Stoppe
     import uvicorn
 
     from specserve.server.http import build_app
+    from specserve.server.uvicorn_server import DrainingServer
 
     cfg = client.config.server
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(uvicorn.Config(
         build_app(client), log_level=cfg.log_level if cfg.log_level != "info" else "warning",
-        timeout_keep_alive=5))
+        timeout_keep_alive=5), client.begin_shutdown, cfg.graceful_shutdown_timeout)
     stopper.server = server
     if stopper.why is not None:  # an engine died before the server existed
         return

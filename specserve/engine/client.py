@@ -5,7 +5,8 @@ Implements `engine.protocol.EngineClient`. It starts `--dp-size` replicas (each
 A reader thread per replica receives its messages and hands them to the asyncio loop
 (`call_soon_threadsafe`), one queue per request; control questions go to every replica
 and their answers are merged (`merge.py`). A watcher thread waits on every engine
-process: if one exits while serving, every waiting request ends with an abort,
+process (and, every WATCH_POLL_S, the step watchdog's clocks): if one exits, or stays in
+one step longer than --watchdog-timeout, while serving, every waiting request ends with an abort,
 `is_alive()` turns False, the other processes are stopped and `on_death` (the launcher's:
 stop the server with an error) is called with what happened.
 
@@ -26,12 +27,13 @@ from typing import Any
 
 from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq, TokenOut
 from specserve.engine.merge import merge_metrics, merge_model_info, merge_server_info
-from specserve.engine.protocol import DuplicateRequestId, EngineStart, ModelInfo
+from specserve.engine.protocol import DuplicateRequestId, EngineStart, ModelInfo, ShuttingDown
 from specserve.engine.ranks import Layout, Replica
 from specserve.engine.router import Router
 from specserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve")
+WATCH_POLL_S = 1.0
 
 
 class ProcessEngineClient:
@@ -42,7 +44,7 @@ class ProcessEngineClient:
         self.config, self.tokenizer, self.on_death = start.config, tokenizer, on_death
         layout = Layout.of(self.config, on_gpu(self.config))
         layout.check_gpus(self.config.runner.dp_size)
-        self._closing = False
+        self._closing = self._draining = False
         self._replicas: list[Replica] = []
         try:
             for d in range(self.config.runner.dp_size):  # all load at once
@@ -78,10 +80,17 @@ class ProcessEngineClient:
         self._died(replica.dead() or f"replica {replica.index}'s engine closed its pipe")
 
     def _watch(self) -> None:
-        ready = {s for s in wait([s for r in self._replicas for s in r.sentinels()]) if isinstance(s, int)}
-        self._died(next((d for r in self._replicas if (d := r.dead(ready)) is not None), "an engine process exited"))
+        """Wait on every engine process; also the step watchdog (engine/watchdog.py)."""
+        sentinels = [s for r in self._replicas for s in r.sentinels()]
+        limit = self.config.server.watchdog_timeout
+        while not (ready := wait(sentinels, timeout=min(WATCH_POLL_S, limit))):
+            if (stuck := next((w for r in self._replicas if (w := r.stuck(limit)) is not None), None)):
+                self._died(stuck, grace_s=0)  # a stuck process reads no stop message
+                return
+        exited = {s for s in ready if isinstance(s, int)}
+        self._died(next((d for r in self._replicas if (d := r.dead(exited)) is not None), "an engine process exited"))
 
-    def _died(self, what: str) -> None:
+    def _died(self, what: str, grace_s: float = 5) -> None:
         with self._lock:
             if not self._alive:
                 return
@@ -89,8 +98,8 @@ class ProcessEngineClient:
         if self._closing:
             return
         logger.error("%s: stopping the server", what)
-        self._call_in_loop(self._fail_all)
-        threading.Thread(target=self._stop_all, daemon=True, name="engine-stop").start()
+        self._call_in_loop(self._fail_all, what)
+        threading.Thread(target=self._stop_all, args=(grace_s,), daemon=True, name="engine-stop").start()
         if self.on_death is not None:
             self.on_death(what)
 
@@ -115,12 +124,34 @@ class ProcessEngineClient:
             if q is not None:
                 q.put_nowait(out)
 
-    def _fail_all(self) -> None:
-        for rid, q in self._queues.items():
-            q.put_nowait(TokenOut(rid, [], "", True, {"type": "abort", "message": "the engine process died"}))
+    def _fail_all(self, what: str) -> None:
+        self._end_all({"type": "abort", "status_code": 503, "message": f"the engine stopped: {what}"})
         for fut in self._controls.values():
             if not fut.done():
-                fut.set_exception(RuntimeError("the engine process died"))
+                fut.set_exception(RuntimeError(f"the engine stopped: {what}"))
+
+    def _end_all(self, reason: dict[str, Any]) -> None:
+        """Finish every waiting request's stream with `reason` (on the event loop)."""
+        for rid, q in self._queues.items():
+            q.put_nowait(TokenOut(rid, [], "", True, dict(reason)))
+
+    # -- shutdown ----------------------------------------------------------------------
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Admit nothing new (ShuttingDown: a 503); requests still running `grace_s` seconds
+        from now end with an abort (status 503) and are aborted in the engine. Call it on
+        the event loop."""
+        self._draining = True
+        if self._loop is not None and self._queues:
+            self._loop.call_later(grace_s, self._abort_running)
+
+    def _abort_running(self) -> None:
+        rids = list(self._queues)
+        self._end_all({"type": "abort", "status_code": 503,
+                       "message": "the server is shutting down: the request was stopped before it finished"})
+        if self._alive:
+            for r in self._replicas:
+                for rid in rids:
+                    self._send(r, AbortReq(rid))
 
     # -- EngineClient protocol ---------------------------------------------------------
     def _send(self, replica: Replica, msg: Any) -> None:
@@ -133,6 +164,8 @@ class ProcessEngineClient:
             raise ValueError(f"the prompt has {len(req.input_ids)} tokens, the context length is "
                              f"{self.info.context_length}")
         req.params.validate(self.info.vocab_size)
+        if self._draining:
+            raise ShuttingDown("the server is shutting down and admits no new requests")
         if req.rid in self._in_flight:  # checked and claimed with no await between: atomic on the loop
             raise DuplicateRequestId(f"a request with rid {req.rid!r} is already in flight")
         self._loop = asyncio.get_running_loop()

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from specserve.core import parallel
 from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq
 from specserve.engine.protocol import EngineStart, ModelInfo, RankPlace
+from specserve.engine.watchdog import StepClock
 
 logger = logging.getLogger("specserve")
 
@@ -32,8 +33,10 @@ def setup_logging(level: str) -> None:
 
 
 def engine_main(start: EngineStart, place: RankPlace, inbox: Connection | None,
-                outbox: Connection | None) -> None:
-    """Run rank `place.rank`; rank 0 alone has the pipes (`inbox`, `outbox`)."""
+                outbox: Connection | None, clock: StepClock | None = None) -> None:
+    """Run rank `place.rank`; rank 0 alone has the pipes (`inbox`, `outbox`). Each step
+    is timed on `clock`, which the front end's watchdog reads."""
+    clock = clock or StepClock()
     # Ctrl-C reaches the whole process group; the front end decides when this process stops
     # (it sends None, then waits), so SIGINT here would only print a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -51,14 +54,14 @@ def engine_main(start: EngineStart, place: RankPlace, inbox: Connection | None,
         logger.error("rank %d failed to start: %s: %s", place.rank, type(e).__name__, e)
         sys.exit(1)
     if inbox is None or outbox is None:
-        _follow(sched, place)
+        _follow(sched, place, clock)
         return
     cfg = start.config
     served = cfg.model.served_model_name or cfg.model.model_path
     try:
         outbox.send(("ready", ModelInfo(served, sched.context_length, sched.runner.vocab_size,
                                         sched.max_running, sched.kv.num_slots)))
-        _loop(sched, inbox, outbox, place.tp_size > 1)
+        _loop(sched, inbox, outbox, place.tp_size > 1, clock)
     except (BrokenPipeError, EOFError, OSError):
         return  # the front end went away: nothing left to serve
     except Exception as e:  # a collective failed: another rank is gone (the launcher says which)
@@ -102,7 +105,7 @@ def _build(start: EngineStart, place: RankPlace):
     return Scheduler(start, load_tokenizer(start.tokenizer_dir))
 
 
-def _loop(sched, inbox: Connection, outbox: Connection, shared: bool) -> None:
+def _loop(sched, inbox: Connection, outbox: Connection, shared: bool, clock: StepClock) -> None:
     """Rank 0: read what the front end sent, share it with the other ranks, handle it, step."""
     while True:
         msgs = []
@@ -123,12 +126,13 @@ def _loop(sched, inbox: Connection, outbox: Connection, shared: bool) -> None:
                 return
             outs += _handle(sched, msg, outbox)
         if sched.has_work:
-            outs += _safe_step(sched, shared)
+            with clock.step():
+                outs += _safe_step(sched, shared)
         if outs:
             outbox.send(outs)
 
 
-def _follow(sched, place: RankPlace) -> None:
+def _follow(sched, place: RankPlace, clock: StepClock) -> None:
     """Ranks above 0: handle what rank 0 shared, step as it does."""
     try:
         while True:
@@ -137,7 +141,8 @@ def _follow(sched, place: RankPlace) -> None:
                     return
                 _handle(sched, msg, None)
             if sched.has_work:
-                sched.step()
+                with clock.step():
+                    sched.step()
     except Exception as e:
         logger.error("rank %d stopped: %s: %s", place.rank, type(e).__name__, e)
         sys.exit(1)

@@ -22,6 +22,10 @@ class DuplicateRequestId(ValueError):
     stream (the HTTP layer answers 409)."""
 
 
+class ShuttingDown(RuntimeError):
+    """The server is shutting down and admits no new request (the HTTP layer answers 503)."""
+
+
 @dataclass(frozen=True)
 class EngineStart:
     """Everything an engine is built from, settled by start-up (picklable)."""

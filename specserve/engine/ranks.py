@@ -21,7 +21,8 @@ nnodes) + i. A replica's ranks meet at `--dist-init-addr` across hosts, else at 
 port on 127.0.0.1.
 
 **Failure.** A rank that exits takes its replica down: `dead()` names it, the owner stops
-the others (terminate, then kill) and ends the server with an error. Peers blocked in a
+the others (terminate, then kill) and ends the server with an error. So does a rank whose
+step outlasts --watchdog-timeout (`stuck()`, from each rank's `StepClock`). Peers blocked in a
 collective with a dead rank are not waited for.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ from multiprocessing.connection import Connection
 from specserve.core.config import Config
 from specserve.engine.process import engine_main
 from specserve.engine.protocol import EngineStart, ModelInfo, RankPlace
+from specserve.engine.watchdog import StepClock
 
 START_TIMEOUT_S = 1800.0
 
@@ -121,14 +123,16 @@ class Replica:
         self.index, self.places = index, places
         self.inbox = self.outbox = None
         self.procs: list = []
-        for place in places:
+        self.clocks = [StepClock(ctx) for _ in places]  # the step watchdog's (engine/watchdog.py)
+        for place, clock in zip(places, self.clocks):
             ends: tuple[Connection | None, Connection | None] = (None, None)
             if place.rank == 0:
                 inbox_r, self.inbox = ctx.Pipe(duplex=False)
                 self.outbox, outbox_w = ctx.Pipe(duplex=False)
                 ends = (inbox_r, outbox_w)
             name = f"specserve-engine-{index}" + (f"-tp{place.rank}" if place.tp_size > 1 else "")
-            proc = ctx.Process(target=engine_main, args=(start, place, *ends), daemon=True, name=name)
+            proc = ctx.Process(target=engine_main, args=(start, place, *ends, clock), daemon=True,
+                               name=name)
             with _signals_held():
                 proc.start()
             self.procs.append(proc)
@@ -162,17 +166,28 @@ class Replica:
         the first to go, not a peer that failed after it); None while all run."""
         first = [i for i, p in enumerate(self.procs) if p.sentinel in sentinels]
         for i in first + list(range(len(self.procs))):
-            place, proc = self.places[i], self.procs[i]
+            proc = self.procs[i]
             if i in first:
                 proc.join(timeout=2)  # its sentinel fires as it exits, a moment before it can be reaped
             if not proc.is_alive():
-                who = f"tensor-parallel rank {place.rank}" if place.tp_size > 1 else "the engine process"
-                replica = f" of replica {self.index}" if self.index else ""
-                return f"{who}{replica} exited (code {proc.exitcode})"
+                return f"{self._who(i)} exited (code {proc.exitcode})"
         return None
 
+    def stuck(self, timeout_s: float) -> str | None:
+        """Which process has been in one step for more than `timeout_s`, in words; None if none."""
+        for i, clock in enumerate(self.clocks):
+            if clock.stuck_for() > timeout_s:
+                return f"{self._who(i)} has spent more than {timeout_s:g} s in one step (--watchdog-timeout)"
+        return None
+
+    def _who(self, i: int) -> str:
+        place = self.places[i]
+        who = f"tensor-parallel rank {place.rank}" if place.tp_size > 1 else "the engine process"
+        return who + (f" of replica {self.index}" if self.index else "")
+
     def stop(self, grace_s: float = 5) -> None:
-        """Ask rank 0 to stop (when it is here), wait `grace_s`, then terminate, then kill."""
+        """Ask rank 0 to stop (when it is here), wait `grace_s`, then terminate, then kill;
+        with no grace, kill at once (a stuck or stopped process would not heed SIGTERM)."""
         if self.inbox is not None:
             try:
                 self.inbox.send(None)
@@ -182,8 +197,10 @@ class Replica:
         for proc in self.procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
-            if proc.is_alive():
+            if proc.is_alive() and grace_s > 0:
                 proc.terminate()
+            elif proc.is_alive():
+                proc.kill()
         for proc in self.procs:
             proc.join(timeout=3)
             if proc.is_alive():

@@ -22,7 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
-_TYPE_BY_STATUS = {401: "authentication_error", 404: "not_found_error"}
+_TYPE_BY_STATUS = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
+                   503: "service_unavailable"}
 
 
 class APIError(Exception):

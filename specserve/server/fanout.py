@@ -17,7 +17,7 @@ import anyio
 from starlette.requests import Request
 
 from specserve.core.messages import GenerateReq, TokenLogprob, TokenOut
-from specserve.engine.protocol import DuplicateRequestId, EngineClient
+from specserve.engine.protocol import DuplicateRequestId, EngineClient, ShuttingDown
 from specserve.server.errors import APIError, internal_error
 
 T = TypeVar("T")
@@ -67,7 +67,7 @@ class FanOut:
         index, item = await self._queue.get()
         if isinstance(item, BaseException):
             if not isinstance(item, (ValueError, APIError)) and not self.client.is_alive():
-                raise APIError(503, "The engine is not running", type_="service_unavailable")
+                raise APIError(503, "The engine is not running")
             raise to_api_error(item)
         if item.finished:
             self._open -= 1
@@ -146,8 +146,10 @@ async def collect(fan: FanOut) -> list[ChoiceState]:
 def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ShuttingDown):
+        return APIError(503, str(exc))
     if isinstance(exc, DuplicateRequestId):
-        return APIError(409, str(exc), "rid", type_="conflict_error")
+        return APIError(409, str(exc), "rid")
     if isinstance(exc, ValueError):  # the engine refused the request before queueing it
         return APIError(400, str(exc))
     return internal_error("the engine stream failed", exc)

@@ -116,7 +116,7 @@ def _add_ops_routes(router: APIRouter, client: EngineClient) -> None:
     async def health() -> Response:
         if client.is_alive():
             return Response(status_code=200)
-        return APIError(503, "The engine is not running", type_="service_unavailable").response()
+        return APIError(503, "The engine is not running").response()
 
     @router.get("/get_server_info")
     @router.get("/server_info")

@@ -143,7 +143,7 @@ async def health_generate(request: Request, client: EngineClient) -> Response:
         await asyncio.wait_for(until_disconnected(request, collect(fan)), HEALTH_TIMEOUT_S)
     except (APIError, asyncio.TimeoutError, ClientDisconnected) as exc:
         detail = exc.message if isinstance(exc, APIError) else type(exc).__name__
-        return APIError(503, f"Health check generation failed: {detail}", type_="service_unavailable").response()
+        return APIError(503, f"Health check generation failed: {detail}").response()
     finally:
         await fan.close()
     return Response(status_code=200)

@@ -62,10 +62,7 @@ async def sse_stream(
         for payload in fmt.end():
             yield sse(payload)
     except Exception as exc:  # noqa: BLE001 - the status is sent; report in-band and end cleanly
-        err = to_api_error(exc)
-        if err.status >= 500:
-            logger.exception("error while streaming")
-        yield sse(err.body())
+        yield sse(to_api_error(exc).body())  # an unexpected one is logged by to_api_error
     finally:
         await fan.close()
     yield DONE

@@ -63,20 +63,22 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
-def stop_and_check(proc: subprocess.Popen, log_path: Path, sig: int, to_group: bool = False) -> None:
+def stop_and_check(proc: subprocess.Popen, log_path: Path, sig: int, to_group: bool = False,
+                   within_s: float = 60) -> None:
     """Send `sig` to the server (or, as a terminal's Ctrl-C does, to its whole process
-    group) and check a clean exit: status 0, no traceback, no process of its session left."""
+    group) and check a clean exit within `within_s`: status 0, no traceback, no process of
+    its session left."""
     sid = proc.pid  # start_new_session: the server leads its session and process group
     if to_group:
         os.killpg(proc.pid, sig)
     else:
         proc.send_signal(sig)
     try:
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=within_s)
     except subprocess.TimeoutExpired:
         os.killpg(sid, signal.SIGKILL)
         proc.wait(timeout=30)
-        pytest.fail(f"the server did not exit within 60 s of {signal.Signals(sig).name}")
+        pytest.fail(f"the server did not exit within {within_s} s of {signal.Signals(sig).name}")
     deadline = time.monotonic() + 10
     while session_pids(sid) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -101,3 +103,34 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
             pass
         time.sleep(1)
     pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text(errors='replace')[-4000:]}")
+
+
+def engine_pids(proc: subprocess.Popen) -> list[int]:
+    """The server's engine processes (multiprocessing's spawned children)."""
+    return [p for p in session_pids(proc.pid) if p != proc.pid and _is_engine(p)]
+
+
+def _is_engine(pid: int) -> bool:
+    try:
+        return "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
+
+
+def assert_stops_with_error(proc: subprocess.Popen, log: Path, within_s: float, names: str) -> None:
+    try:
+        code = proc.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running {within_s} s later:\n{log.read_text()[-3000:]}")
+    text = log.read_text(errors="replace")
+    assert code == 1 and names in text, text[-3000:]
+    assert_session_empties(proc)
+
+
+def assert_session_empties(proc: subprocess.Popen) -> None:
+    """No process of its session is left within 10 s (its resource tracker exits after it)."""
+    deadline = time.monotonic() + 10
+    while session_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not session_pids(proc.pid)

@@ -13,13 +13,21 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.server_utils import REPO, free_port, launched_server, session_pids, stop_and_check, wait_healthy
+from tests.e2e.server_utils import (
+    REPO,
+    assert_session_empties,
+    assert_stops_with_error,
+    engine_pids,
+    free_port,
+    launched_server,
+    stop_and_check,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -73,49 +81,19 @@ def _two_nodes(tmp_path) -> tuple[subprocess.Popen, subprocess.Popen, str]:
     return node0, node1, url
 
 
-def _ranks_of(proc: subprocess.Popen) -> list[int]:
-    return [p for p in session_pids(proc.pid) if p != proc.pid and _is_engine(p)]
-
-
-def _is_engine(pid: int) -> bool:
-    try:
-        return "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return False
-
-
 def test_two_nodes_serve_and_stop_together(tmp_path):
     node0, node1, _ = _two_nodes(tmp_path)
     stop_and_check(node0, tmp_path / "node0.log", signal.SIGTERM)
     assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()[-3000:]
-    _assert_session_empties(node1)
-
-
-def _assert_stops_with_error(proc: subprocess.Popen, log: Path, within_s: float, names: str) -> None:
-    try:
-        code = proc.wait(timeout=within_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"still running {within_s} s after a rank died:\n{log.read_text()[-3000:]}")
-    text = log.read_text(errors="replace")
-    assert code == 1 and names in text, text[-3000:]
-    _assert_session_empties(proc)
-
-
-def _assert_session_empties(proc: subprocess.Popen) -> None:
-    """No process of its session is left within 10 s (its resource tracker exits after it)."""
-    deadline = time.monotonic() + 10
-    while session_pids(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not session_pids(proc.pid)
+    assert_session_empties(node1)
 
 
 def test_a_rank_dying_on_another_node_stops_the_server(tmp_path):
     node0, node1, _ = _two_nodes(tmp_path)
-    (rank1,) = _ranks_of(node1)
+    (rank1,) = engine_pids(node1)
     subprocess.run(["kill", "-9", str(rank1)], check=True)
-    _assert_stops_with_error(node0, tmp_path / "node0.log", 15, "error: node 1: tensor-parallel rank 1 exited")
-    _assert_stops_with_error(node1, tmp_path / "node1.log", 15, "tensor-parallel rank 1 exited")
+    assert_stops_with_error(node0, tmp_path / "node0.log", 15, "error: node 1: tensor-parallel rank 1 exited")
+    assert_stops_with_error(node1, tmp_path / "node1.log", 15, "tensor-parallel rank 1 exited")
 
 
 def test_a_rank_dying_stops_the_server(tmp_path):
@@ -125,7 +103,7 @@ def test_a_rank_dying_stops_the_server(tmp_path):
                                  "--log-level", "warning"], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     wait_healthy(proc, f"http://127.0.0.1:{port}", log)
-    ranks = sorted(_ranks_of(proc))
+    ranks = sorted(engine_pids(proc))
     assert len(ranks) == 2
     subprocess.run(["kill", "-9", str(ranks[1])], check=True)  # spawned second: rank 1
-    _assert_stops_with_error(proc, log, 15, "tensor-parallel rank 1 exited")
+    assert_stops_with_error(proc, log, 15, "tensor-parallel rank 1 exited")

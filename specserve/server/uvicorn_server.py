@@ -1,0 +1,30 @@
+"""uvicorn's server with a bounded, graceful shutdown.
+
+On SIGTERM or Ctrl-C uvicorn stops accepting connections and then waits for the running
+responses, for as long as they take. `DrainingServer` first calls `begin_shutdown(grace)`
+(the engine client's: admit nothing new, and abort what still runs `grace` seconds later,
+so those responses end with an abort instead of being cut), and bounds uvicorn's wait
+to the grace period plus SLACK_S, after which uvicorn cancels what is left.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+
+import uvicorn
+
+logger = logging.getLogger("specserve")
+SLACK_S = 5.0  # for the aborted responses to be written out
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, begin_shutdown: Callable[[float], None], grace_s: float) -> None:
+        config.timeout_graceful_shutdown = int(grace_s + SLACK_S)
+        super().__init__(config)
+        self.begin_shutdown, self.grace_s = begin_shutdown, grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        logger.info("Shutting down: running requests have %g s to finish", self.grace_s)
+        self.begin_shutdown(self.grace_s)
+        await super().shutdown(sockets)
