@@ -13,6 +13,7 @@ scope under PARSED_KEY for `validate.parse_body`, which then does not parse it a
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -20,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specserve.server.errors import APIError, bad_request, loc_to_param
 
+THREAD_PARSE_BYTES = 1 << 20
 MAX_JSON_DEPTH = 64  # OpenAI allows 5 levels in a structured-output schema
 PARSED_KEY = "specserve.json"
 
@@ -35,7 +37,9 @@ class BodyGuardMiddleware:
             return
         try:
             body = await self._read(scope, receive)
-            scope[PARSED_KEY] = check_json(body)
+            # a large body is parsed on a thread: the loop keeps its turns at the GIL meanwhile
+            big = len(body) > THREAD_PARSE_BYTES
+            scope[PARSED_KEY] = await asyncio.to_thread(check_json, body) if big else check_json(body)
         except APIError as err:
             await err.response()(scope, receive, send)
             return
