@@ -17,7 +17,11 @@ The walk is split into pieces of SPLIT(L) = max(BLOCK_N, next_pow2(ceil(L / S_CA
 positions (a function of L alone, at most S_CAP of them), each folded block by block of
 BLOCK_N positions aligned at 0 (online softmax, as the other kernels); a second kernel
 merges a query's pieces in order. One program handles one query token, one kv head and
-one piece, its group of query heads padded to 16 rows of tl.dot.
+one piece, its group of query heads padded to 16 rows of tl.dot. The grid has a row per
+request in a decode and a row per token row in an extend (each finds its request,
+`_owner`): a (requests x longest extend) grid would launch, for a prefill graph whose
+longest extend is its whole token bucket, about as many idle programs per real one as
+the graph has requests.
 
 Partial results live in [T, H, S_CAP, D] fp32 buffers allocated per forward (graph-safe:
 CUDA-graph capture takes them from its pool). An fp8 pool is read as in the other
@@ -47,40 +51,60 @@ if TYPE_CHECKING:
 
 BLOCK_N = 32
 S_CAP = 8  # pieces per query at most
+BLOCK_B = 64  # requests an extend's token row searches at a time for its own (`_owner`)
 DECODE, CAUSAL, TREE, TAIL = 0, 1, 2, 3  # MODE, as the host passes it; the kernels read these:
 _DECODE, _CAUSAL, _TREE, _TAIL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 
 @triton.jit
-def _query(SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart, b, i, tail_width,
-           MODE: tl.constexpr, BLOCK_T: tl.constexpr):
-    """(token row t, key count L, keys taken from the table row, visible tree nodes [BLOCK_T],
-    whether query i exists) of request b's query i."""
+def _owner(Extend, QStarts, t, nreq, BLOCK_B: tl.constexpr):
+    """(request b, query i) of token row t in an extend of `nreq` requests: the b whose
+    rows [q_start, q_start + extend) hold t (b = nreq when none does: a padding row)."""
+    b, i = t * 0, t * 0
+    for c in range(0, nreq, BLOCK_B):
+        r = c + tl.arange(0, BLOCK_B)
+        live = r < nreq
+        start = tl.load(QStarts + r, mask=live, other=0)
+        hit = live & (start <= t) & (t < start + tl.load(Extend + r, mask=live, other=0))
+        found = tl.max(hit.to(tl.int32), axis=0) != 0
+        b = tl.where(found, tl.sum(tl.where(hit, r, 0), axis=0), b)
+        i = tl.where(found, t - tl.sum(tl.where(hit, start, 0), axis=0), i)
+    return b, i
+
+
+@triton.jit
+def _query(SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart, p, nreq, tail_width,
+           MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(request b, token row t, key count L, keys taken from the table row, visible tree
+    nodes [BLOCK_T], whether the query exists) of grid row p: request p of a decode, token
+    row p of an extend (rows no request holds, a graph's padding, exist not)."""
     vis = tl.zeros((BLOCK_T,), dtype=tl.int1)
     if MODE == _DECODE:
-        t, exists = b, i == 0
+        b, t, exists = p, p, p >= 0
         from_row = tl.load(SeqLens + b)
         length = from_row
     elif MODE == _TAIL:
-        t, exists = b, i == 0
+        b, t, exists = p, p, p >= 0
         from_row = tl.load(TailStart + b).to(tl.int32)
         length = from_row + tail_width
     else:
+        t = p
+        b, i = _owner(Extend, QStarts, t, nreq, BLOCK_B)
+        exists = b < nreq
+        b = tl.where(exists, b, 0)
         n = tl.load(Extend + b)
-        exists = i < n
-        t = tl.load(QStarts + b) + i
         if MODE == _CAUSAL:  # every key is in the table row
             length = tl.load(Prefix + b) + i + 1
             from_row = length
         else:
             from_row = tl.load(Prefix + b)
             j = tl.arange(0, BLOCK_T)
-            # j < n, or nothing when query i does not exist (a where: the interpreter cannot
-            # mask with a scalar comparison and'ed into a vector)
+            # j < n, or nothing when the query does not exist (a where: the interpreter
+            # cannot mask with a scalar comparison and'ed into a vector)
             row_mask = tl.load(Mask + tl.load(MaskPtr + b) + i * n + j, mask=j < tl.where(exists, n, 0), other=0)
             vis = row_mask != 0
             length = from_row + tl.sum(vis.to(tl.int32), axis=0)
-    return t, length, from_row, vis, exists
+    return b, t, length, from_row, vis, exists
 
 
 @triton.jit
@@ -114,15 +138,15 @@ def _slots(Table, row, tail, offs, valid, from_row, vis, MODE: tl.constexpr, BLO
 
 @triton.jit
 def _partial_kernel(Q, K, V, Table, stride_table, Rows, SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr,
-                    Tail, stride_tail, TailStart, tail_width, PAcc, PM, PL, qk_scale,
+                    Tail, stride_tail, TailStart, tail_width, nreq, PAcc, PM, PL, qk_scale,
                     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, H, G, D,
-                    MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, S_CAP: tl.constexpr,
-                    G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr):
-    b, i = tl.program_id(0), tl.program_id(1)
-    kvh, piece = tl.program_id(2) // S_CAP, tl.program_id(2) % S_CAP
+                    MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                    S_CAP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    kvh, piece = tl.program_id(1) // S_CAP, tl.program_id(1) % S_CAP
     wait_and_release(USE_PDL)
-    t, length, from_row, vis, exists = _query(SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart, b, i,
-                                              tail_width, MODE, BLOCK_T)
+    b, t, length, from_row, vis, exists = _query(SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart,
+                                                 tl.program_id(0), nreq, tail_width, MODE, BLOCK_T, BLOCK_B)
     split = _split_len(length, BLOCK_N, S_CAP)
     start = piece * split
     if exists & (start < length):
@@ -151,14 +175,15 @@ def _partial_kernel(Q, K, V, Table, stride_table, Rows, SeqLens, Prefix, Extend,
 
 
 @triton.jit
-def _merge_kernel(Out, PAcc, PM, PL, SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart, tail_width,
+def _merge_kernel(Out, PAcc, PM, PL, SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart, tail_width, nreq,
                   v_scale, stride_ot, stride_oh, H, D, MODE: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_N: tl.constexpr, S_CAP: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    """Query (b, i), head h: its pieces merged in order, each into a running (max, sum, acc)."""
-    b, i, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                  BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, S_CAP: tl.constexpr, BLOCK_D: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """Grid row p's query, head h: its pieces merged in order, each into a running (max, sum, acc)."""
+    h = tl.program_id(1)
     wait_and_release(USE_PDL)
-    t, length, from_row, vis, exists = _query(SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart, b, i,
-                                              tail_width, MODE, BLOCK_T)
+    b, t, length, from_row, vis, exists = _query(SeqLens, Prefix, Extend, QStarts, Mask, MaskPtr, TailStart,
+                                                 tl.program_id(0), nreq, tail_width, MODE, BLOCK_T, BLOCK_B)
     if exists:
         split = _split_len(length, BLOCK_N, S_CAP)
         pieces = tl.cdiv(length, split)
@@ -188,7 +213,7 @@ def invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     `meta` (triton_backend.TritonMeta: decode, tail decode, causal extend or tree verify)."""
     t_rows, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
-    mode, grid_b, max_q, tail_width = _mode(meta)
+    mode, grid_p, max_q, tail_width = _mode(meta, t_rows)
     width = max(16, triton.next_power_of_2(max_q)) if mode == TREE else 16
     pacc = torch.empty(t_rows, heads, S_CAP, dim, dtype=torch.float32, device=q.device)
     pm = torch.empty(t_rows, heads, S_CAP, dtype=torch.float32, device=q.device)
@@ -203,25 +228,26 @@ def invariant_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     mask_ptr = meta.mask_indptr if meta.mask_indptr is not None else dummy
     tail = meta.tail if meta.tail is not None else dummy.view(-1, 1)
     tail_start = meta.tail_start if meta.tail_start is not None else dummy
-    group = heads // kv_heads
+    group, nreq = heads // kv_heads, rows.shape[0]
     flags = pdl_flags(q.device)
-    common = dict(MODE=mode, BLOCK_T=width, BLOCK_N=BLOCK_N, S_CAP=S_CAP, BLOCK_D=block_d(dim))
-    _partial_kernel[(grid_b, max_q, kv_heads * S_CAP)](
+    common = dict(MODE=mode, BLOCK_T=width, BLOCK_B=BLOCK_B, BLOCK_N=BLOCK_N, S_CAP=S_CAP, BLOCK_D=block_d(dim))
+    _partial_kernel[(grid_p, kv_heads * S_CAP)](
         q, k_pool, v_pool, table, table.stride(0), rows, seq, prefix, extend, starts, mask, mask_ptr,
-        tail, tail.stride(0), tail_start, tail_width, pacc, pm, pl, scale * k_scale * LOG2E,
+        tail, tail.stride(0), tail_start, tail_width, nreq, pacc, pm, pl, scale * k_scale * LOG2E,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         heads, group, dim, G_PAD=max(16, triton.next_power_of_2(group)),
         PREC=dot_precision(compute_dtype(q, k_pool)), num_warps=4, **common, **flags)
-    _merge_kernel[(grid_b, max_q, heads)](
-        out, pacc, pm, pl, seq, prefix, extend, starts, mask, mask_ptr, tail_start, tail_width, v_scale,
+    _merge_kernel[(grid_p, heads)](
+        out, pacc, pm, pl, seq, prefix, extend, starts, mask, mask_ptr, tail_start, tail_width, nreq, v_scale,
         out.stride(0), out.stride(1), heads, dim, num_warps=1, **common, **flags)
 
 
-def _mode(meta: TritonMeta) -> tuple[int, int, int, int]:
-    """(MODE, requests in the grid, queries per request in the grid, tail width)."""
+def _mode(meta: TritonMeta, t_rows: int) -> tuple[int, int, int, int]:
+    """(MODE, grid rows, queries per request at most, tail width): a decode's grid has a
+    row per request, an extend's a row per token row (`t_rows`, a graph's padding included)."""
     bsz = meta.req_rows.shape[0]
     if meta.tail is not None:
         return TAIL, bsz, 1, meta.tail.shape[1]
     if meta.prefix_lens is None:
         return DECODE, bsz, 1, 0
-    return (TREE if meta.mask is not None else CAUSAL), bsz, meta.max_extend, 0
+    return (TREE if meta.mask is not None else CAUSAL), t_rows, meta.max_extend, 0
