@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -75,6 +76,12 @@ def _check_stop(value: Any) -> Any:
 
 PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
 StopInput = Annotated[str | list[str] | None, BeforeValidator(_check_stop)]
+# /generate splits PromptInput in two (GenerateRequest._one_input); the schema says which is which.
+_TOKENS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+TextInput = Annotated[PromptInput | None, WithJsonSchema(
+    {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}, {"type": "null"}]})]
+IdsInput = Annotated[PromptInput | None, WithJsonSchema(
+    {"anyOf": [_TOKENS, {"type": "array", "items": _TOKENS, "minItems": 1}, {"type": "null"}]})]
 
 
 def prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[str] | list[list[int]]:
@@ -266,12 +273,18 @@ def _flatten_content(value: Any) -> Any:
     return "\n".join(texts)
 
 
+_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+              "required": ["type", "text"]}
+CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
+
+
 class ChatMessage(_Strict):
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})
     # before content: content's validator reads them (an assistant's tool calls may stand alone)
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
-    content: Annotated[str | None, BeforeValidator(_flatten_content)] = Field(None, validate_default=True)
+    content: Annotated[str | None, BeforeValidator(_flatten_content), WithJsonSchema(CONTENT_SCHEMA)] = Field(
+        None, validate_default=True)
     name: str | None = None
 
     @field_validator("role")
@@ -401,8 +414,8 @@ class NativeSamplingParams(_Strict):
 
 
 class GenerateRequest(_Strict):
-    text: PromptInput | None = None
-    input_ids: PromptInput | None = None
+    text: TextInput = None
+    input_ids: IdsInput = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     return_logprob: bool = False
