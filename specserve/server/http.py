@@ -144,8 +144,7 @@ def _add_ops_routes(router: APIRouter, client: EngineClient) -> None:
             values = await client.control("metrics")
             return Response(render_metrics(values or {}), media_type=METRICS_CONTENT_TYPE)
 
-    @router.get("/flush_cache", **openapi.FLUSH_CACHE)
-    @router.post("/flush_cache", **openapi.FLUSH_CACHE)
+    @router.api_route("/flush_cache", methods=["GET", "POST"], **openapi.FLUSH_CACHE)
     async def flush_cache() -> JSONResponse:
         # Like SGLang, the engine refuses while requests are running or queued.
         if await client.control("flush_cache"):

@@ -16,6 +16,8 @@ the document with schemathesis.
 """
 from __future__ import annotations
 
+import re
+import warnings
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -24,6 +26,7 @@ from pydantic.json_schema import models_json_schema
 
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from specserve.server.responses import (
+    ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,
     ErrorResponse,
@@ -35,7 +38,9 @@ from specserve.server.responses import (
 )
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest, GenerateRequest)
+EVENT_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionChunk, CompletionResponse, GenerateOutput)  # SSE data
 REF = "#/components/schemas/{model}"
+_METHOD_SUFFIX = re.compile(r"_(get|put|post|delete|options|head|patch|trace)$")
 
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a field of the wrong type or value, a prompt that does not fit "
@@ -63,10 +68,16 @@ def json_ok(model: Any, description: str) -> dict[str, Any]:
     return {"model": model, "description": description}
 
 
-def stream_ok(model: Any, description: str) -> dict[str, Any]:
-    """A 200 that is `model` as JSON, or Server-Sent Events when the request asked to stream."""
-    events = {"schema": {"type": "string", "description": "`data: <JSON>` events, then `data: [DONE]`"}}
-    return {**json_ok(model, description), "content": {"text/event-stream": events}}
+def stream_ok(model: Any, event: type[BaseModel], description: str) -> dict[str, Any]:
+    """A 200 that is `model` as JSON, or Server-Sent Events when the request asked to stream:
+    `data: <event JSON>` each, an ErrorResponse if the request fails after the headers went
+    out, and `data: [DONE]` last. (Before OpenAPI 3.2 a stream's `schema` describes one event.)"""
+    assert event in EVENT_MODELS, f"{event.__name__} must be in EVENT_MODELS to reach components"
+    payload = {"anyOf": [{"$ref": REF.format(model=event.__name__)}, {"$ref": REF.format(model="ErrorResponse")}]}
+    data = {"anyOf": [{"const": "[DONE]"},
+                      {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}
+    events = {"type": "object", "properties": {"data": data}, "required": ["data"]}
+    return {**json_ok(model, description), "content": {"text/event-stream": {"schema": events}}}
 
 
 def text_ok(media_type: str, description: str) -> dict[str, Any]:
@@ -88,26 +99,40 @@ def responses(ok: dict[str, Any], *statuses: int, auth: bool = True) -> dict[int
 
 
 def install_openapi(app: FastAPI) -> None:
-    """Make `app.openapi()` carry REQUEST_MODELS in components and no FastAPI 422."""
+    """Make `app.openapi()` carry REQUEST_MODELS and EVENT_MODELS in components, no FastAPI 422,
+    and one operationId per method."""
     base = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = base()  # FastAPI's document, cached on the app: completed once, here
-            _add_request_models(schema)
+            with warnings.catch_warnings():  # FastAPI gives each method of one route the same id: fixed below
+                warnings.filterwarnings("ignore", "Duplicate Operation ID", UserWarning)
+                schema = base()  # FastAPI's document, cached on the app: completed once, here
+            _add_models(schema)
             _drop_422(schema)
+            _one_id_per_method(schema)
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _add_request_models(schema: dict[str, Any]) -> None:
-    _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS], ref_template=REF)
+def _add_models(schema: dict[str, Any]) -> None:
+    """REQUEST_MODELS and EVENT_MODELS, and what they refer to, in components (once each)."""
+    modes = [(m, "validation") for m in REQUEST_MODELS] + [(m, "serialization") for m in EVENT_MODELS]
+    _, defs = models_json_schema(modes, ref_template=REF)  # type: ignore[arg-type]
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name, definition in defs.get("$defs", {}).items():
-        if components.get(name, definition) != definition:
-            raise ValueError(f"two different schemas are both named {name!r} in components")
-        components[name] = definition
+        have = components.setdefault(name, definition)  # a model FastAPI has already: its rendering stays
+        if set(have.get("properties", {})) != set(definition.get("properties", {})):
+            raise ValueError(f"two different models are both named {name!r} in components")
+
+
+def _one_id_per_method(schema: dict[str, Any]) -> None:
+    """`<name>_<path>_<method>` with the operation's own method (/flush_cache has GET and POST)."""
+    for path in schema.get("paths", {}).values():
+        for method, operation in path.items():
+            if "operationId" in operation:
+                operation["operationId"] = f"{_METHOD_SUFFIX.sub('', operation['operationId'])}_{method}"
 
 
 def _drop_422(schema: dict[str, Any]) -> None:
@@ -130,11 +155,13 @@ def route(ok: dict[str, Any], *statuses: int, body: type[BaseModel] | None = Non
 
 
 # -- the routes' documentation ------------------------------------------------------------------
-CHAT_COMPLETIONS = route(stream_ok(ChatCompletionResponse, "The completion; chat.completion.chunk events if stream"),
+CHAT_COMPLETIONS = route(stream_ok(ChatCompletionResponse, ChatCompletionChunk,
+                                   "The completion; chat.completion.chunk events if stream"),
                          404, 503, body=ChatCompletionRequest)
-COMPLETIONS = route(stream_ok(CompletionResponse, "The completion; text_completion events if stream"),
+COMPLETIONS = route(stream_ok(CompletionResponse, CompletionResponse,
+                              "The completion; text_completion events if stream"),
                     404, 503, body=CompletionRequest)
-GENERATE = route(stream_ok(GenerateOutput | list[GenerateOutput],
+GENERATE = route(stream_ok(GenerateOutput | list[GenerateOutput], GenerateOutput,
                            "One output (a list for a batch); cumulative outputs as events if stream"),
                  409, 503, body=GenerateRequest)
 HEALTH_GENERATE = route(empty_ok("The engine generated a token in time"), 503)
