@@ -23,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.config import JsonDict
 
 from specserve.core.sampling_params import Constraint, SamplingParams
 from specserve.server.tool_calls import (
@@ -74,14 +75,19 @@ def _check_stop(value: Any) -> Any:
     raise ValueError("must be a string or a list of strings")
 
 
-PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
+# The JSON schema of what _check_prompt admits (pydantic's own would admit empty prompts).
+_TEXT = {"type": "string", "minLength": 1}
+_TEXTS = {"type": "array", "items": _TEXT, "minItems": 1}
+_TOKENS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+_TOKEN_LISTS = {"type": "array", "items": _TOKENS, "minItems": 1}
+_NULL = {"type": "null"}
+
+PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt),
+                        WithJsonSchema({"anyOf": [_TEXT, _TEXTS, _TOKENS, _TOKEN_LISTS]})]
 StopInput = Annotated[str | list[str] | None, BeforeValidator(_check_stop)]
 # /generate splits PromptInput in two (GenerateRequest._one_input); the schema says which is which.
-_TOKENS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
-TextInput = Annotated[PromptInput | None, WithJsonSchema(
-    {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}, {"type": "null"}]})]
-IdsInput = Annotated[PromptInput | None, WithJsonSchema(
-    {"anyOf": [_TOKENS, {"type": "array", "items": _TOKENS, "minItems": 1}, {"type": "null"}]})]
+TextInput = Annotated[PromptInput | None, WithJsonSchema({"anyOf": [_TEXT, _TEXTS, _NULL]})]
+IdsInput = Annotated[PromptInput | None, WithJsonSchema({"anyOf": [_TOKENS, _TOKEN_LISTS, _NULL]})]
 
 
 def prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[str] | list[list[int]]:
@@ -276,9 +282,20 @@ def _flatten_content(value: Any) -> Any:
 _TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
               "required": ["type", "text"]}
 CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
+_FUNCTION: JsonDict = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+_CALL: JsonDict = {"type": "object", "required": ["function"], "properties": {"function": _FUNCTION}}
+# What ChatMessage's validators admit, for the schema: content, or an assistant's tool calls (or both).
+_MESSAGE_RULES: JsonDict = {"allOf": [
+    {"anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+               {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]},
+    {"anyOf": [{"properties": {"tool_calls": {"type": "null"}}},
+               {"properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "items": _CALL}}}]},
+]}
 
 
 class ChatMessage(_Strict):
+    model_config = ConfigDict(json_schema_extra=_MESSAGE_RULES)
+
     role: str = Field(json_schema_extra={"enum": list(ROLES)})
     # before content: content's validator reads them (an assistant's tool calls may stand alone)
     tool_calls: list[dict] | None = None
@@ -321,7 +338,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_OpenAIBase):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0)
