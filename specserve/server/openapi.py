@@ -171,4 +171,4 @@ HEALTH = route(empty_ok("The engine is running"), 503, auth=False)
 SERVER_INFO = route(json_ok(dict[str, Any], "The engine's configuration and internal state"))
 MODEL_INFO = route(json_ok(ServedModelInfo, "The served model's paths and context length"))
 METRICS = route(text_ok("text/plain", "Prometheus metrics, text format 0.0.4"))
-FLUSH_CACHE = route(json_ok(FlushCacheResult, "The prefix cache was flushed"), 400)
+FLUSH_CACHE = route(json_ok(FlushCacheResult, "The prefix cache was flushed"), 400, 413)  # POST's body is guarded
