@@ -3,16 +3,17 @@
 Owns the documentation of the HTTP surface, not its behaviour. The generation routes read
 their bodies themselves (`validate.parse_body`: any Content-Type, a 400 rather than FastAPI's
 422), so FastAPI cannot see their request models: `request_body(Model)` documents one through
-a route's `openapi_extra`, and `install_openapi` puts the JSON schemas of `REQUEST_MODELS` in
-`components`. Every error is one `ErrorResponse` body; `responses(ok, *statuses)` builds a
-route's `responses=` from a success entry and the error statuses it can answer. The route
-modules pass the keyword sets at the bottom (`@router.post("/generate", **openapi.GENERATE)`),
-so that a route's documentation is read in one place and its decorator stays one line.
+a route's `openapi_extra`. Nor can it see the chunks of a stream: `stream_ok` documents each
+SSE event by reference. `install_openapi` puts those models (REQUEST_MODELS, EVENT_MODELS) in
+`components`. Every error is one `ErrorResponse` body. `route(ok, *statuses, body=...)` builds
+a route's keywords; the route modules pass the sets at the bottom
+(`@router.post("/generate", **openapi.GENERATE)`), so that the documentation is read in one
+place and each decorator stays one line.
 
 Invariant: a status a route can send is documented on it (401 and 500 on every route, which the
-auth and catch-all middlewares can answer anywhere), and FastAPI's 422 is documented nowhere,
-since `server/errors.py` turns it into a 400. tests/unit/test_openapi_fuzz.py holds the server to
-the document with schemathesis.
+auth and catch-all middlewares can answer anywhere; 400 and 413 wherever a body is read), and
+FastAPI's 422 is documented nowhere, since `server/errors.py` turns it into a 400.
+tests/unit/test_openapi_fuzz.py holds the server to the document with schemathesis.
 """
 from __future__ import annotations
 
@@ -50,10 +51,10 @@ ERROR_DESCRIPTIONS = {
     409: "A request with this rid is already in flight",
     413: "Request body too large",
     500: "Internal error (the server keeps serving)",
-    503: "The engine is not running",
+    503: "The engine is not running, or the server is shutting down",
 }
 ALWAYS = (401, 500)  # AuthMiddleware and CatchAllMiddleware stand in front of every route
-BODY_ERRORS = (400, 413)  # any route that reads a JSON body
+BODY_ERRORS = (400, 413)  # BodyGuardMiddleware (size, depth, Unicode) and parse_body (shape)
 
 
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -81,10 +82,12 @@ def stream_ok(model: Any, event: type[BaseModel], description: str) -> dict[str,
 
 
 def text_ok(media_type: str, description: str) -> dict[str, Any]:
+    """A 200 whose body is text of `media_type`."""
     return {"description": description, "content": {media_type: {"schema": {"type": "string"}}}}
 
 
 def empty_ok(description: str) -> dict[str, Any]:
+    """A 200 without a body."""
     return {"description": description}
 
 
@@ -96,6 +99,17 @@ def responses(ok: dict[str, Any], *statuses: int, auth: bool = True) -> dict[int
     for code in codes:
         out[code] = {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[code]}
     return out
+
+
+def route(ok: dict[str, Any], *statuses: int, body: type[BaseModel] | None = None, auth: bool = True) -> dict[str, Any]:
+    """The documentation keywords of one route: `responses=`, and `openapi_extra=` for a `body`."""
+    doc: dict[str, Any] = {"responses": responses(ok, *statuses, *(BODY_ERRORS if body else ()), auth=auth)}
+    if "model" not in ok:  # not JSON: else FastAPI documents application/json too (the endpoints
+        # return Response objects, so response_class changes only the document)
+        doc["response_class"] = Response
+    if body is not None:
+        doc["openapi_extra"] = request_body(body)
+    return doc
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -136,22 +150,13 @@ def _one_id_per_method(schema: dict[str, Any]) -> None:
 
 
 def _drop_422(schema: dict[str, Any]) -> None:
+    """FastAPI documents a 422 for any route with parameters; the server answers those 400."""
     for path in schema.get("paths", {}).values():
         for operation in path.values():
             operation.get("responses", {}).pop("422", None)
     components = schema.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-
-
-def route(ok: dict[str, Any], *statuses: int, body: type[BaseModel] | None = None, auth: bool = True) -> dict[str, Any]:
-    """The documentation keywords of one route: `responses=`, and `openapi_extra=` for a `body`."""
-    doc: dict[str, Any] = {"responses": responses(ok, *statuses, *(BODY_ERRORS if body else ()), auth=auth)}
-    if "model" not in ok:  # not JSON: FastAPI would document its default application/json too
-        doc["response_class"] = Response
-    if body is not None:
-        doc["openapi_extra"] = request_body(body)
-    return doc
 
 
 # -- the routes' documentation ------------------------------------------------------------------

@@ -5,6 +5,8 @@ Owns the wire shape of what clients send: the OpenAI `ChatCompletionRequest` and
 *types and shapes* (strict: a known field of the wrong type is an error; unknown fields are
 ignored because OpenAI clients send extras). Value ranges that need the model (vocab size,
 context length) are checked later by `SamplingParams.validate` and `server/validate.py`.
+Where a validator admits less than its type says (no empty prompt, content or tool calls), a
+`WithJsonSchema` or `json_schema_extra` next to it says so in `/openapi.json`.
 Response bodies live in `server/responses.py`.
 """
 from __future__ import annotations
