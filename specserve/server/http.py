@@ -74,7 +74,7 @@ def build_app(client: EngineClient) -> FastAPI:
     """The server's ASGI app over `client`; serve it with uvicorn."""
     app = FastAPI(title="specserve", version="0.1.0")
     install_error_handlers(app)
-    openapi.install_openapi(app)
+    openapi.install_openapi(app, bearer_auth=bool(client.config.server.api_key), open_paths=OPEN_PATHS)
     app.include_router(make_openai_router(client))
     app.include_router(make_native_router(client))
     app.include_router(_admin_router(client))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Collection
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -112,9 +113,10 @@ def route(ok: dict[str, Any], *statuses: int, body: type[BaseModel] | None = Non
     return doc
 
 
-def install_openapi(app: FastAPI) -> None:
+def install_openapi(app: FastAPI, bearer_auth: bool = False, open_paths: Collection[str] = ()) -> None:
     """Make `app.openapi()` carry REQUEST_MODELS and EVENT_MODELS in components, no FastAPI 422,
-    and one operationId per method."""
+    one operationId per method, and (`bearer_auth`: --api-key) the Bearer scheme on every
+    operation but those of `open_paths`."""
     base = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -125,6 +127,8 @@ def install_openapi(app: FastAPI) -> None:
             _add_models(schema)
             _drop_422(schema)
             _one_id_per_method(schema)
+            if bearer_auth:
+                _declare_bearer(schema, open_paths)
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -147,6 +151,15 @@ def _one_id_per_method(schema: dict[str, Any]) -> None:
         for method, operation in path.items():
             if "operationId" in operation:
                 operation["operationId"] = f"{_METHOD_SUFFIX.sub('', operation['operationId'])}_{method}"
+
+
+def _declare_bearer(schema: dict[str, Any], open_paths: Collection[str]) -> None:
+    schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+    schemes["bearer"] = {"type": "http", "scheme": "bearer", "description": "The server's --api-key"}
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            if path not in open_paths:
+                operation["security"] = [{"bearer": []}]
 
 
 def _drop_422(schema: dict[str, Any]) -> None:

@@ -66,3 +66,13 @@ def test_wrong_method_is_405_naming_the_allowed_ones() -> None:
         r = http.request(method, path)
         assert r.status_code == 405 and r.json()["error"]["code"] == 405
         assert set(r.headers["allow"].replace(" ", "").split(",")) == allowed, r.headers
+
+
+def test_with_an_api_key_the_document_declares_bearer_auth(doc: dict[str, Any]) -> None:
+    assert "securitySchemes" not in doc["components"]
+    http = TestClient(build_app(FakeEngineClient(api_key="k")))
+    assert http.get("/openapi.json").status_code == 401
+    keyed = http.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
+    assert keyed["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    for path, method, op in operations(keyed):
+        assert ("security" in op) == (path not in OPEN_PATHS), (method, path)

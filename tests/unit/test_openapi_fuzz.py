@@ -2,7 +2,8 @@
 requests (valid and invalid bodies, unexpected methods) sent to the ASGI app over the fake
 engine of test_http.py, and every answer checked against the document: no 5xx, a documented
 status, a documented content type, a body (or each SSE event) that matches its schema, a 405
-with an `Allow` header, schema-invalid input refused with a 4xx.
+with an `Allow` header, schema-invalid input refused with a 4xx. Then the same behind an API
+key (AUTH_EXAMPLES each): requests without it or with a wrong one must be 401s.
 
 Bounded for CI: MAX_EXAMPLES generated cases per operation on top of schemathesis' coverage
 cases (boundary values, each field of a wrong type, each undeclared method), a fixed seed,
@@ -26,6 +27,7 @@ from specserve.server.http import build_app
 from tests.unit.test_http import VOCAB, FakeEngineClient, FakeTokenizer
 
 MAX_EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "30"))
+AUTH_EXAMPLES = 5  # the same routes again, behind the key
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -51,24 +53,41 @@ class GrammarTokenizer(FakeTokenizer):
         return fake_tokenizer_json()
 
 
-def fuzz_engine() -> FakeEngineClient:
-    engine = FakeEngineClient()
+def fuzz_engine(api_key: str | None = None) -> FakeEngineClient:
+    engine = FakeEngineClient(api_key=api_key)
     engine.tokenizer = GrammarTokenizer()
     return engine
 
 
-CONFIG = SchemathesisConfig.from_dict({
-    "seed": int(os.environ.get("SPECSERVE_FUZZ_SEED", "52")),
-    "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
-    # Schema-valid requests may still exceed the model's limits: a 400, not a failure.
-    "checks": {"positive_data_acceptance": {"enabled": False}},
-})
-schema = schemathesis.openapi.from_asgi("/openapi.json", build_app(fuzz_engine()), config=CONFIG)
+def fuzz_config(max_examples: int, **extra: object) -> SchemathesisConfig:
+    return SchemathesisConfig.from_dict({
+        "seed": int(os.environ.get("SPECSERVE_FUZZ_SEED", "52")),
+        "generation": {"max-examples": max_examples, "deterministic": True, "database": "none"},
+        # Schema-valid requests may still exceed the model's limits: a 400, not a failure.
+        "checks": {"positive_data_acceptance": {"enabled": False}},
+        **extra,
+    })
+
+
+schema = schemathesis.openapi.from_asgi("/openapi.json", build_app(fuzz_engine()), config=fuzz_config(MAX_EXAMPLES))
+KEY = "fuzz-key"
+# With --api-key: the document declares the Bearer scheme, schemathesis sends the key, and its
+# ignored_auth check sends requests without it or with a wrong one, which must be 401s.
+auth_schema = schemathesis.openapi.from_asgi(
+    "/openapi.json", build_app(fuzz_engine(api_key=KEY)), headers={"Authorization": f"Bearer {KEY}"},
+    config=fuzz_config(AUTH_EXAMPLES, auth={"openapi": {"bearer": {"bearer": KEY}}}))
+SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
 @schema.parametrize()
-@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@SETTINGS
 def test_every_operation_answers_as_documented(case: schemathesis.Case) -> None:
+    case.call_and_validate()
+
+
+@auth_schema.parametrize()
+@SETTINGS
+def test_with_an_api_key_too(case: schemathesis.Case) -> None:
     case.call_and_validate()
 
 
