@@ -95,7 +95,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         message = "Not found" if exc.status_code == 404 else str(exc.detail)
-        return APIError(exc.status_code, message).response()
+        response = APIError(exc.status_code, message).response()
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow: the methods the route has
+        return response
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

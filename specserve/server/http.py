@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specserve.engine.protocol import EngineClient
+from specserve.server import openapi
 from specserve.server.body_guard import BodyGuardMiddleware
 from specserve.server.errors import APIError, CatchAllMiddleware, install_error_handlers
 from specserve.server.metrics import render_metrics
@@ -73,6 +74,7 @@ def build_app(client: EngineClient) -> FastAPI:
     """The server's ASGI app over `client`; serve it with uvicorn."""
     app = FastAPI(title="specserve", version="0.1.0")
     install_error_handlers(app)
+    openapi.install_openapi(app, bearer_auth=bool(client.config.server.api_key), open_paths=OPEN_PATHS)
     app.include_router(make_openai_router(client))
     app.include_router(make_native_router(client))
     app.include_router(_admin_router(client))
@@ -98,12 +100,12 @@ def _admin_router(client: EngineClient) -> APIRouter:
 def _add_model_routes(router: APIRouter, client: EngineClient) -> None:
     started = int(time.time())
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", **openapi.MODELS)
     async def list_models() -> JSONResponse:
         card = _model_card(client).model_copy(update={"created": started})
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
-    @router.get("/v1/models/{model_id:path}")
+    @router.get("/v1/models/{model_id:path}", **openapi.MODEL)
     async def get_model(model_id: str) -> JSONResponse:
         card = _model_card(client).model_copy(update={"created": started})
         if model_id not in (card.id, card.root):
@@ -112,19 +114,19 @@ def _add_model_routes(router: APIRouter, client: EngineClient) -> None:
 
 
 def _add_ops_routes(router: APIRouter, client: EngineClient) -> None:
-    @router.get("/health")
+    @router.get("/health", **openapi.HEALTH)
     async def health() -> Response:
         if client.is_alive():
             return Response(status_code=200)
         return APIError(503, "The engine is not running").response()
 
-    @router.get("/get_server_info")
-    @router.get("/server_info")
+    @router.get("/get_server_info", **openapi.SERVER_INFO)
+    @router.get("/server_info", **openapi.SERVER_INFO)
     async def server_info() -> JSONResponse:
         return JSONResponse(jsonable_encoder(redact(await client.control("server_info"))))
 
-    @router.get("/get_model_info")
-    @router.get("/model_info")
+    @router.get("/get_model_info", **openapi.MODEL_INFO)
+    @router.get("/model_info", **openapi.MODEL_INFO)
     async def model_info() -> JSONResponse:
         cfg = client.config.model
         info: dict[str, Any] = {
@@ -137,12 +139,12 @@ def _add_ops_routes(router: APIRouter, client: EngineClient) -> None:
         return JSONResponse(info)
 
     if client.config.server.enable_metrics:  # --enable-metrics, as SGLang: off means no route
-        @router.get("/metrics")
+        @router.get("/metrics", **openapi.METRICS)
         async def metrics() -> Response:
             values = await client.control("metrics")
             return Response(render_metrics(values or {}), media_type=METRICS_CONTENT_TYPE)
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.api_route("/flush_cache", methods=["GET", "POST"], **openapi.FLUSH_CACHE)
     async def flush_cache() -> JSONResponse:
         # Like SGLang, the engine refuses while requests are running or queued.
         if await client.control("flush_cache"):

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request, Response
 from specserve.core.messages import GenerateReq, TokenLogprob, TokenOut
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.protocol import EngineClient
+from specserve.server import openapi
 from specserve.server.errors import APIError, bad_request
 from specserve.server.fanout import ChoiceState, ClientDisconnected, FanOut, collect, until_disconnected
 from specserve.server.openai_routes import serve
@@ -152,7 +153,7 @@ async def health_generate(request: Request, client: EngineClient) -> Response:
 def make_native_router(client: EngineClient) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/generate")
+    @router.post("/generate", **openapi.GENERATE)
     async def generate(request: Request) -> Response:
         body = await parse_body(request, GenerateRequest)
         check_choices(client, len(body.prompts), 1, "text" if body.text is not None else "input_ids")
@@ -160,7 +161,7 @@ def make_native_router(client: EngineClient) -> APIRouter:
         view = NativeView(client, body, reqs)
         return await serve(request, client, reqs, body.stream, view, view.final)
 
-    @router.get("/health_generate")
+    @router.get("/health_generate", **openapi.HEALTH_GENERATE)
     async def health_gen(request: Request) -> Response:
         return await health_generate(request, client)
 

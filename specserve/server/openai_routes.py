@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from specserve.core.messages import GenerateReq
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.protocol import EngineClient
+from specserve.server import openapi
 from specserve.server.fanout import ChoiceState, ClientDisconnected, FanOut, collect, until_disconnected
 from specserve.server.openai_format import ChatStream, CompletionStream, ResponseCtx, chat_response, completion_response
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -151,11 +152,11 @@ async def completions(request: Request, client: EngineClient) -> Response:
 def make_openai_router(client: EngineClient) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", **openapi.CHAT_COMPLETIONS)
     async def _chat(request: Request) -> Response:
         return await chat_completions(request, client)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", **openapi.COMPLETIONS)
     async def _completions(request: Request) -> Response:
         return await completions(request, client)
 

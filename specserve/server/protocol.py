@@ -5,6 +5,8 @@ Owns the wire shape of what clients send: the OpenAI `ChatCompletionRequest` and
 *types and shapes* (strict: a known field of the wrong type is an error; unknown fields are
 ignored because OpenAI clients send extras). Value ranges that need the model (vocab size,
 context length) are checked later by `SamplingParams.validate` and `server/validate.py`.
+Where a validator admits less than its type says (no empty prompt, content or tool calls), a
+`WithJsonSchema` or `json_schema_extra` next to it says so in `/openapi.json`.
 Response bodies live in `server/responses.py`.
 """
 from __future__ import annotations
@@ -19,9 +21,11 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
+from pydantic.config import JsonDict
 
 from specserve.core.sampling_params import Constraint, SamplingParams
 from specserve.server.tool_calls import (
@@ -73,8 +77,19 @@ def _check_stop(value: Any) -> Any:
     raise ValueError("must be a string or a list of strings")
 
 
-PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt)]
+# The JSON schema of what _check_prompt admits (pydantic's own would admit empty prompts).
+_TEXT = {"type": "string", "minLength": 1}
+_TEXTS = {"type": "array", "items": _TEXT, "minItems": 1}
+_TOKENS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+_TOKEN_LISTS = {"type": "array", "items": _TOKENS, "minItems": 1}
+_NULL = {"type": "null"}
+
+PromptInput = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt),
+                        WithJsonSchema({"anyOf": [_TEXT, _TEXTS, _TOKENS, _TOKEN_LISTS]})]
 StopInput = Annotated[str | list[str] | None, BeforeValidator(_check_stop)]
+# /generate splits PromptInput in two (GenerateRequest._one_input); the schema says which is which.
+TextInput = Annotated[PromptInput | None, WithJsonSchema({"anyOf": [_TEXT, _TEXTS, _NULL]})]
+IdsInput = Annotated[PromptInput | None, WithJsonSchema({"anyOf": [_TOKENS, _TOKEN_LISTS, _NULL]})]
 
 
 def prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[str] | list[list[int]]:
@@ -266,12 +281,29 @@ def _flatten_content(value: Any) -> Any:
     return "\n".join(texts)
 
 
+_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+              "required": ["type", "text"]}
+CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
+_FUNCTION: JsonDict = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+_CALL: JsonDict = {"type": "object", "required": ["function"], "properties": {"function": _FUNCTION}}
+# What ChatMessage's validators admit, for the schema: content, or an assistant's tool calls (or both).
+_MESSAGE_RULES: JsonDict = {"allOf": [
+    {"anyOf": [{"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+               {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]},
+    {"anyOf": [{"properties": {"tool_calls": {"type": "null"}}},
+               {"properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "items": _CALL}}}]},
+]}
+
+
 class ChatMessage(_Strict):
-    role: str
+    model_config = ConfigDict(json_schema_extra=_MESSAGE_RULES)
+
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})
     # before content: content's validator reads them (an assistant's tool calls may stand alone)
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
-    content: Annotated[str | None, BeforeValidator(_flatten_content)] = Field(None, validate_default=True)
+    content: Annotated[str | None, BeforeValidator(_flatten_content), WithJsonSchema(CONTENT_SCHEMA)] = Field(
+        None, validate_default=True)
     name: str | None = None
 
     @field_validator("role")
@@ -308,7 +340,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_OpenAIBase):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0)
@@ -401,8 +433,8 @@ class NativeSamplingParams(_Strict):
 
 
 class GenerateRequest(_Strict):
-    text: PromptInput | None = None
-    input_ids: PromptInput | None = None
+    text: TextInput = None
+    input_ids: IdsInput = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     return_logprob: bool = False

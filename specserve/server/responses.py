@@ -2,14 +2,16 @@
 
 Owns the wire shape of what we send back, field for field as the official `openai` client
 parses it. Building them from engine outputs is `server/openai_format.py`'s job; the
-native `/generate` shape is SGLang's free-form dict and lives in `server/native_routes.py`.
+native `/generate` shape is SGLang's free-form dict, built in `server/native_routes.py`, and
+`GenerateOutput` here only documents it (for `/openapi.json`). `ErrorResponse` is the one error
+body of every route (`server/errors.py`'s `APIError.body()`).
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 def now() -> int:
@@ -166,3 +168,54 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- errors -----------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # invalid_request_error, authentication_error, not_found_error, ...
+    param: str | None  # the offending field, e.g. "messages[0].content"
+    code: int  # the HTTP status
+
+
+class ErrorResponse(BaseModel):
+    """What every 4xx/5xx answers, OpenAI's shape: `{"error": {...}}`."""
+
+    error: ErrorDetail
+
+
+# -- admin and native routes (documentation: the routes build these as dicts) -----------------
+class ServedModelInfo(BaseModel):
+    model_path: str
+    tokenizer_path: str
+    served_model_name: str
+    context_length: int
+    is_generation: bool
+
+
+class FlushCacheResult(BaseModel):
+    success: bool
+    message: str
+
+
+class GenerateMetaInfo(BaseModel):
+    """SGLang's meta_info: these keys always, plus whatever the engine reports
+    (spec_verify_ct, spec_accept_length, logprob lists, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: dict[str, Any] | None  # {"type": "length" | "stop" | ..., ...}; null while streaming
+    e2e_latency: float | None
+
+
+class GenerateOutput(BaseModel):
+    """One prompt's result from /generate (a batch answers a list of them)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+    index: int | None = None  # only in a batch's stream events: which prompt this one is
