@@ -317,8 +317,6 @@ class LlamaForCausalLM(nn.Module):
         rope = self.model.rotary.at(fb.positions)
         if self._few_tokens(h, fb):
             return self._forward_few_tokens(h, fb, rope)
-        if self.invariant and invariant.fused_ready(self, h, fb):
-            return invariant.forward_layers(self, h, fb, rope)
         captured: dict[int, torch.Tensor] = {}
         residual: torch.Tensor | None = None  # the stream is h + residual (see the module docstring)
         for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.model.layers)):  # ModuleList is untyped

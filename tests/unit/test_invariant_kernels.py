@@ -24,7 +24,6 @@ from specserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from specserve.attention.triton_backend import InvariantTritonBackend  # noqa: E402
 from specserve.cache.kv_pool import KVPool  # noqa: E402
 from specserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from specserve.kernels import invariant_mm  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
 
@@ -53,26 +52,6 @@ def test_linear_rows_do_not_depend_on_the_row_count(n, k, bias, rows):
     got = kernels.invariant_matmul(x, w, b, out_dtype=torch.float32)
     ref = x.float() @ w.float().T + (b.float() if bias else 0)
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
-
-
-def test_fused_linear_forms_do_not_depend_on_the_row_count(monkeypatch):
-    """gate_up's SiLU*mul and the residual add that ride on the product, with one row tile
-    per program and (from 17 rows here) four."""
-    monkeypatch.setattr(invariant_mm, "TILED_ROWS", 17)
-    g = torch.Generator().manual_seed(3)
-    n, k, rows = 40, 96, 70  # 70 rows: a program of four row tiles, and one of a tile and a part
-    w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(DEV, BF16)
-    x, r = torch.randn(rows, k, generator=g).to(DEV, BF16), torch.randn(rows, n, generator=g).to(DEV, BF16)
-    plain = lambda idx: invariant_mm.invariant_matmul(x[idx], w[:n])  # noqa: E731
-    gated = lambda idx: invariant_mm.invariant_matmul(x[idx], w, gated=True)  # noqa: E731
-    added = lambda idx: invariant_mm.invariant_matmul(x[idx], w[:n], residual=r[idx])  # noqa: E731
-    for m in (1, 17, rows):
-        for fn in (plain, gated, added):
-            _rows_alone(fn, m)
-    gate_up = x.float() @ w.float().T
-    ref = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
-    torch.testing.assert_close(gated(torch.arange(rows)).float(), ref, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(added(torch.arange(rows)).float(), gate_up[:, :n] + r.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_row_local_kernels_do_not_depend_on_the_row_count():
