@@ -237,7 +237,7 @@ def _add_draft_tree(g: argparse._ArgumentGroup) -> None:
                    help="accumulated acceptance threshold (< 1.0 is lossy)")
     g.add_argument("--speculative-adaptive", default=_P.adaptive, choices=("auto", "on", "off"),
                    help="measure speculative and plain steps per batch size and run the faster "
-                        "(both are exact); auto: on for CUDA devices (specserve's own flag)")
+                        "(both are exact); auto: on, on every device (specserve's own flag)")
     g.add_argument("--speculative-batch-tree", default=_P.batch_tree,
                    help="EAGLE: the smaller tree (steps,topk,draft tokens) that batches of "
                         "--speculative-batch-tree-from requests and more draft; off, or auto: the head's "

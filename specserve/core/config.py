@@ -98,7 +98,7 @@ class SpecConfig:
     enable_multi_layer_eagle: bool = False
     enable_spec_v2: bool = False  # from SPECSERVE_ENABLE_SPEC_V2 / SGLANG_ENABLE_SPEC_V2
     ngram_force_greedy_verify: bool = False  # from *_NGRAM_FORCE_GREEDY_VERIFY
-    adaptive: str = "auto"  # auto (on for CUDA) | on | off: turn speculation down when it does not pay
+    adaptive: str = "auto"  # auto (= on, any device) | on | off: turn speculation down when it does not pay
     # EAGLE step graphs from batch_tree_from requests up draft this smaller tree (spec/eagle/batch_tree.py):
     # auto (the head's own, when the tree flags are omitted) | off | "steps,topk,draft tokens"
     batch_tree: str = "auto"

@@ -32,7 +32,10 @@ governor-sim` compares policies on a simulated batch-1 round.
 A bucket not measured yet starts with the mode its nearest measured bucket prefers (batch
 sizes pass through many buckets as requests finish, and measuring the slower mode first in
 each is what exploration would otherwise cost), and prices its probes with that bucket's
-ratios; with no measured bucket it measures speculation first (TRUSTED samples). The worker
+ratios. A bucket more than NEAR ranks away is only a first guess (on a CPU a verify costs
+its tokens at any batch, so speculation that pays at batch 1 costs more than plain at
+batch 32): once the guessed mode has TRUSTED samples, the other is probed at once. With no
+measured bucket it measures speculation first (TRUSTED samples). The worker
 times a step from its start to the next step's start, so the engine's own per-step work
 (outputs, detokenization) is counted, not only the forward and read-back; it records a
 step once the next one has been decided, so `record` recognises the probe by its mode.
@@ -147,10 +150,21 @@ class SpecGovernor:
 
     def _due(self, b: int, n: int, best: bool) -> bool:
         """Whether bucket b (at its step n, running `best`) probes the other mode now."""
-        if n - self._last_probe.setdefault(b, n) < self.probe_every:
-            return False
+        last = self._last_probe.setdefault(b, n)
         loss = self._probe_loss(b, best)
+        if loss is None and self._guessed(b, best):
+            return True  # a far bucket's choice: measure the other mode here at once
+        if n - last < self.probe_every:
+            return False
         return b in self._eager or loss is None or loss <= self.explore_share * self._since.get(b, 0.0)
+
+    def _guessed(self, b: int, best: bool) -> bool:
+        """Whether bucket b runs `best` on a far bucket's word alone (no sample of the other
+        mode here) and has measured `best` enough to compare. The ratio of two modes moves
+        with the batch: on a CPU a verify costs its tokens from batch 1 up, on a GPU from
+        where it turns compute-bound, so speculation that pays at batch 1 may cost 3x plain
+        at batch 32, and probe_every steps of it there cost more than measuring plain now."""
+        return (b, not best) not in self._rate and self._count.get((b, best), 0) >= TRUSTED
 
     def _probe_loss(self, b: int, best: bool) -> float | None:
         """Seconds a probe of the other mode at bucket b is expected to cost beyond what

@@ -48,8 +48,7 @@ class SpecWorker:
         self.force_greedy_verify = force_greedy_verify
         self.eos_ids, self.context_length = eos_ids, context_length
         self.stats = SpecStats()
-        adaptive = spec.adaptive == "on" or (spec.adaptive == "auto" and runner.device.type == "cuda")
-        self.governor = make_governor(adaptive)
+        self.governor = make_governor(spec.adaptive != "off")  # auto: on, on every device
         # the last step: (bs, speculated, tokens, start, switched: one of the first WARM_STEPS of its mode)
         self._open: tuple[int, bool, int, float, bool] | None = None
         self._start = 0.0  # when the step `choose` was asked about started

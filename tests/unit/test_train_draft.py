@@ -43,7 +43,9 @@ from tests.unit.train_utils import VOCAB, make_tiny
 
 CPU, F32 = torch.device("cpu"), torch.float32
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
-SPEC = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+# the governor stays off: these tests compare acceptance, which timed plain steps would thin out
+SPEC = {"speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4,
+        "speculative_adaptive": "off"}
 
 
 @pytest.fixture(scope="module")
