@@ -6,7 +6,8 @@ says so, and turning every way a request can end (a status, an in-band SSE error
 connection) into one `Outcome`. It judges nothing: soak_checks.py does.
 
 Finish reasons are normalized to strings: OpenAI's `finish_reason`, /generate's
-`meta_info.finish_reason.type`.
+`meta_info.finish_reason.type`. Completion tokens are what the answer reports (usage,
+meta_info); an OpenAI stream without `include_usage` (or hung up on) counts its text chunks.
 """
 from __future__ import annotations
 
@@ -76,11 +77,12 @@ def read_choices(route: str, payload: Any, out: Outcome, streamed: bool) -> None
         else:
             text = choice.get("text") or ""
         out.texts[index] = out.texts.get(index, "") + text if streamed else text
+        out.completion_tokens += bool(streamed and text)  # a chunk ~ a token, until usage says
         if choice.get("finish_reason") is not None:
             out.finish[index] = choice["finish_reason"]
     usage = payload.get("usage")
     if isinstance(usage, dict):
-        out.completion_tokens = int(usage.get("completion_tokens") or 0)
+        out.completion_tokens = int(usage.get("completion_tokens") or 0)  # exact: replaces the count
 
 
 async def _read_stream(resp: httpx.Response, plan: Plan, out: Outcome, on_event: Callable[[], None] | None) -> None:
