@@ -4,7 +4,9 @@
 Owns the server's processes: `SoakServer` launches `python -m specserve.launch_server` on a
 free port with `--enable-metrics` (plus the caller's flags) as the leader of a new session;
 `stop` sends SIGTERM and SIGKILLs whatever of that session is still alive after a grace
-period, so the bench leaves nothing behind however it fails. Memory is read from
+period, so the bench leaves nothing behind however it fails; and should the bench itself be
+killed outright (SIGKILL: no `finally` runs), the kernel sends the server SIGTERM
+(PR_SET_PDEATHSIG), which stops it and its engine. Memory is read from
 /proc/<pid>/status for the server and each of its descendants (engine processes,
 multiprocessing's helpers): VmRSS, and of it RssShmem, the shared pages. On the CPU the KV
 pool is shared anonymous memory whose pages are touched on first use (cache/kv_pool.py
@@ -13,6 +15,7 @@ pool is shared anonymous memory whose pages are touched on first use (cache/kv_p
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -27,6 +30,14 @@ import httpx
 STOP_GRACE_S = 60.0
 # The gauges of the scheduler's metrics() (engine/scheduler.py), as /metrics names them.
 RUNNING, QUEUED, TOKEN_USAGE = "specserve:num_running_reqs", "specserve:num_queue_reqs", "specserve:token_usage"
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _term_with_parent() -> None:
+    """In the child before exec: SIGTERM when the bench's (main) thread dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -152,7 +163,8 @@ class SoakServer:
         cmd = [sys.executable, "-m", "specserve.launch_server", "--port", port, "--log-level", "warning",
                "--enable-metrics", *server_args]
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_term_with_parent)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
