@@ -10,6 +10,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "spec": ("specserve.bench.spec_compare", "the same engine with and without speculation, in one run"),
     "speculative": ("specserve.bench.speculative", "SGLang's bench_speculative sweep over tree shapes"),
     "serving": ("specserve.bench.serving", "concurrent clients against the real HTTP server"),
+    "soak": ("specserve.bench.soak", "N streaming clients for T seconds against a server it starts: no 5xx, "
+             "back to idle, bounded memory, greedy answers unchanged"),
     "mtbench": ("specserve.bench.mtbench", "MT-bench: plain against EAGLE-2 / EAGLE-3 / NGRAM (+ HF)"),
     "limit": ("specserve.bench.limit", "batch-1 decode against the GPUs' memory bandwidth (8B/70B shape, TP sizes)"),
     "allreduce": ("specserve.bench.allreduce", "a tensor-parallel all-reduce: NCCL against symmetric memory"),
