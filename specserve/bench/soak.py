@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=Mix.max_tokens, help="random max_tokens: 1..this")
     p.add_argument("--max-rss-growth-mb", type=float, default=64.0,
                    help="a server process's RSS less its shared pages (the CPU's KV pool) may grow at most this "
-                        "much from the end of pass 1 to the end of pass 2")
+                        "much from the end of pass 1 to the end of pass 2 (glibc's retained heap counts: "
+                        "docs/benchmarks.md says how to take it out)")
     p.add_argument("--idle-timeout-s", type=float, default=10.0,
                    help="after a pass's last answer, the gauges must read idle within this")
     p.add_argument("--log", default=None, help="the server's output (default: a file in a new temp directory)")
