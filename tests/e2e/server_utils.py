@@ -28,6 +28,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port p such that p and p + 1 are both free now."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 @contextlib.contextmanager
 def launched_server(extra_args: list[str], log_path: Path, preload: str | None = None) -> Iterator[str]:
     """The server on a free port until the block ends; `preload`: a module imported first

@@ -24,6 +24,7 @@ from tests.e2e.server_utils import (
     assert_stops_with_error,
     engine_pids,
     free_port,
+    free_port_pair,
     launched_server,
     stop_and_check,
     wait_healthy,
@@ -71,7 +72,7 @@ def _launch(node: int, addr: str, port: int, log: Path) -> subprocess.Popen:
 
 
 def _two_nodes(tmp_path) -> tuple[subprocess.Popen, subprocess.Popen, str]:
-    addr, port = f"127.0.0.1:{free_port()}", free_port()
+    addr, port = f"127.0.0.1:{free_port_pair()}", free_port()  # the hosts' watch listens on addr's port + 1
     node1 = _launch(1, addr, free_port(), tmp_path / "node1.log")  # its port goes unused: node 0 serves
     node0 = _launch(0, addr, port, tmp_path / "node0.log")
     url = f"http://127.0.0.1:{port}"
