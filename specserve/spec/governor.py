@@ -162,7 +162,7 @@ class SpecGovernor:
         """Whether bucket b runs `best` on a far bucket's word alone (no sample of the other
         mode here) and has measured `best` enough to compare. The ratio of two modes moves
         with the batch: on a CPU a verify costs its tokens from batch 1 up, on a GPU from
-        where it turns compute-bound, so speculation that pays at batch 1 may cost 3x plain
+        where it turns compute-bound, so speculation that pays at batch 1 may cost several times plain
         at batch 32, and probe_every steps of it there cost more than measuring plain now."""
         return (b, not best) not in self._rate and self._count.get((b, best), 0) >= TRUSTED
 
