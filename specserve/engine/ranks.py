@@ -163,15 +163,18 @@ class Replica:
 
     def dead(self, sentinels: Collection[int] = ()) -> str | None:
         """Which process has exited, in words (one whose sentinel is in `sentinels` first:
-        the first to go, not a peer that failed after it); None while all run."""
-        first = [i for i, p in enumerate(self.procs) if p.sentinel in sentinels]
-        for i in first + list(range(len(self.procs))):
-            proc = self.procs[i]
-            if i in first:
+        the first to go, not a peer that failed after it); None while all run. A fired
+        sentinel means exited even while is_alive() still says otherwise: another thread
+        may be reaping the same process (its waitpid wins, ours reads "still running")."""
+        for i, proc in enumerate(self.procs):
+            if proc.sentinel in sentinels:
                 proc.join(timeout=2)  # its sentinel fires as it exits, a moment before it can be reaped
-            if not proc.is_alive():
-                return f"{self._who(i)} exited (code {proc.exitcode})"
-        return None
+                return self._exited(i)
+        return next((self._exited(i) for i, p in enumerate(self.procs) if not p.is_alive()), None)
+
+    def _exited(self, i: int) -> str:
+        code = self.procs[i].exitcode
+        return f"{self._who(i)} exited" + (f" (code {code})" if code is not None else "")
 
     def stuck(self, timeout_s: float) -> str | None:
         """Which process has been in one step for more than `timeout_s`, in words; None if none."""
