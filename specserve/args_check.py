@@ -99,8 +99,7 @@ def _check_quantization(flag: str, value: str | None, allowed: tuple[str | None,
     if value not in allowed:
         supported = ", ".join(v for v in allowed if v is not None)
         planned = ", ".join(PLANNED_QUANTIZATIONS)
-        raise ConfigError(f"{flag} {value} is not supported yet (supported: {supported}; planned: {planned}); "
-                          "GGUF checkpoints are dequantized on load")
+        raise ConfigError(f"{flag} {value} is not supported yet (supported: {supported}; planned: {planned})")
 
 
 def check_unsupported(cfg: Config, ctx: CheckContext) -> Config:
@@ -108,7 +107,7 @@ def check_unsupported(cfg: Config, ctx: CheckContext) -> Config:
     if page > 1:
         raise ConfigError(f"--page-size {page}: page sizes above 1 are not supported yet "
                           "(the KV cache is allocated per token)")
-    _check_quantization("--quantization", cfg.model.quantization, (None, "fp8", "awq", "gptq"))
+    _check_quantization("--quantization", cfg.model.quantization, (None, "fp8", "awq", "gptq", "gguf", "none"))
     # "unquant": SGLang's way to keep the draft in float under a quantized target
     _check_quantization("--speculative-draft-model-quantization",
                         cfg.spec.draft_model_quantization, (None, "fp8", "awq", "gptq", "unquant"))
@@ -301,7 +300,7 @@ def check_deterministic(cfg: Config, ctx: CheckContext) -> Config:
     flag = "--enable-deterministic-inference"
     refused = {
         "--tp-size > 1": cfg.runner.tp_size > 1 or cfg.runner.nnodes > 1,
-        "--quantization": cfg.model.quantization is not None,
+        "--quantization": cfg.model.quantization not in (None, "none"),
         "--enable-torch-compile": cfg.runner.enable_torch_compile,
         "--speculative-accept-threshold-* below 1.0": (cfg.spec.accept_threshold_single < 1.0
                                                        or cfg.spec.accept_threshold_acc < 1.0),

@@ -7,6 +7,7 @@ import sys
 # name -> (module, what it measures); each module's main(argv) has its own --help
 BENCHES: dict[str, tuple[str, str]] = {
     "compare": ("specserve.bench.compare", "our engine against Hugging Face transformers generate"),
+    "cpu": ("specserve.bench.cpu", "one GGUF on the CPU: float, its blocks, NGRAM, EAGLE-3, transformers, llama.cpp"),
     "spec": ("specserve.bench.spec_compare", "the same engine with and without speculation, in one run"),
     "speculative": ("specserve.bench.speculative", "SGLang's bench_speculative sweep over tree shapes"),
     "serving": ("specserve.bench.serving", "concurrent clients against the real HTTP server"),

@@ -103,3 +103,7 @@ def cache_dir() -> str | None:
     """SPECSERVE_CACHE_DIR: where fetched and converted models live (default ~/.cache/specserve)."""
     return os.environ.get("SPECSERVE_CACHE_DIR") or None
 
+
+def c_compiler() -> str:
+    """CC: the C compiler that builds kernels/cpu_quant.c (default cc)."""
+    return os.environ.get("CC") or "cc"

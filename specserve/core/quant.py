@@ -9,9 +9,15 @@ block repeating its block's scale), the last group ragged where K is not a multi
 |---|---|---|
 | fp8 | float8_e4m3fn [N, K] | data[n, k] * scale[n, g] |
 | int4 | uint8 [N, K / 2]: q(n, k) in byte k // 2, even k low | (q(n, k) - zeros[n, g]) * scale[n, g] |
+| q4 | uint8 [N, K / 2]: 32 columns in 16 bytes, byte j: column j low, j + 16 high | q * scale + zeros[n, g] |
+| q8 | int8 [N, K] | q(n, k) * scale[n, g] (+ zeros[n, g] if any) |
 
 int4 weights come from AWQ and GPTQ checkpoints (models/quant_int4.py converts their
-layouts); their zero points are uint8 [N, groups].
+layouts); their zero points are uint8 [N, groups]. q4 and q8 are GGUF's blocks repacked at
+conversion (models/gguf_blocks.py): Q4_0, Q4_1 and Q4_K become q4 (group 32), Q8_0, Q6_K
+(group 16) and Q5_0/Q5_1/Q5_K become q8; their `zeros` are float32 offsets [N, groups]
+(GGUF's mins), None where the format has none. The CPU multiplies them as they are
+(kernels/cpu_quant.py).
 
 `dequantize` is the reference every kernel is tested against: the value in float32, then
 rounded once to the activations' dtype. `quantize_fp8` makes per-row (or per-group) scales
@@ -27,6 +33,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 METHODS = ("fp8", "awq", "gptq")  # --quantization values; awq and gptq load as int4
 INT4 = "int4"
+Q4, Q8 = "q4", "q8"  # GGUF's blocks (models/gguf_blocks.py)
 
 
 class QuantWeight(NamedTuple):
@@ -37,12 +44,12 @@ class QuantWeight(NamedTuple):
     scale: torch.Tensor  # float32 [N, groups]
     group: int  # input columns one scale covers
     method: str = "fp8"  # how `data` holds the values (the module docstring's table)
-    zeros: torch.Tensor | None = None  # zero points [N, groups], for the formats that have them
+    zeros: torch.Tensor | None = None  # int4's zero points, q4/q8's offsets [N, groups]; None: none
 
     @property
     def shape(self) -> tuple[int, int]:
         """[N, K] of the weight it holds (two int4 values a byte)."""
-        k = int(self.data.shape[1]) * (2 if self.method == INT4 else 1)
+        k = int(self.data.shape[1]) * (2 if self.method in (INT4, Q4) else 1)
         return int(self.data.shape[0]), k
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -50,6 +57,8 @@ class QuantWeight(NamedTuple):
         if self.method == INT4:
             assert self.zeros is not None
             return dequantize_int4(self.data, self.scale, self.zeros, self.group).to(dtype)
+        if self.method in (Q4, Q8):
+            return dequantize_gguf(self).to(dtype)
         return dequantize_fp8(self.data, self.scale, self.group).to(dtype)
 
 
@@ -71,6 +80,20 @@ def dequantize_int4(data: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor
     k = q.shape[1]
     return ((q - zeros.float().repeat_interleave(group, dim=1)[:, :k])
             * scale.float().repeat_interleave(group, dim=1)[:, :k])
+
+
+def dequantize_gguf(qw: QuantWeight) -> torch.Tensor:
+    """float32 [N, K] of a q4 or q8 weight: q * scale (+ offset) per group."""
+    n = qw.data.shape[0]
+    if qw.method == Q4:  # a group's 16 bytes: its first 16 columns low, its last 16 high
+        blocks = qw.data.view(n, -1, 16)
+        q = torch.cat((blocks & 0xF, blocks >> 4), dim=2).reshape(n, -1).float()
+    else:
+        q = qw.data.float()
+    w = q.view(n, -1, qw.group) * qw.scale[:, :, None]
+    if qw.zeros is not None:
+        w = w + qw.zeros[:, :, None]
+    return w.reshape(n, -1)
 
 
 def quantize_fp8(weight: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

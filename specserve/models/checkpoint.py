@@ -30,7 +30,7 @@ def _local_sizes(cfg: LlamaConfig) -> tuple[int, int, int]:
             cfg.intermediate_per_rank)
 
 
-def _fused_target(name: str, cfg: LlamaConfig) -> tuple[str, int]:
+def fused_target(name: str, cfg: LlamaConfig) -> tuple[str, int]:
     """Map an HF tensor name to (our parameter name, first row it fills)."""
     q, kv, inter = _local_sizes(cfg)
     for proj, idx in _QKV.items():
@@ -44,7 +44,7 @@ def _fused_target(name: str, cfg: LlamaConfig) -> tuple[str, int]:
 
 
 def _hf_name(key: str, cfg: LlamaConfig) -> str:
-    """Inverse of `_fused_target` for messages: 'x.qkv_proj.weight@64' -> 'x.k_proj.weight'."""
+    """Inverse of `fused_target` for messages: 'x.qkv_proj.weight@64' -> 'x.k_proj.weight'."""
     name, offset = key.rsplit("@", 1)
     q, kv, _ = _local_sizes(cfg)
     if "qkv_proj" in name:
@@ -68,7 +68,7 @@ def load_tensor(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str,
     no parameter has that name. A shape that does not fit raises ValueError."""
     if quant_load.ignored(name):
         return [name]
-    target, offset = _fused_target(name, cfg)
+    target, offset = fused_target(name, cfg)
     if isinstance(tensor, quant.QuantWeight):  # an AWQ/GPTQ layer, converted (models/quantization.py)
         pieces = quant_load.int4_pieces(params, name, target, offset, tensor)
     elif quant_load.is_scale(name):

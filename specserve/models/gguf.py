@@ -6,9 +6,13 @@ undone for the `llama` arch), and its byte-level BPE vocabulary becomes a `token
 plus `tokenizer_config.json` / `generation_config.json`. The result loads with
 `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` as well as with our own loader.
 
+Its quantized linear weights are also kept as they are, repacked (models/gguf_blocks.py,
+`gguf/blocks.safetensors`), for the CPU to serve without dequantizing them.
+
 It knows nothing about where the file came from (catalogue, user path) or where converted
 directories are cached: callers pass `out_dir`. A directory is complete iff `is_converted()`
-says so; the marker it checks is written last, inside a temp dir that is then renamed.
+says so: its marker, written last inside a temp dir that is then renamed, names this
+converter's FORMAT (a directory from an older converter is converted again).
 """
 from __future__ import annotations
 
@@ -27,9 +31,11 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from specserve.models import gguf_blocks
 from specserve.models.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
 
 MARKER = "specserve-converted.json"
+FORMAT = 2  # 2: with gguf/blocks.safetensors
 
 # GGUF general.architecture -> (HF architectures[0], model_type)
 _ARCHS = {
@@ -57,8 +63,10 @@ _ROPE_FREQS = "rope_freqs.weight"  # llama3 rope factors: folded into config.rop
 
 
 def is_converted(path: Path) -> bool:
-    """True iff `path` is a complete conversion (its marker is the last file written)."""
-    return (Path(path) / MARKER).is_file()
+    """True iff `path` is a complete conversion by this converter (its marker is the last
+    file written)."""
+    marker = Path(path) / MARKER
+    return marker.is_file() and json.loads(marker.read_text()).get("format") == FORMAT
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -92,10 +100,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, marker: dict[str, Any] | None =
         config = hf_config(meta, reader)
         _write_json(tmp / "config.json", config)
         _write_weights(tmp / "model.safetensors", reader, config)
+        _write_blocks(tmp / gguf_blocks.BLOCKS_FILE, reader, config)
         build_tokenizer(meta).save(str(tmp / "tokenizer.json"))
         _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta, config["max_position_embeddings"]))
         _write_json(tmp / "generation_config.json", generation_config(meta))
-        _write_json(tmp / MARKER, {"source": gguf_path.name, **(marker or {})})
+        _write_json(tmp / MARKER, {"source": gguf_path.name, "format": FORMAT, **(marker or {})})
         _replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -202,6 +211,23 @@ def _write_weights(path: Path, reader: GGUFReader, config: dict[str, Any]) -> No
             yield w
 
     write_safetensors(path, [(name, shape) for _, name, shape in plan], arrays())
+
+
+def _write_blocks(path: Path, reader: GGUFReader, config: dict[str, Any]) -> None:
+    """The quantized 2-D weights in their blocks, repacked, rows in HF order."""
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    weights = {}
+    for t in reader.tensors:
+        if len(t.shape) != 2 or not gguf_blocks.repackable(t.tensor_type):
+            continue
+        name = _hf_name(t.name)
+        rows, cols = (int(d) for d in reversed(t.shape))
+        r = gguf_blocks.repack(t.data, t.tensor_type, rows, cols)
+        proj = name.split(".")[-2]
+        if config["model_type"] == "llama" and proj in heads:
+            r = gguf_blocks.permute_rows(r, unpermute_qk(np.arange(rows), heads[proj]))
+        weights[name] = r
+    gguf_blocks.save(path, weights)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

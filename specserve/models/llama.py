@@ -44,6 +44,7 @@ from specserve.models.checkpoint import check_complete, load_tensor, loadable_te
 from specserve.models.compile import CompiledForward
 from specserve.models.compile import attention as compiled_attention
 from specserve.models.layers import Embedding, Linear, RMSNorm, cpu_layout, invariant_linear
+from specserve.models.quant_linear import quant_linear
 from specserve.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
@@ -302,6 +303,7 @@ class LlamaForCausalLM(nn.Module):
         # --enable-deterministic-inference (models/invariant.py): the head's rows one way on any
         # batch; on a CPU, multiplied by this float64 [hidden, vocab] copy
         self.invariant = False
+        self.head_blocks: QuantWeight | None = None  # the LM head as a GGUF's blocks (models/gguf_serve.py)
         self.head64: torch.Tensor | None = None
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -356,6 +358,8 @@ class LlamaForCausalLM(nn.Module):
         Invariant (models/invariant.py): float32 always, straight from the accumulator."""
         if self.invariant:
             return invariant_linear(hidden, self.lm_head.weight, self.head64, None, torch.float32)
+        if self.head_blocks is not None:  # a GGUF's head in its blocks (models/gguf_serve.py)
+            return quant_linear(hidden, self.head_blocks).float()
         if kernels.use_gemv(hidden, lm_head=True):  # the float32 logits of the half ones, in the GEMV's launch
             return parallel.gather_vocab(kernels.gemv(hidden, self.lm_head.weight, out_dtype=torch.float32))
         logits = parallel.gather_vocab(self.lm_head(hidden))

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from specserve.core import parallel
+from specserve.models import gguf_serve
 from specserve.models import quantization as quantization_mod
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -60,11 +61,13 @@ def iter_safetensors(model_dir: Path, desc: str = "Loading weights"):
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None) -> LlamaForCausalLM:
+               quantization: str | None = None, gguf_ok: bool = True) -> LlamaForCausalLM:
     """The model of `model_dir`, weights quantized as `quantization` (the flag) and the
-    checkpoint's own config say (models/quantization.py)."""
+    checkpoint's own config say (models/quantization.py); a GGUF's blocks served as they
+    are where models/gguf_serve.py says so (`gguf_ok` False: float layers only)."""
     hf = read_hf_config(model_dir)
     cfg = LlamaConfig.from_hf(hf)
+    blocks = gguf_serve.resolve(quantization, model_dir, device, gguf_ok)
     wq = quantization_mod.resolve(quantization, hf)
     quantization_mod.check_device(wq, device)
     with torch.device("meta"):
@@ -73,6 +76,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     quantization_mod.prepare(model, wq)
     model.load_weights(quantization_mod.checkpoint_tensors(iter_safetensors(model_dir), wq))
     model.finalize(device, dtype)
+    if blocks:
+        gguf_serve.apply(model, model_dir)
+        wq = quantization_mod.WeightQuant(gguf_serve.GGUF, from_checkpoint=True)
     model.eval().requires_grad_(False)
     model.weight_quant = wq
     n_params = sum(p.numel() for p in model.parameters())

@@ -8,7 +8,8 @@ multiple of 16): each token is quantized to e4m3 with its own scale (absmax / 44
 `torch._scaled_mm` multiplies the two fp8 operands, scaling rows and columns in its
 epilogue, as vLLM's and SGLang's fp8 linear layers do. Everywhere else (block scales,
 float32 activations, older GPUs, the CPU) the weight is dequantized for the call
-(core/quant.py) and multiplied by `F.linear`: the reference the kernels follow.
+(core/quant.py) and multiplied by `F.linear`: the reference the kernels follow. A GGUF's
+blocks (q4, q8) take the CPU's kernel for a few tokens (kernels/cpu_quant.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from specserve import kernels
 from specserve.core import quant
+from specserve.kernels import cpu_quant
 
 _HALF = (torch.float16, torch.bfloat16)
 _FP8_MM: dict[int | None, bool] = {}  # device index -> has fp8 tensor cores
@@ -25,6 +27,8 @@ _FP8_MM: dict[int | None, bool] = {}  # device index -> has fp8 tensor cores
 def quant_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ the dequantized weight's transpose (+ bias) -> [..., N] in x's dtype."""
     n, k = qw.shape
+    if qw.method in (quant.Q4, quant.Q8):
+        return _gguf_linear(x, qw, bias)
     if qw.method == quant.INT4:
         rows = x.reshape(-1, k)
         if kernels.use_fused(x) and rows.shape[0] <= kernels.SKINNY_MAX_TOKENS:
@@ -38,6 +42,20 @@ def quant_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | No
     out = torch._scaled_mm(xq, qw.data.t(), scale_a=xs, scale_b=qw.scale.reshape(1, n), out_dtype=x.dtype)
     if bias is not None:  # added apart: _scaled_mm's own bias falls back to addmm on fp8 operands
         out = out + bias
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _gguf_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """A GGUF's blocks: the CPU kernel up to cpu_quant.MAX_ROWS rows, float32 in and out;
+    more rows (prefill), through the dequantized weight."""
+    n, k = qw.shape
+    rows = x.reshape(-1, k)
+    if not rows.is_cuda and rows.shape[0] <= cpu_quant.MAX_ROWS and cpu_quant.available():
+        out = cpu_quant.matmul(rows.float(), qw).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+    else:
+        out = F.linear(rows, qw.dequantize(x.dtype), bias)
     return out.reshape(*x.shape[:-1], n)
 
 

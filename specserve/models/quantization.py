@@ -53,6 +53,10 @@ def resolve(flag: str | None, hf_config: dict, random_weights: bool = False) -> 
     weights take the flag's format as it is)."""
     qc = hf_config.get("quantization_config") or {}
     stored = qc.get("quant_method")
+    if flag in ("gguf", "none"):  # a GGUF's blocks or float weights: models/gguf_serve.py decides
+        if stored is not None:
+            raise ValueError(f"the checkpoint is stored in {stored}; --quantization {flag} does not apply to it")
+        return None
     if stored is None:
         if flag in ("awq", "gptq") and not random_weights:
             raise ValueError(f"--quantization {flag} needs a checkpoint quantized by {flag.upper()} "
@@ -152,6 +156,10 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
     bytes, not weights."""
     embeds = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    blocks = getattr(model, "head_blocks", None)  # a GGUF's head, read in place of the float one
+    if blocks is not None:
+        embeds |= heads
+        heads = set()
     scales = {id(t) for m in model.modules() if isinstance(m, Linear) for t in (m.weight_scale, m.weight_zeros)}
     total = count = 0
     for p in model.parameters():
@@ -159,6 +167,9 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
             continue
         total += p.numel() * p.element_size()
         count += 0 if id(p) in scales else p.numel() * (2 if p.dtype == torch.uint8 else 1)  # int4: two a byte
+    if blocks is not None:
+        total += sum(t.numel() * t.element_size() for t in (blocks.data, blocks.scale, blocks.zeros) if t is not None)
+        count += blocks.shape[0] * blocks.shape[1]
     return total, count
 
 

@@ -74,5 +74,8 @@ def test_speculation_over_fp8_target_is_lossless(smollm2_dir, fp8_reference, fla
 
 def test_server_info_reports_the_weights(fp8_engine, smollm2_engine):
     fp8, plain = (e.server_info()["weight_quantization"] for e in (fp8_engine, smollm2_engine))
-    assert fp8["method"] == "fp8" and plain["method"] is None
-    assert plain["bytes_per_weight"] == 4.0  # float32 on the CPU; fp8 values held dequantized there too
+    assert fp8["method"] == "fp8"
+    if torch.cuda.is_available():
+        assert plain["method"] is None and plain["bytes_per_weight"] == 4.0
+    else:  # the GGUF's own blocks (models/gguf_serve.py); fp8 values are held dequantized here
+        assert plain["method"] == "gguf" and plain["bytes_per_weight"] < 1.0

@@ -1,0 +1,75 @@
+"""The default model served in its GGUF blocks on the CPU (models/gguf_serve.py): the same
+weights as the float conversion, greedy outputs like the float model's, speculation
+lossless over it, and the flags' errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import Engine
+from specserve.core import quant
+from specserve.core.config import ConfigError
+from specserve.kernels import cpu_quant
+from specserve.models.layers import Linear
+from specserve.models.loader import load_model
+from tests.conftest import SMOLLM2
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler: GGUF weights run dequantized")]
+CPU = torch.device("cpu")
+PROMPTS = ["Explain how a bicycle works, step by step.", "Write a haiku about the sea.",
+           "What is the capital of France? Answer in one sentence.", "List three prime numbers and why."]
+GREEDY = {"temperature": 0, "max_new_tokens": 48}
+
+
+def test_the_blocks_hold_the_float_conversions_weights_exactly(smollm2_dir):
+    floats = load_model(smollm2_dir, torch.float32, CPU, "none")
+    blocks = load_model(smollm2_dir, torch.float32, CPU)
+    assert blocks.weight_quant.method == "gguf" and floats.weight_quant is None
+    float_layers = dict(floats.named_modules())
+    served = 0
+    for name, layer in blocks.named_modules():
+        if isinstance(layer, Linear):
+            qw, twin = layer.quantized, float_layers[name]
+            assert qw is not None and qw.method in (quant.Q4, quant.Q8), name
+            assert torch.equal(qw.dequantize(torch.float32), twin.out_in_weight), name  # q/k rows un-permuted too
+            served += 1
+    assert served == 4 * blocks.config.num_layers
+    assert torch.equal(blocks.head_blocks.dequantize(torch.float32), floats.lm_head.weight)  # tied: token_embd
+
+
+def test_greedy_outputs_follow_the_float_model(smollm2_dir):
+    with Engine(str(smollm2_dir), log_level="warning", quantization="none") as floats:
+        want = [o["output_ids"] for o in floats.generate(PROMPTS, GREEDY)]
+    with Engine(str(smollm2_dir), log_level="warning") as served:  # the CPU's default: the blocks
+        info = served.server_info()["weight_quantization"]
+        got = [o["output_ids"] for o in served.generate(PROMPTS, GREEDY)]
+        assert served.kv_leak() is None
+    assert info["method"] == "gguf" and info["bytes_per_weight"] < 1.0, info
+    same = sum(g == w for g, w in zip(got, want))
+    assert same >= len(PROMPTS) - 1, (same, got, want)  # float32 rounding alone tells them apart
+
+
+@pytest.mark.parametrize("flags", [{"speculative_algorithm": "NGRAM"},
+                                   {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
+                                    "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6}],
+                         ids=["NGRAM", "EAGLE3"])
+def test_speculation_is_lossless_over_the_blocks(smollm2_dir, flags):
+    with Engine(str(smollm2_dir), log_level="warning") as plain:
+        want = [o["output_ids"] for o in plain.generate(PROMPTS, GREEDY)]
+    with Engine(SMOLLM2, log_level="warning", **flags) as spec:  # by name: EAGLE3 takes the shipped head
+        assert spec.server_info()["weight_quantization"]["method"] == "gguf"
+        got = [o["output_ids"] for o in spec.generate(PROMPTS, GREEDY)]
+        assert spec.kv_leak() is None
+    assert got == want
+
+
+def test_flags_that_cannot_apply_fail_at_start_up(smollm2_dir, tmp_path):
+    from tests.unit.model_utils import save_tiny_hf
+
+    tiny = save_tiny_hf("llama", tmp_path / "tiny")
+    with pytest.raises(ConfigError, match="needs a GGUF model"):
+        load_model(tiny, torch.float32, CPU, "gguf")
+    with pytest.raises(ConfigError, match="deterministic"):
+        load_model(smollm2_dir, torch.float32, CPU, "gguf", gguf_ok=False)
+    assert load_model(smollm2_dir, torch.float32, CPU, None, gguf_ok=False).weight_quant is None
