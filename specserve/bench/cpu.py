@@ -56,7 +56,7 @@ def _time_engine(flags: dict[str, Any], model: str, prompts: list[list[int]], ma
         for ids in prompts:
             outs.append(engine.generate(input_ids=ids, sampling_params=params)["output_ids"])
             engine.flush_cache()
-        return time.perf_counter() - start, outs, engine.server_info()["weight_quantization"]["method"]
+        return time.perf_counter() - start, outs, engine.server_info()["weight_quantization"]["method"] or "float32"
 
 
 def _time_hf(model_dir: Path, prompts: list[list[int]], max_new: int, eos: list[int]):
