@@ -49,7 +49,26 @@ def available() -> bool:
 
 def matmul(x: torch.Tensor, qw: quant.QuantWeight, threads: int | None = None) -> torch.Tensor:
     """x [M, K] float32 @ the q4 / q8 weight [N, K] transposed -> [M, N] float32, on
-    `threads` threads (default torch's)."""
+    `threads` threads (default torch's). Under torch.compile, an opaque custom op (no
+    graph break at the C call)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.specserve.gguf_matmul(x, qw.data, qw.scale, qw.zeros, qw.group, qw.method)
+    return _matmul(x, qw, threads)
+
+
+@torch.library.custom_op("specserve::gguf_matmul", mutates_args=())
+def _gguf_matmul_op(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                    group: int, method: str) -> torch.Tensor:
+    return _matmul(x, quant.QuantWeight(data, scale, group, method, offset), None)
+
+
+@_gguf_matmul_op.register_fake
+def _(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, group: int,
+      method: str) -> torch.Tensor:
+    return x.new_empty(x.shape[0], data.shape[0], dtype=torch.float32)
+
+
+def _matmul(x: torch.Tensor, qw: quant.QuantWeight, threads: int | None) -> torch.Tensor:
     lib = _library()
     assert lib is not None and qw.method in (quant.Q4, quant.Q8), qw.method
     n, k = qw.shape
