@@ -2,10 +2,9 @@
 multiplied where they lie, from `cpu_quant.c`, compiled on first use.
 
 Why a C file of our own: a decode step on the CPU is bound by the bytes of weights it
-reads, and the GGUF holds 4-bit blocks where float32 weights are 7x the bytes. torch's
-packed int4 CPU op (`_weight_int4pack_mm_for_cpu`) was measured slower than float32
-matmul with float32 activations and only about 2x faster than bf16 ones; its int8 op has
-one scale per row, not per block. The C loops dequantize each weight to float32 in
+reads, and the GGUF holds 4-bit blocks, far fewer bytes than float32 weights. torch's
+packed int4 CPU op (`_weight_int4pack_mm_for_cpu`) did not serve float32 activations well
+(docs/benchmarks.md); its int8 op has one scale per row, not per block. The C loops dequantize each weight to float32 in
 registers and multiply in float32, so the only rounding the quantization adds is the
 format's own. It is built with the system's C compiler (`CC`, default `cc`), OpenMP and
 `-march=native` into the cache directory (SPECSERVE_CACHE_DIR, default
