@@ -1,174 +1,172 @@
 /* Quantized matrix products on the CPU: y[M, N] = x[M, K] . W^T, W held as GGUF blocks
-   repacked at load (specserve/core/quant.py, methods "q4" and "q8"; built and called by
-   kernels/cpu_quant.py). x and y are float32 and contiguous.
+   repacked at load (cpu_quant.h; specserve/core/quant.py, methods "q4" and "q8"; built
+   and called by kernels/cpu_quant.py, and by cpu_layers.c). x and y are float32; K is a
+   multiple of 32.
 
-   q4: w uint8 [N, K / 32 * 16]: each 32 columns take 16 bytes, byte j holding column j in
-       its low nibble and column j + 16 in its high one (GGUF's Q4_0/Q4_1/Q4_K order);
-       group 32.
-   q8: w int8 [N, K]; group 16 or 32.
-   Both: W[n, k] = q * scale[n, g] + offset[n, g], g = k / group, scale and offset float32
-   [N, K / group]; offset may be NULL (none).
-
-   A weight is dequantized to float32 (q * scale), then multiplied and summed in float32;
-   the offsets' term is offset . (the group sums of x). Each step of the loop takes NB
-   output rows and R <= 4 input rows: a weight group is decoded once and used against all
-   R rows. The AVX-512 path is compiled where the machine has it (-march=native), plain
-   loops (left to the compiler's vectoriser) elsewhere. */
+   Each weight is dequantized to float32 exactly as core/quant.py does (q * scale, then
+   + offset: two roundings, -ffp-contract=off keeps them apart), then multiplied and summed
+   in float32. q4 decodes a group through a 16-entry table of its values (q * scale +
+   offset for q = 0..15), indexed by the nibbles themselves. The sum for one (m, n) runs
+   the same way whatever M is and whichever tile holds it: two 16-lane accumulators (a
+   32-column step's first and last 16 columns), over the steps in order, then added and
+   reduced, so a row's result does not depend on the other rows (a verify's rows equal
+   decode's). Tiles take NB output rows by R input rows, a step's weights decoded once for
+   all R; NB and R only change speed. The AVX-512 path is compiled where the machine has it
+   (-march=native), plain loops elsewhere. */
+#include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
+
+#include "cpu_quant.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
-#endif
 
-#define NB 2
-#define RMAX 4
+#define UNROLL _Pragma("GCC unroll 8")
 
-/* sums[m, g] = the sum of x[m, g * group .. + group) */
-static void group_sums(const float *x, int64_t M, int64_t K, int64_t group, float *sums) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < K / group; g++) {
-            float t = 0.f;
-            for (int64_t c = 0; c < group; c++) t += x[m * K + g * group + c];
-            sums[m * (K / group) + g] = t;
-        }
+/* the 32 weights of row n in step s (columns 32 s ..): lo the first 16, hi the last 16 */
+static inline __attribute__((always_inline)) void q4_step(const QW *w, int64_t n, int64_t s, __m512 *lo,
+                                                          __m512 *hi) {
+    const int64_t G = w->K / 32;
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 table = _mm512_mul_ps(iota, _mm512_set1_ps(w->scale[n * G + s]));
+    if (w->offset) table = _mm512_add_ps(table, _mm512_set1_ps(w->offset[n * G + s]));
+    const uint8_t *b = (const uint8_t *)w->data + n * (w->K / 2) + 16 * s;
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    *lo = _mm512_permutexvar_ps(v, table);  /* the index is a lane's low 4 bits: the low nibble */
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
 }
 
-#ifdef __AVX512F__
-static inline __attribute__((always_inline)) void q4_tile(const float *x, int64_t K, const uint8_t *w,
-        const float *scale, const int64_t *rows, __m512 acc[NB][RMAX], int64_t m0, const int R) {
-    const int64_t G = K / 32, half = K / 2;
-    const __m128i low = _mm_set1_epi8(0x0f);
-    __m512 acc2[NB][RMAX];
-    for (int i = 0; i < NB; i++)
-        for (int j = 0; j < R; j++) acc[i][j] = acc2[i][j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m512 lo[NB], hi[NB];
-        for (int i = 0; i < NB; i++) {
-            __m128i b = _mm_loadu_si128((const __m128i *)(w + rows[i] * half + 16 * g));
-            __m512 s = _mm512_set1_ps(scale[rows[i] * G + g]);
-            lo[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low))), s);
-            hi[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low))), s);
-        }
-        for (int j = 0; j < R; j++) {
-            const float *xr = x + (m0 + j) * K + 32 * g;
-            __m512 xl = _mm512_loadu_ps(xr), xh = _mm512_loadu_ps(xr + 16);
-            for (int i = 0; i < NB; i++) {
-                acc[i][j] = _mm512_fmadd_ps(lo[i], xl, acc[i][j]);
-                acc2[i][j] = _mm512_fmadd_ps(hi[i], xh, acc2[i][j]);
+/* the 16 weights of row n at columns c .. c + 15 (inside one group) */
+static inline __attribute__((always_inline)) __m512 q8_chunk(const QW *w, int64_t n, int64_t c) {
+    const int64_t G = w->K / w->group, g = c / w->group;
+    const int8_t *b = (const int8_t *)w->data + n * w->K + c;
+    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
+    q = _mm512_mul_ps(q, _mm512_set1_ps(w->scale[n * G + g]));
+    if (w->offset) q = _mm512_add_ps(q, _mm512_set1_ps(w->offset[n * G + g]));
+    return q;
+}
+
+/* y rows m0 .. m0 + R, columns n0 .. n0 + NB */
+static inline __attribute__((always_inline)) void tile(const QW *w, const int q4, const float *x, int64_t m0,
+                                                       const int R, int64_t n0, const int NB, float *y,
+                                                       int accumulate) {
+    const int64_t K = w->K, N = w->N;
+    __m512 a[8][8];
+    UNROLL for (int i = 0; i < NB; i++) UNROLL for (int j = 0; j < R; j++) a[i][j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < K / 32; s++) {
+        __m512 lo[8], hi[8];
+        UNROLL for (int i = 0; i < NB; i++) {
+            if (q4) {
+                q4_step(w, n0 + i, s, &lo[i], &hi[i]);
+            } else {
+                lo[i] = q8_chunk(w, n0 + i, 32 * s);
+                hi[i] = q8_chunk(w, n0 + i, 32 * s + 16);
             }
         }
-    }
-    for (int i = 0; i < NB; i++)
-        for (int j = 0; j < R; j++) acc[i][j] = _mm512_add_ps(acc[i][j], acc2[i][j]);
-}
-
-static inline __attribute__((always_inline)) void q8_tile(const float *x, int64_t K, const int8_t *w,
-        const float *scale, int64_t group, const int64_t *rows, __m512 acc[NB][RMAX], int64_t m0,
-        const int R) {
-    const int64_t G = K / group;
-    for (int i = 0; i < NB; i++)
-        for (int j = 0; j < R; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m512 s[NB];
-        for (int i = 0; i < NB; i++) s[i] = _mm512_set1_ps(scale[rows[i] * G + g]);
-        for (int64_t c = g * group; c < (g + 1) * group; c += 16) {
-            __m512 q[NB];
-            for (int i = 0; i < NB; i++)
-                q[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                           _mm_loadu_si128((const __m128i *)(w + rows[i] * K + c)))), s[i]);
-            for (int j = 0; j < R; j++) {
-                __m512 xv = _mm512_loadu_ps(x + (m0 + j) * K + c);
-                for (int i = 0; i < NB; i++) acc[i][j] = _mm512_fmadd_ps(q[i], xv, acc[i][j]);
-            }
+        UNROLL for (int j = 0; j < R; j++) {
+            const float *xr = x + (m0 + j) * K + 32 * s;
+            const __m512 xl = _mm512_loadu_ps(xr), xh = _mm512_loadu_ps(xr + 16);
+            UNROLL for (int i = 0; i < NB; i++) a[i][j] = _mm512_fmadd_ps(hi[i], xh, _mm512_fmadd_ps(lo[i], xl, a[i][j]));
         }
     }
+    UNROLL for (int i = 0; i < NB; i++) UNROLL for (int j = 0; j < R; j++) {
+        float *out = y + (m0 + j) * N + n0 + i;
+        const float v = _mm512_reduce_add_ps(a[i][j]);
+        *out = accumulate ? *out + v : v;
+    }
 }
 
-/* acc[i][j] += offset[row i, :] * sums[m0 + j, :], lane by lane (summed with the rest by STORE) */
-static inline __attribute__((always_inline)) void add_offsets(__m512 acc[NB][RMAX], const float *offset,
-        const float *sums, const int64_t *rows, int64_t m0, int64_t G, const int R) {
-    for (int64_t g = 0; g < G; g += 16) {
-        const __mmask16 mask = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-        for (int i = 0; i < NB; i++) {
-            __m512 o = _mm512_maskz_loadu_ps(mask, offset + rows[i] * G + g);
-            for (int j = 0; j < R; j++)
-                acc[i][j] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(mask, sums + (m0 + j) * G + g), acc[i][j]);
+#define T(R, NB) tile(w, q4, x, m0, R, n, NB, y, accumulate)
+/* input rows m .. m_end against output rows n .. n + NB, in tiles of at most RM rows (the
+   cases past RM are constant-false and compiled away) */
+#define ROWS(NB, RM)                                                                               \
+    for (int64_t m0 = m; m0 < m_end; m0 += RM) {                                                   \
+        switch (m_end - m0 < RM ? m_end - m0 : RM) {                                               \
+            case 1: T(1, NB); break;                                                               \
+            case 2: if (RM >= 2) T(2, NB); break;                                                  \
+            case 3: if (RM >= 3) T(3, NB); break;                                                  \
+            case 4: if (RM >= 4) T(4, NB); break;                                                  \
+            case 5: if (RM >= 5) T(5, NB); break;                                                  \
+            case 6: if (RM >= 6) T(6, NB); break;                                                  \
+            case 7: if (RM >= 7) T(7, NB); break;                                                  \
+            default: if (RM >= 8) T(8, NB); break;                                                 \
+        }                                                                                          \
+    }
+
+/* Rows in chunks of MC (a chunk of x stays in L2 while the weights stream past it); in a
+   chunk, a tile shape by the row count: each loaded x vector meets NB weight rows, each
+   decoded weight vector R input rows, in at most 26 registers. */
+#define MC 64
+static inline __attribute__((always_inline)) void span(const QW *w, const int q4, const float *x, int64_t M,
+                                                       float *y, int accumulate, int64_t n_begin, int64_t n_end) {
+    for (int64_t m = 0; m < M; m += MC) {
+        const int64_t m_end = M - m < MC ? M : m + MC, rows = m_end - m;
+        int64_t n = n_begin;
+        if (rows == 1) {
+            for (; n + 8 <= n_end; n += 8) ROWS(8, 1)
+        } else if (rows == 2) {
+            for (; n + 6 <= n_end; n += 6) ROWS(6, 2)
+        } else if (rows <= 4) {
+            for (; n + 4 <= n_end; n += 4) ROWS(4, 4)
+        } else {
+            for (; n + 2 <= n_end; n += 2) ROWS(2, 8)
         }
+        for (; n < n_end; n++) ROWS(1, 8)
     }
 }
+#undef T
+#undef ROWS
 
-#define STORE(R)                                                                                   \
-    if (offset) add_offsets(acc, offset, sums, rows, m0, G, R);                                    \
-    for (int i = 0; i < nb; i++)                                                                   \
-        for (int j = 0; j < (R); j++) y[(m0 + j) * N + rows[i]] = _mm512_reduce_add_ps(acc[i][j]);
-#define TILES(CALL)                                                                                \
-    int64_t m0 = 0;                                                                                \
-    for (; m0 + RMAX <= M; m0 += RMAX) { CALL(RMAX); STORE(RMAX) }                                 \
-    switch (M - m0) {                                                                              \
-        case 3: CALL(3); STORE(3) break;                                                           \
-        case 2: CALL(2); STORE(2) break;                                                           \
-        case 1: CALL(1); STORE(1) break;                                                           \
-    }
-#define Q4(R) q4_tile(x, K, w, scale, rows, acc, m0, R)
-#define Q8(R) q8_tile(x, K, w, scale, group, rows, acc, m0, R)
-#define ACC __m512 acc[NB][RMAX];
+static void span_q4(const QW *w, const float *x, int64_t M, float *y, int accumulate, int64_t n0, int64_t n1) {
+    span(w, 1, x, M, y, accumulate, n0, n1);
+}
+
+static void span_q8(const QW *w, const float *x, int64_t M, float *y, int accumulate, int64_t n0, int64_t n1) {
+    span(w, 0, x, M, y, accumulate, n0, n1);
+}
 #else
-/* offset[n, :] . sums[m, :] */
-static inline float offset_term(const float *offset, const float *sums, int64_t n, int64_t m, int64_t G) {
-    float t = 0.f;
-    for (int64_t g = 0; g < G; g++) t += offset[n * G + g] * sums[m * G + g];
-    return t;
+static inline float weight(const QW *w, int64_t n, int64_t k) {
+    const int64_t G = w->K / w->group, g = k / w->group;
+    float q;
+    if (w->method == QW_Q4) {
+        const uint8_t b = ((const uint8_t *)w->data)[n * (w->K / 2) + 16 * (k / 32) + k % 16];
+        q = (float)(k % 32 < 16 ? b & 15 : b >> 4);
+    } else {
+        q = (float)((const int8_t *)w->data)[n * w->K + k];
+    }
+    q = q * w->scale[n * G + g];
+    return w->offset ? q + w->offset[n * G + g] : q;
 }
 
-/* plain loops: one output row by one input row */
-static inline float q4_dot(const float *xr, const uint8_t *wn, const float *sn, int64_t K) {
-    float acc = 0.f;
-    for (int64_t g = 0; g < K / 32; g++)
-        for (int t = 0; t < 16; t++)
-            acc += (float)(wn[16 * g + t] & 15) * sn[g] * xr[32 * g + t]
-                 + (float)(wn[16 * g + t] >> 4) * sn[g] * xr[32 * g + 16 + t];
-    return acc;
+static void span_plain(const QW *w, const float *x, int64_t M, float *y, int accumulate, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t m = 0; m < M; m++) {
+            float a = 0.f;
+            for (int64_t k = 0; k < w->K; k++) a += weight(w, n, k) * x[m * w->K + k];
+            y[m * w->N + n] = accumulate ? y[m * w->N + n] + a : a;
+        }
 }
-
-static inline float q8_dot(const float *xr, const int8_t *wn, const float *sn, int64_t K, int64_t group) {
-    float acc = 0.f;
-    for (int64_t c = 0; c < K; c++) acc += (float)wn[c] * sn[c / group] * xr[c];
-    return acc;
-}
-
-#define TILES(CALL)                                                                                \
-    for (int i = 0; i < nb; i++)                                                                   \
-        for (int64_t m = 0; m < M; m++)                                                            \
-            y[m * N + rows[i]] = CALL(m, rows[i]) + (offset ? offset_term(offset, sums, rows[i], m, G) : 0.f);
-#define Q4(m, n) q4_dot(x + (m) * K, w + (n) * (K / 2), scale + (n) * G, K)
-#define Q8(m, n) q8_dot(x + (m) * K, w + (n) * K, scale + (n) * G, K, group)
-#define ACC
+#define span_q4 span_plain
+#define span_q8 span_plain
 #endif
 
-#define MATMUL(Q, GROUP)                                                                           \
-    const int64_t group = (GROUP), G = K / group;                                                 \
-    float *sums = NULL;                                                                            \
-    if (offset) {                                                                                  \
-        sums = malloc(sizeof(float) * M * G);                                                      \
-        if (!sums) return -1;                                                                      \
-        group_sums(x, M, K, group, sums);                                                          \
-    }                                                                                              \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                              \
-    for (int64_t n0 = 0; n0 < N; n0 += NB) {                                                       \
-        const int nb = N - n0 < NB ? (int)(N - n0) : NB;                                           \
-        const int64_t rows[NB] = {n0, nb > 1 ? n0 + 1 : n0};                                       \
-        ACC                                                                                        \
-        TILES(Q)                                                                                   \
-    }                                                                                              \
-    free(sums);                                                                                    \
-    return 0;
-
-int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale, const float *offset,
-              int64_t N, float *y, int threads) {
-    MATMUL(Q4, 32)
+void qmm_share(const QW *w, const float *x, int64_t M, float *y, int accumulate) {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t units = (w->N + 23) / 24;  /* shares of whole tiles of 8, 6, 4 or 2 rows */
+    const int64_t n0 = 24 * (units * t / threads), n1 = 24 * (units * (t + 1) / threads);
+    const int64_t end = n1 < w->N ? n1 : w->N;
+    if (n0 >= end) return;
+    if (w->method == QW_Q4)
+        span_q4(w, x, M, y, accumulate, n0, end);
+    else
+        span_q8(w, x, M, y, accumulate, n0, end);
 }
 
-int q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *offset,
-              int64_t group_size, int64_t N, float *y, int threads) {
-    MATMUL(Q8, group_size)
+/* y = x . W^T on `threads` threads (kernels/cpu_quant.py's entry) */
+int qmm(int64_t method, const float *x, int64_t M, int64_t K, const void *data, const float *scale,
+        const float *offset, int64_t group, int64_t N, float *y, int threads) {
+    const QW w = {method, N, K, group, data, scale, offset};
+#pragma omp parallel num_threads(threads)
+    qmm_share(&w, x, M, y, 0);
+    return 0;
 }

@@ -33,9 +33,9 @@ from specserve.core import env, quant
 
 logger = logging.getLogger("specserve")
 
-SOURCE = Path(__file__).with_name("cpu_quant.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-MAX_ROWS = 16  # more rows (prefill) go through the dequantized weight and BLAS
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_quant.h", "cpu_quant.c", "cpu_layers.c"))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+METHODS = {quant.Q4: 0, quant.Q8: 1}  # cpu_quant.h's QW_Q4, QW_Q8
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -43,7 +43,7 @@ _tried = False
 
 def available() -> bool:
     """Whether the compiled kernels load on this machine (compiling them the first time)."""
-    return _library() is not None
+    return library() is not None
 
 
 def matmul(x: torch.Tensor, qw: quant.QuantWeight, threads: int | None = None) -> torch.Tensor:
@@ -68,25 +68,19 @@ def _(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offset: torch.Te
 
 
 def _matmul(x: torch.Tensor, qw: quant.QuantWeight, threads: int | None) -> torch.Tensor:
-    lib = _library()
-    assert lib is not None and qw.method in (quant.Q4, quant.Q8), qw.method
+    lib = library()
+    assert lib is not None and qw.method in METHODS, qw.method
     n, k = qw.shape
     x = x.contiguous()
     assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k, (x.dtype, x.shape, k)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     offset = qw.zeros.data_ptr() if qw.zeros is not None else None
-    args = (x.data_ptr(), x.shape[0], k, qw.data.data_ptr(), qw.scale.data_ptr(), offset)
-    nthreads = threads or torch.get_num_threads()
-    if qw.method == quant.Q4:
-        rc = lib.q4_matmul(*args, n, y.data_ptr(), nthreads)
-    else:
-        rc = lib.q8_matmul(*args, qw.group, n, y.data_ptr(), nthreads)
-    if rc != 0:
-        raise MemoryError("cpu_quant: out of memory for the group sums")
+    lib.qmm(METHODS[qw.method], x.data_ptr(), x.shape[0], k, qw.data.data_ptr(), qw.scale.data_ptr(), offset,
+            qw.group, n, y.data_ptr(), threads or torch.get_num_threads())
     return y
 
 
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
     global _lib, _tried
     if not _tried:
         _tried = True
@@ -101,7 +95,8 @@ def _build() -> Path:
     """The compiled library's path, compiling it unless this machine's build is cached."""
     compiler = env.c_compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
+    texts = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256("\n".join([*texts, " ".join(FLAGS), version, _cpu_id()]).encode()).hexdigest()
     root = Path(env.cache_dir() or Path.home() / ".cache" / "specserve") / "kernels"
     lib = root / f"cpu_quant-{key[:16]}.so"
     if lib.exists():
@@ -109,7 +104,8 @@ def _build() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:  # compiled aside, then renamed: never half-written
         out = Path(tmp) / lib.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True, check=True,
+        c_files = [str(src) for src in SOURCES if src.suffix == ".c"]
+        subprocess.run([compiler, *FLAGS, *c_files, "-o", str(out)], capture_output=True, text=True, check=True,
                        timeout=300)
         os.replace(out, lib)
     logger.info("compiled the quantized CPU kernels into %s", lib)
@@ -127,7 +123,7 @@ def _cpu_id() -> str:
 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    lib.q4_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int]
-    lib.q8_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _I, _I, _P, ctypes.c_int]
-    lib.q4_matmul.restype = lib.q8_matmul.restype = ctypes.c_int
+    lib.qmm.argtypes = [_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, ctypes.c_int]
+    lib.cpu_layers_forward.argtypes = [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int]
+    lib.qmm.restype = lib.cpu_layers_forward.restype = ctypes.c_int
     return lib

@@ -9,7 +9,8 @@ yet). `apply` runs after the float weights have loaded: each `Linear` whose rows
 are all repacked blocks (q, k and v of one method and group for the fused qkv; gate and
 up for gate_up) takes them as its storage and drops its float weight; the LM head's
 blocks become the model's `head_blocks`, read by `compute_logits` (the float head stays
-for drafts that share it). Layers whose GGUF type is not repacked stay float.
+for drafts that share it). Layers whose GGUF type is not repacked stay float. When every
+layer holds blocks, the model's few-token forwards run in one C call (models/cpu_stack.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from specserve.core.config import ConfigError
 from specserve.kernels import cpu_quant
 from specserve.models import gguf_blocks
 from specserve.models.checkpoint import fused_target
+from specserve.models.cpu_stack import CpuStack
 from specserve.models.layers import Linear
 
 if TYPE_CHECKING:
@@ -81,6 +83,7 @@ def apply(model: LlamaForCausalLM, model_dir: Path) -> int:
         head = "lm_head.weight" if "lm_head.weight" in methods else "model.embed_tokens.weight"
         if head in methods and (head == "lm_head.weight" or cfg.tie_word_embeddings):
             model.head_blocks = _joined(f, [head], methods)
+    model.cpu_stack = CpuStack.build(model)
     return served
 
 

@@ -48,6 +48,7 @@ from specserve.models.quant_linear import quant_linear
 from specserve.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
+    from specserve.models.cpu_stack import CpuStack
     from specserve.models.quantization import WeightQuant
 
 logger = logging.getLogger("specserve")
@@ -304,6 +305,7 @@ class LlamaForCausalLM(nn.Module):
         # batch; on a CPU, multiplied by this float64 [hidden, vocab] copy
         self.invariant = False
         self.head_blocks: QuantWeight | None = None  # the LM head as a GGUF's blocks (models/gguf_serve.py)
+        self.cpu_stack: CpuStack | None = None  # the layers in one C call on a CPU (models/cpu_stack.py)
         self.head64: torch.Tensor | None = None
 
     def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -316,6 +318,9 @@ class LlamaForCausalLM(nn.Module):
     def forward_eager(self, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`forward` as written (what torch.compile traces)."""
         h = self.model.embed_tokens(fb.input_ids)
+        if self.cpu_stack is not None and self.cpu_stack.serves(fb, h):
+            captured = self.cpu_stack(h, fb, self.aux_layers)  # h becomes the stream leaving the last layer
+            return self.model.norm(h), captured
         rope = self.model.rotary.at(fb.positions)
         if self._few_tokens(h, fb):
             return self._forward_few_tokens(h, fb, rope)

@@ -9,7 +9,7 @@ multiple of 16): each token is quantized to e4m3 with its own scale (absmax / 44
 epilogue, as vLLM's and SGLang's fp8 linear layers do. Everywhere else (block scales,
 float32 activations, older GPUs, the CPU) the weight is dequantized for the call
 (core/quant.py) and multiplied by `F.linear`: the reference the kernels follow. A GGUF's
-blocks (q4, q8) take the CPU's kernel for a few tokens (kernels/cpu_quant.py).
+blocks (q4, q8) take the CPU's kernel (kernels/cpu_quant.py).
 """
 from __future__ import annotations
 
@@ -46,11 +46,12 @@ def quant_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | No
 
 
 def _gguf_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """A GGUF's blocks: the CPU kernel up to cpu_quant.MAX_ROWS rows, float32 in and out;
-    more rows (prefill), through the dequantized weight."""
+    """A GGUF's blocks: the CPU kernel at any row count, float32 in and out (it keeps pace
+    with BLAS on the dequantized weight from a few hundred rows, and a row's sums do not
+    depend on the others); through the dequantized weight where it cannot run."""
     n, k = qw.shape
     rows = x.reshape(-1, k)
-    if not rows.is_cuda and rows.shape[0] <= cpu_quant.MAX_ROWS and cpu_quant.available():
+    if not rows.is_cuda and cpu_quant.available():
         out = cpu_quant.matmul(rows.float(), qw).to(x.dtype)
         if bias is not None:
             out = out + bias

@@ -1,0 +1,263 @@
+/* A Llama-family decoder stack on the CPU in one call (built with cpu_quant.c; driven by
+   kernels/cpu_layers.py): for each layer, RMSNorm, the fused q/k/v product (+ bias),
+   RoPE, the new keys and values written into the layer's KV cache, attention over each
+   query row's visible keys, o_proj added to the stream, RMSNorm, gate/up, SiLU * up and
+   down_proj added to the stream. Every product reads GGUF blocks (cpu_quant.h).
+
+   The stream [T, hidden] is updated in place. One OpenMP parallel region runs the whole
+   stack: products split their output columns over the threads, norms and RoPE split rows,
+   attention splits (row, head) pairs; a barrier separates the steps. Each row is computed
+   the same way whatever the other rows are (the products' sums run one order; attention
+   visits its keys in kv_index order), so a verify's rows equal decode's.
+
+   Attention follows attention/torch_ref.py's metadata: request b's query i is packed row
+   q_index[b, i] (if q_valid), its keys are the slots kv_index[b, j] for j < max_kv where
+   mask[b, i, j] (no mask: all of them). Scores, softmax and the weighted sum run in float32;
+   exp is a polynomial (Cephes' expf, within 2 ulp) on AVX-512, libm's elsewhere. */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_quant.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    QW qkv, o, gate_up, down;
+    const float *norm1, *norm2, *qkv_bias; /* qkv_bias NULL: none */
+    float *k_cache, *v_cache;              /* [slots, kv_heads, head_dim] */
+} Layer;
+
+typedef struct {
+    int64_t T, hidden, heads, kv_heads, head_dim, inter;
+    float eps, scale;
+    const float *rope;         /* [max_positions, 2 head_dim]: cos, then signed sin */
+    const int64_t *positions;  /* [T] */
+    const int64_t *out_slots;  /* [T]: where each row's key and value go */
+    int64_t B, max_new, max_kv;
+    const int64_t *kv_index;   /* [B, max_kv] */
+    const int64_t *q_index;    /* [B, max_new] */
+    const uint8_t *q_valid;    /* [B * max_new] */
+    const uint8_t *mask;       /* [B, max_new, max_kv], or NULL */
+    float *xn, *qkv, *attn, *gate_up, *act, *scores; /* scratch; scores [threads, max_kv] */
+} Batch;
+
+/* rows [begin, end) of T split evenly over the team */
+static void my_rows(int64_t T, int64_t *begin, int64_t *end) {
+    const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+    *begin = T * t / n;
+    *end = T * (t + 1) / n;
+}
+
+#ifdef __AVX512F__
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, k);
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
+    return _mm512_reduce_add_ps(s);
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+    const __m512 av = _mm512_set1_ps(a);
+    for (int64_t i = 0; i < n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+}
+
+/* p[j] = exp(p[j] - max) for j < n; returns their sum (lanes summed in order, then reduced) */
+static inline float exp_shift(float *p, int64_t n, float max) {
+    __m512 s = _mm512_setzero_ps();
+    const __m512 m = _mm512_set1_ps(max);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), m));
+        _mm512_storeu_ps(p + j, e);
+        s = _mm512_add_ps(s, e);
+    }
+    if (j < n) {
+        const __mmask16 k = (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + j), m));
+        _mm512_mask_storeu_ps(p + j, k, e);
+        s = _mm512_add_ps(s, _mm512_maskz_mov_ps(k, e));
+    }
+    return _mm512_reduce_add_ps(s);
+}
+
+/* x[i] * up[i] / (1 + exp(-x[i])) into out, n a multiple of 16 */
+static inline void silu_mul(const float *x, const float *up, float *out, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 g = _mm512_loadu_ps(x + i);
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+    }
+}
+#define VEC_OK(n) ((n) % 16 == 0)
+#else
+#define VEC_OK(n) 0
+static inline float dot(const float *a, const float *b, int64_t n) { (void)a; (void)b; (void)n; return 0.f; }
+static inline void axpy(float *y, float a, const float *x, int64_t n) { (void)y; (void)a; (void)x; (void)n; }
+static inline float exp_shift(float *p, int64_t n, float max) { (void)p; (void)n; (void)max; return 0.f; }
+static inline void silu_mul(const float *x, const float *up, float *out, int64_t n) {
+    (void)x; (void)up; (void)out; (void)n;
+}
+#endif
+
+static float dot_any(const float *a, const float *b, int64_t n) {
+    if (VEC_OK(n)) return dot(a, b, n);
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* xn[t] = stream[t] / rms(stream[t]) * weight, for this thread's rows */
+static void rms_rows(const float *stream, const float *weight, float *xn, const Batch *b) {
+    int64_t r0, r1;
+    my_rows(b->T, &r0, &r1);
+    const int64_t H = b->hidden;
+    for (int64_t t = r0; t < r1; t++) {
+        const float *x = stream + t * H;
+        const float inv = 1.f / sqrtf(dot_any(x, x, H) / (float)H + b->eps);
+        for (int64_t i = 0; i < H; i++) xn[t * H + i] = x[i] * inv * weight[i];
+    }
+}
+
+/* x [D] rotated in place by the table row of `pos`: x * cos + roll(x, D / 2) * signed sin */
+static void rotate(float *x, const float *table, int64_t pos, int64_t D) {
+    float tmp[512];
+    const float *cs = table + pos * 2 * D, *sn = cs + D;
+    memcpy(tmp, x, sizeof(float) * D);
+    for (int64_t d = 0; d < D; d++) x[d] = tmp[d] * cs[d] + tmp[(d + D / 2) % D] * sn[d];
+}
+
+/* bias, RoPE on queries and keys, new keys and values into the cache: this thread's rows */
+static void rope_store(const Layer *L, const Batch *b) {
+    int64_t r0, r1;
+    my_rows(b->T, &r0, &r1);
+    const int64_t D = b->head_dim, H = b->heads, KV = b->kv_heads, W = (H + 2 * KV) * D;
+    for (int64_t t = r0; t < r1; t++) {
+        float *row = b->qkv + t * W;
+        if (L->qkv_bias)
+            for (int64_t i = 0; i < W; i++) row[i] += L->qkv_bias[i];
+        for (int64_t h = 0; h < H + KV; h++) rotate(row + h * D, b->rope, b->positions[t], D);
+        memcpy(L->k_cache + b->out_slots[t] * KV * D, row + H * D, sizeof(float) * KV * D);
+        memcpy(L->v_cache + b->out_slots[t] * KV * D, row + (H + KV) * D, sizeof(float) * KV * D);
+    }
+}
+
+/* one query row and head over its visible keys, into out [D] */
+static void attend_one(const Layer *L, const Batch *b, int64_t bi, int64_t i, const float *q, int64_t kvh,
+                       float *out, float *p) {
+    const int64_t D = b->head_dim, KV = b->kv_heads;
+    const int64_t *slots = b->kv_index + bi * b->max_kv;
+    const uint8_t *visible = b->mask ? b->mask + (bi * b->max_new + i) * b->max_kv : NULL;
+    int64_t n = 0;
+    float max = -INFINITY;
+    for (int64_t j = 0; j < b->max_kv; j++) {
+        if (visible && !visible[j]) continue;
+        const float s = dot_any(q, L->k_cache + (slots[j] * KV + kvh) * D, D) * b->scale;
+        p[n++] = s;
+        max = s > max ? s : max;
+    }
+    float sum = 0.f;
+    if (VEC_OK(D)) {
+        sum = exp_shift(p, n, max);
+    } else {
+        for (int64_t j = 0; j < n; j++) sum += (p[j] = expf(p[j] - max));
+    }
+    memset(out, 0, sizeof(float) * D);
+    int64_t k = 0;
+    for (int64_t j = 0; j < b->max_kv; j++) {
+        if (visible && !visible[j]) continue;
+        const float *v = L->v_cache + (slots[j] * KV + kvh) * D;
+        if (VEC_OK(D)) {
+            axpy(out, p[k++], v, D);
+        } else {
+            for (int64_t d = 0; d < D; d++) out[d] += p[k] * v[d];
+            k++;
+        }
+    }
+    for (int64_t d = 0; d < D; d++) out[d] /= sum;
+}
+
+static void attend(const Layer *L, const Batch *b) {
+    const int64_t D = b->head_dim, H = b->heads, W = (H + 2 * b->kv_heads) * D;
+    const int64_t items = b->B * b->max_new * H, group = H / b->kv_heads;
+    float *p = b->scores + omp_get_thread_num() * b->max_kv;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t h = it % H, bq = it / H, bi = bq / b->max_new, i = bq % b->max_new;
+        if (!b->q_valid[bq]) continue;
+        const int64_t r = b->q_index[bq];
+        attend_one(L, b, bi, i, b->qkv + r * W + h * D, h / group, b->attn + r * H * D + h * D, p);
+    }
+}
+
+static void act_rows(const Batch *b) {
+    int64_t r0, r1;
+    my_rows(b->T, &r0, &r1);
+    const int64_t I = b->inter;
+    for (int64_t t = r0; t < r1; t++) {
+        const float *g = b->gate_up + t * 2 * I, *u = g + I;
+        float *out = b->act + t * I;
+        if (VEC_OK(I)) {
+            silu_mul(g, u, out, I);
+        } else {
+            for (int64_t i = 0; i < I; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        }
+    }
+}
+
+static void layer(const Layer *L, const Batch *b, float *stream) {
+    const int64_t T = b->T;
+    rms_rows(stream, L->norm1, b->xn, b);
+#pragma omp barrier
+    qmm_share(&L->qkv, b->xn, T, b->qkv, 0);
+#pragma omp barrier
+    rope_store(L, b);
+#pragma omp barrier
+    attend(L, b); /* ends in the omp for's barrier */
+    qmm_share(&L->o, b->attn, T, stream, 1);
+#pragma omp barrier
+    rms_rows(stream, L->norm2, b->xn, b);
+#pragma omp barrier
+    qmm_share(&L->gate_up, b->xn, T, b->gate_up, 0);
+#pragma omp barrier
+    act_rows(b);
+#pragma omp barrier
+    qmm_share(&L->down, b->act, T, stream, 1);
+#pragma omp barrier
+}
+
+/* The stack over `stream` [T, hidden]. captured [n_capture, T, hidden] takes the stream
+   entering layer capture[c] (n_layers: leaving the last). */
+int cpu_layers_forward(const Layer *layers, int64_t n_layers, const Batch *b, float *stream,
+                       const int64_t *capture, int64_t n_capture, float *captured, int threads) {
+    if (b->head_dim > 512) return -1;
+    const int64_t size = b->T * b->hidden;
+#pragma omp parallel num_threads(threads)
+    for (int64_t l = 0; l <= n_layers; l++) {
+#pragma omp single
+        for (int64_t c = 0; c < n_capture; c++)
+            if (capture[c] == l) memcpy(captured + c * size, stream, sizeof(float) * size);
+        if (l < n_layers) layer(&layers[l], b, stream);
+    }
+    return 0;
+}

@@ -1,0 +1,138 @@
+"""A decoder stack held in GGUF blocks, run on the CPU in one C call a forward
+(`cpu_layers.c`, compiled with `cpu_quant.c` by kernels/cpu_quant.py).
+
+On the CPU a few-token forward spent more time launching torch ops (a norm, RoPE, the
+KV write, SDPA, SiLU, the adds: some twenty a layer) than multiplying; this runs them all
+in C, in one OpenMP region. The caller (models/cpu_stack.py) hands it plain tensors:
+each layer's `LayerWeights`, the KV cache, and the attention metadata of
+attention/torch_ref.py. `Stack` builds the C structures once and rebinds only the KV
+cache when it changes.
+
+Invariants: the stream is float32 and updated in place; every tensor handed over stays
+alive (the Stack keeps the weights; `forward` keeps its batch's tensors until the call
+returns); a row's result does not depend on the other rows of the batch.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from specserve.core import quant
+from specserve.kernels import cpu_quant
+
+_I, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _QW(ctypes.Structure):
+    _fields_ = [("method", _I), ("N", _I), ("K", _I), ("group", _I), ("data", _P), ("scale", _P), ("offset", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _QW), ("o", _QW), ("gate_up", _QW), ("down", _QW), ("norm1", _P), ("norm2", _P),
+                ("qkv_bias", _P), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("T", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
+                ("eps", _F), ("scale", _F), ("rope", _P), ("positions", _P), ("out_slots", _P),
+                ("B", _I), ("max_new", _I), ("max_kv", _I), ("kv_index", _P), ("q_index", _P), ("q_valid", _P),
+                ("mask", _P), ("xn", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P), ("scores", _P)]
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    scale: float  # attention's softmax scale
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    qkv: quant.QuantWeight  # [(heads + 2 kv_heads) * head_dim, hidden]
+    o: quant.QuantWeight
+    gate_up: quant.QuantWeight  # gate's rows, then up's
+    down: quant.QuantWeight
+    norm1: torch.Tensor  # float32 [hidden]
+    norm2: torch.Tensor
+    qkv_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Attention:
+    """attention/torch_ref.py's metadata for one forward (its `_Meta`), plus where the new
+    keys go and the rotary table at the forward's positions."""
+    kv_index: torch.Tensor  # int64 [B, max_kv]
+    q_index: torch.Tensor  # int64 [B, max_new]
+    q_valid: torch.Tensor  # bool [B * max_new]
+    mask: torch.Tensor | None  # bool, B * max_new * max_kv elements
+    out_slots: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    rope_table: torch.Tensor  # float32 [max_positions, 2 head_dim]
+
+
+def servable(qw: quant.QuantWeight) -> bool:
+    """Whether the C stack reads this weight: GGUF blocks whose rows are whole 32-column steps."""
+    return qw.method in cpu_quant.METHODS and qw.shape[1] % 32 == 0
+
+
+def _qw(w: quant.QuantWeight) -> _QW:
+    n, k = w.shape
+    offset = w.zeros.data_ptr() if w.zeros is not None else None
+    return _QW(cpu_quant.METHODS[w.method], n, k, w.group, w.data.data_ptr(), w.scale.data_ptr(), offset)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class Stack:
+    def __init__(self, layers: list[LayerWeights], shape: Shape) -> None:
+        self.shape, self.weights = shape, layers  # kept alive: the structures point into them
+        self.layers = (_Layer * len(layers))()
+        for c, w in zip(self.layers, layers):
+            c.qkv, c.o, c.gate_up, c.down = _qw(w.qkv), _qw(w.o), _qw(w.gate_up), _qw(w.down)
+            c.norm1, c.norm2, c.qkv_bias = w.norm1.data_ptr(), w.norm2.data_ptr(), _ptr(w.qkv_bias)
+        self._cache: tuple[int, ...] = ()
+
+    def bind_cache(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """Point each layer at its float32 K and V cache [slots, kv_heads, head_dim]."""
+        ptrs = tuple(t.data_ptr() for t in (*k, *v))
+        if ptrs != self._cache:
+            for i, c in enumerate(self.layers):
+                c.k_cache, c.v_cache = k[i].data_ptr(), v[i].data_ptr()
+            self._cache = ptrs
+
+    def forward(self, stream: torch.Tensor, attn: Attention, capture: tuple[int, ...] = (),
+                threads: int | None = None) -> list[torch.Tensor]:
+        """Run every layer over `stream` [T, hidden] in place; returns the streams entering
+        the layers in `capture` (len(layers): leaving the last)."""
+        lib = cpu_quant.library()
+        assert lib is not None and stream.dtype == torch.float32 and stream.is_contiguous()
+        s, t = self.shape, stream.shape[0]
+        nthreads = threads or torch.get_num_threads()
+        bsz, max_new = attn.q_index.shape
+        max_kv = attn.kv_index.shape[1]
+        width = (s.heads + 2 * s.kv_heads) * s.head_dim
+        scratch = torch.empty(t * (s.hidden + width + s.heads * s.head_dim + 3 * s.inter) + nthreads * max_kv)
+        sizes = [t * s.hidden, t * width, t * s.heads * s.head_dim, t * 2 * s.inter, t * s.inter, nthreads * max_kv]
+        parts = torch.split(scratch, sizes)
+        mask = None if attn.mask is None else attn.mask.contiguous()
+        keep = (attn.kv_index.contiguous(), attn.q_index.contiguous(), attn.q_valid.contiguous(), mask,
+                attn.out_slots.contiguous(), attn.positions.contiguous())
+        batch = _Batch(t, s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.eps, s.scale,
+                       attn.rope_table.data_ptr(), keep[5].data_ptr(), keep[4].data_ptr(), bsz, max_new, max_kv,
+                       keep[0].data_ptr(), keep[1].data_ptr(), keep[2].data_ptr(), _ptr(mask),
+                       *(p.data_ptr() for p in parts))
+        captured = torch.empty(len(capture), t, s.hidden)
+        where = (ctypes.c_int64 * max(1, len(capture)))(*capture)
+        rc = lib.cpu_layers_forward(self.layers, len(self.layers), ctypes.byref(batch), stream.data_ptr(), where,
+                                    len(capture), captured.data_ptr(), nthreads)
+        if rc != 0:
+            raise ValueError(f"cpu_layers: head_dim {s.head_dim} is past the C stack's limit")
+        return list(captured.unbind(0))

@@ -1,0 +1,108 @@
+"""The decoder stack in one C call (models/cpu_stack.py, kernels/cpu_layers.c) against the
+model's own torch path over the same GGUF blocks: prefill, decode, a tree verify and the
+captured aux streams agree to float32 rounding, and a verify's rows equal decode's bit for
+bit (what keeps speculation lossless over it)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
+
+from specserve.core import quant
+from specserve.core.forward_batch import ForwardMode
+from specserve.kernels import cpu_quant
+from specserve.models import gguf_blocks, gguf_serve
+from specserve.models.cpu_stack import CpuStack
+from specserve.models.layers import Linear
+from specserve.models.loader import load_model
+from tests.unit.model_utils import BareRunner, save_tiny_hf
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler: GGUF weights run dequantized")
+PROMPT = [5, 17, 99, 3, 250, 41, 8, 77, 300, 12]
+
+
+def _blocks(w: torch.Tensor, kind: T) -> quant.QuantWeight:
+    x = w.detach().numpy().astype(np.float32)
+    r = gguf_blocks.repack(quantize(x, kind), kind, *x.shape)
+    off = None if r.offset is None else torch.from_numpy(r.offset)
+    return quant.QuantWeight(torch.from_numpy(r.q), torch.from_numpy(r.scale), r.group, r.method, off)
+
+
+def _blocked(kind: str, path) -> torch.nn.Module:
+    """A tiny model held as the CPU serves a GGUF: every projection in blocks (Q4_1,
+    down_proj Q8_0), the head too (Q8_0)."""
+    model = load_model(save_tiny_hf(kind, path), torch.float32, torch.device("cpu"), "none")
+    for name, layer in model.named_modules():
+        if isinstance(layer, Linear):
+            gguf_serve._hold(layer, _blocks(layer.out_in_weight, T.Q8_0 if "down_proj" in name else T.Q4_1))
+    model.head_blocks = _blocks(model.lm_head.weight, T.Q8_0)
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2"])  # qwen2: a q/k/v bias
+def models(request, tmp_path):
+    fused = _blocked(request.param, tmp_path / "m")
+    fused.cpu_stack = CpuStack.build(fused)
+    assert fused.cpu_stack is not None
+    plain = _blocked(request.param, tmp_path / "m")
+    return fused, plain
+
+
+def _tree_mask() -> torch.Tensor:
+    """root, two children of the root, a grandchild under the first child"""
+    return torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+
+def test_the_c_stack_follows_the_torch_path(models):
+    fused, plain = models
+    runs = [BareRunner(m) for m in (fused, plain)]
+    calls = [dict(rows=[0], prefix_lens=[0], tokens=[PROMPT]),
+             dict(rows=[0], prefix_lens=[len(PROMPT)], tokens=[[7]], mode=ForwardMode.DECODE),
+             dict(rows=[0], prefix_lens=[len(PROMPT) + 1], tokens=[[9, 10, 11, 12]], masks=[_tree_mask()],
+                  positions=[[11, 12, 12, 13]], mode=ForwardMode.VERIFY)]
+    for call in calls:
+        got, want = (r.forward(**call) for r in runs)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runs[0].pool.k[1], runs[1].pool.k[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(runs[0].pool.v[0], runs[1].pool.v[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_verifys_rows_equal_decodes_bit_for_bit(models):
+    fused, _ = models
+    chain, one_by_one = BareRunner(fused), BareRunner(fused)
+    for r in (chain, one_by_one):
+        r.forward([0], [0], [PROMPT])
+    n = len(PROMPT)
+    together = chain.forward([0], [n], [[7, 8, 9]], mode=ForwardMode.VERIFY)
+    apart = torch.cat([one_by_one.forward([0], [n + i], [[t]], mode=ForwardMode.DECODE) for i, t in enumerate([7, 8, 9])])
+    assert torch.equal(together, apart)
+    both = BareRunner(fused)  # two requests in one decode batch: each row as if alone
+    both.forward([0, 1], [0, 0], [PROMPT, PROMPT[:4]])
+    batched = both.forward([0, 1], [n, 4], [[7], [8]], mode=ForwardMode.DECODE)
+    assert torch.equal(batched[0], apart[0])
+
+
+def test_captured_streams_match_the_torch_paths(models):
+    fused, plain = models
+    for m in (fused, plain):
+        m.aux_layers = (0, 1, 2)
+    captures = []
+    for m in (fused, plain):
+        r = BareRunner(m)
+        r.forward([0], [0], [PROMPT])
+        fb_hidden = []
+        original = m.forward
+
+        def spy(fb, original=original):
+            hidden, aux = original(fb)
+            fb_hidden.append(aux)
+            return hidden, aux
+
+        m.forward = spy
+        r.forward([0], [len(PROMPT)], [[7, 8]], mode=ForwardMode.VERIFY)
+        captures.append(fb_hidden[0])
+    assert len(captures[0]) == 3
+    for got, want in zip(*captures):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
