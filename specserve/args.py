@@ -160,6 +160,9 @@ def _add_runtime(p: argparse.ArgumentParser) -> None:
                    help="enable torch.compile for kernel-level optimizations")
     g.add_argument("--torch-compile-max-bs", type=int, default=_R.torch_compile_max_bs,
                    help="maximum batch size for torch.compile")
+    g.add_argument("--cpu-threads", type=int, default=_R.cpu_threads,
+                   help="threads each engine process computes with on the CPU (torch's and the GGUF "
+                        "kernels'; default: None, the host's cores shared among its engine processes)")
     g.add_argument("--enable-deterministic-inference", action="store_true",
                    help="batch-invariant kernels: a request's logits do not depend on its batch or on how "
                         "many of its tokens a forward holds, so greedy speculative output equals plain "

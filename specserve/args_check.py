@@ -67,7 +67,7 @@ _AT_LEAST_1 = (
     ("scheduler", "max_running_requests"), ("scheduler", "max_prefill_tokens"),
     ("scheduler", "decode_log_interval"), ("scheduler", "num_continuous_decode_steps"),
     ("runner", "cuda_graph_max_bs"),
-    ("runner", "torch_compile_max_bs"), ("runner", "tp_size"), ("spec", "num_steps"),
+    ("runner", "torch_compile_max_bs"), ("runner", "tp_size"), ("runner", "cpu_threads"), ("spec", "num_steps"),
     ("spec", "eagle_topk"), ("spec", "num_draft_tokens"), ("spec", "ngram_capacity"),
     ("spec", "batch_tree_from"), ("server", "max_choices_per_request"),
 )

@@ -27,7 +27,7 @@ from specserve.core.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass
-class _Meta:
+class RefMeta:
     kv_index: torch.Tensor  # [B, max_kv] slots (padding points at real but masked slots)
     q_index: torch.Tensor  # [B, max_new] rows into the packed T tokens (padding -> 0)
     q_valid: torch.Tensor  # [B * max_new] bool: which padded rows are real tokens
@@ -56,7 +56,7 @@ class TorchRefBackend(AttentionBackend):
         uniform_decode = max_new == 1 and min(fb.seq_lens) == max_kv
         if not uniform_decode:
             mask = self._build_mask(fb, prefix, new, q_valid, max_new, max_kv)
-        fb.attn_meta = _Meta(kv_index, q_index, q_valid.reshape(-1), mask)
+        fb.attn_meta = RefMeta(kv_index, q_index, q_valid.reshape(-1), mask)
 
     def init_tail_metadata(self, fb: ForwardBatch, tail_start: torch.Tensor) -> None:
         """The reference reads the lengths back (a sync): it never runs inside a graph."""
@@ -64,7 +64,7 @@ class TorchRefBackend(AttentionBackend):
         fb.attn_meta = self._tail_meta(fb)
 
     @staticmethod
-    def _tail_meta(fb: ForwardBatch) -> _Meta:
+    def _tail_meta(fb: ForwardBatch) -> RefMeta:
         dev, bsz = fb.input_ids.device, fb.batch_size
         assert fb.mode == ForwardMode.DECODE and all(n == 1 for n in fb.extend_lens), "a tail is for decode"
         assert fb.draft_tail is not None, "tail metadata is for a batch with a draft tail"
@@ -76,7 +76,7 @@ class TorchRefBackend(AttentionBackend):
             j = torch.arange(kv_index.shape[1], device=dev)
             prefix = torch.tensor(fb.prefix_lens, device=dev)
             mask = ((j[None, :] < prefix[:, None]) | (j[None, :] >= width))[:, None, None, :]
-        return _Meta(kv_index, q_index, torch.ones(bsz, dtype=torch.bool, device=dev), mask)
+        return RefMeta(kv_index, q_index, torch.ones(bsz, dtype=torch.bool, device=dev), mask)
 
     @staticmethod
     def _build_mask(fb: ForwardBatch, prefix: torch.Tensor, new: torch.Tensor,
@@ -104,7 +104,7 @@ class TorchRefBackend(AttentionBackend):
         if k is not None:  # else stored by the caller (pooled_kv)
             assert v is not None, "k and v come together"
             fb.kv_pool.write(layer_id, fb.out_slots, k, v)
-        m = cast(_Meta, fb.attn_meta)  # set by init_forward_metadata / init_tail_metadata
+        m = cast(RefMeta, fb.attn_meta)  # set by init_forward_metadata / init_tail_metadata
         bsz, max_new = m.q_index.shape
         heads, dim = q.shape[1], q.shape[2]
         flat = m.kv_index.view(-1)  # index_select: ~3x cheaper than advanced indexing on CPU

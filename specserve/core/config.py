@@ -64,6 +64,7 @@ class RunnerConfig:
     # every logit computed with one arithmetic whatever the batch (models/invariant.py)
     enable_deterministic_inference: bool = False
     tp_size: int = 1  # tensor-parallel ranks per replica (engine/ranks.py)
+    cpu_threads: int | None = None  # torch's and the C kernels' threads in an engine process; None: its share
     dp_size: int = 1  # engine replicas behind the one HTTP server
     nnodes: int = 1  # hosts one tensor-parallel group spans
     node_rank: int = 0  # this host's index among them (0 serves HTTP)

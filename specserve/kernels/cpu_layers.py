@@ -65,7 +65,7 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class Attention:
-    """attention/torch_ref.py's metadata for one forward (its `_Meta`), plus where the new
+    """attention/torch_ref.py's metadata for one forward (its `RefMeta`), plus where the new
     keys go and the rotary table at the forward's positions."""
     kv_index: torch.Tensor  # int64 [B, max_kv]
     q_index: torch.Tensor  # int64 [B, max_new]
@@ -125,6 +125,10 @@ class Stack:
         mask = None if attn.mask is None else attn.mask.contiguous()
         keep = (attn.kv_index.contiguous(), attn.q_index.contiguous(), attn.q_valid.contiguous(), mask,
                 attn.out_slots.contiguous(), attn.positions.contiguous())
+        ints = (keep[0], keep[1], keep[4], keep[5])
+        assert all(x.dtype == torch.int64 for x in ints) and all(x.dtype == torch.bool for x in keep[2:4]
+                                                                   if x is not None), "cpu_layers: index dtypes"
+        assert attn.rope_table.dtype == torch.float32 and attn.rope_table.shape[1] == 2 * s.head_dim
         batch = _Batch(t, s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.eps, s.scale,
                        attn.rope_table.data_ptr(), keep[5].data_ptr(), keep[4].data_ptr(), bsz, max_new, max_kv,
                        keep[0].data_ptr(), keep[1].data_ptr(), keep[2].data_ptr(), _ptr(mask),

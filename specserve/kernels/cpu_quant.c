@@ -7,12 +7,12 @@
    + offset: two roundings, -ffp-contract=off keeps them apart), then multiplied and summed
    in float32. q4 decodes a group through a 16-entry table of its values (q * scale +
    offset for q = 0..15), indexed by the nibbles themselves. The sum for one (m, n) runs
-   the same way whatever M is and whichever tile holds it: two 16-lane accumulators (a
-   32-column step's first and last 16 columns), over the steps in order, then added and
-   reduced, so a row's result does not depend on the other rows (a verify's rows equal
-   decode's). Tiles take NB output rows by R input rows, a step's weights decoded once for
-   all R; NB and R only change speed. The AVX-512 path is compiled where the machine has it
-   (-march=native), plain loops elsewhere. */
+   the same way whatever M is and whichever tile holds it: one 16-lane accumulator over the
+   32-column steps in order (a step's first 16 columns, then its last 16), then reduced; so
+   a row's result does not depend on the other rows (a verify's rows equal decode's) nor on
+   the thread count. Tiles take NB output rows by R input rows, a step's weights decoded
+   once for all R; NB and R only change speed. The AVX-512 path is compiled where the
+   machine has it (-march=native), plain loops elsewhere. */
 #include <omp.h>
 #include <stdint.h>
 

@@ -1,20 +1,21 @@
 """Quantized linear layers on the CPU: GGUF's blocks (core/quant.py's "q4" and "q8")
-multiplied where they lie, from `cpu_quant.c`, compiled on first use.
+multiplied where they lie, from `cpu_quant.c`, compiled on first use together with
+`cpu_layers.c` (the decoder stack in one call, kernels/cpu_layers.py).
 
 Why a C file of our own: a decode step on the CPU is bound by the bytes of weights it
-reads, and the GGUF holds 4-bit blocks, far fewer bytes than float32 weights. torch's
-packed int4 CPU op (`_weight_int4pack_mm_for_cpu`) did not serve float32 activations well
-(docs/benchmarks.md); its int8 op has one scale per row, not per block. The C loops dequantize each weight to float32 in
-registers and multiply in float32, so the only rounding the quantization adds is the
-format's own. It is built with the system's C compiler (`CC`, default `cc`), OpenMP and
-`-march=native` into the cache directory (SPECSERVE_CACHE_DIR, default
-~/.cache/specserve), keyed by the source, the flags, the compiler and this CPU; a machine
-without a compiler serves the weights dequantized (`available()` False, said once in
-the log). Nothing here runs on CUDA tensors.
+reads and the work of decoding them, and the GGUF holds 4-bit blocks, far fewer bytes than
+float32 weights. torch's packed int4 CPU op (`_weight_int4pack_mm_for_cpu`) did not serve
+float32 activations well (docs/benchmarks.md); its int8 op has one scale per row, not per
+block. The C loops dequantize each weight to float32 in registers and multiply in float32,
+so the only rounding the quantization adds is the format's own. It is built with the
+system's C compiler (`CC`, default `cc`), OpenMP and `-march=native` into the cache
+directory (SPECSERVE_CACHE_DIR, default ~/.cache/specserve), keyed by the sources, the
+flags, the compiler and this CPU; a machine without a compiler serves the weights
+dequantized (`available()` False, said once in the log). Nothing here runs on CUDA tensors.
 
-Invariant: `matmul(x, qw)` equals `x @ qw.dequantize(float32).T` up to float32 rounding
-(it sums q * scale * x, and offset * the group's sum of x apart; the tests compare them over
-every format and a sweep of shapes).
+Invariants: `matmul(x, qw)` equals `x @ qw.dequantize(float32).T` up to float32 rounding
+(the tests compare them over every format and a sweep of shapes), and a row's result does
+not depend on the other rows nor on the thread count.
 """
 from __future__ import annotations
 

@@ -72,6 +72,8 @@ class ModelRunner:
         self.chunked_prefill_size, self.draft_headroom_mb = chunked_prefill_size, draft_headroom_mb
         self.draft_kv_shape = draft_kv_shape
         self.device = pick_device(model_cfg.device)
+        if runner_cfg.cpu_threads:
+            torch.set_num_threads(runner_cfg.cpu_threads)
         self.model_dir = Path(model_dir)
         hf = read_hf_config(model_dir)
         self.dtype = pick_dtype(model_cfg.dtype, self.device, hf)

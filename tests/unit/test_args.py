@@ -165,6 +165,7 @@ def test_argparse_errors_raise_config_error(argv: list[str]) -> None:
      "--cuda-graph-max-prefill-tokens must be >= 0 (0: prefill eagerly), got -1"),
     (["--torch-compile-max-bs", "0"], "--torch-compile-max-bs must be >= 1, got 0"),
     (["--tp-size", "0"], "--tp-size must be >= 1, got 0"),
+    (["--cpu-threads", "0"], "--cpu-threads must be >= 1, got 0"),
     (EAGLE + ["--speculative-num-steps", "0", "--speculative-eagle-topk", "1",
               "--speculative-num-draft-tokens", "2"],
      "--speculative-num-steps must be >= 1, got 0"),

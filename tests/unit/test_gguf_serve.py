@@ -68,6 +68,16 @@ def test_speculation_is_lossless_over_the_blocks(served_outputs, flags):
     assert got == served_outputs
 
 
+def test_cpu_threads_sets_the_threads_and_changes_no_output(smollm2_dir, served_outputs):
+    before = torch.get_num_threads()
+    try:
+        with Engine(str(smollm2_dir), log_level="warning", cpu_threads=1) as one:
+            assert torch.get_num_threads() == 1
+            assert one.generate(PROMPTS[:2], GREEDY)[1]["output_ids"] == served_outputs[1]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_flags_that_cannot_apply_fail_at_start_up(smollm2_dir, tmp_path):
     from tests.unit.model_utils import save_tiny_hf
 
