@@ -1,6 +1,8 @@
 """`specserve bench cpu`: the CPU's ways to serve one GGUF model, in one run, one thread count.
 
-On the same chat-templated MT-bench prompts, greedy, batch 1, one prompt after another:
+On the same chat-templated prompts (MT-bench's first turns, or with `--prompts repetitive`
+the repeat-and-edit-this-code set where n-gram drafts match), greedy, batch 1, one prompt
+after another:
 specserve with float weights (`--quantization none`), specserve in the GGUF's blocks
 (plain, NGRAM, EAGLE-3 where the model has a shipped head), Hugging Face transformers on
 the float weights, and llama.cpp's `llama-bench` on the GGUF itself when one is on PATH
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from specserve.bench.prompts import mt_bench_first_turns
+from specserve.bench.repetitive import repetitive_prompts
 from specserve.bench.report import report
 from specserve.bench.spec_compare import warm_up
 
@@ -37,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench cpu")
     p.add_argument("--model", default="smollm2-135m", help="a catalogue name or a .gguf file")
     p.add_argument("--threads", type=int, default=None, help="threads for every engine (default: torch's)")
+    p.add_argument("--prompts", choices=("mtbench", "repetitive"), default="mtbench",
+                   help="MT-bench's first turns, or the repeat-and-edit-this-code set where n-grams match")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
@@ -99,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = resolve_model_dir(args.model)
     tok = load_tokenizer(model_dir)
-    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in mt_bench_first_turns(args.num_prompts)]
-    base = {"bench": "cpu", "model": args.model, "threads": threads, "num_prompts": len(prompts),
-            "max_new_tokens": args.max_new_tokens}
+    texts = (mt_bench_first_turns if args.prompts == "mtbench" else repetitive_prompts)(args.num_prompts)
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in texts]
+    base = {"bench": "cpu", "model": args.model, "prompts": args.prompts, "threads": threads,
+            "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
     rows: list[dict[str, Any]] = []
     ref: list[list[int]] | None = None
     for name in args.configs.split(","):

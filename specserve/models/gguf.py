@@ -35,7 +35,7 @@ from specserve.models import gguf_blocks
 from specserve.models.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
 
 MARKER = "specserve-converted.json"
-FORMAT = 2  # 2: with gguf/blocks.safetensors
+FORMAT = 3  # 2: with gguf/blocks.safetensors; 3: its q/k/v and gate/up fused
 
 # GGUF general.architecture -> (HF architectures[0], model_type)
 _ARCHS = {
@@ -214,7 +214,8 @@ def _write_weights(path: Path, reader: GGUFReader, config: dict[str, Any]) -> No
 
 
 def _write_blocks(path: Path, reader: GGUFReader, config: dict[str, Any]) -> None:
-    """The quantized 2-D weights in their blocks, repacked, rows in HF order."""
+    """The quantized 2-D weights in their blocks, repacked, rows in HF order; q/k/v and
+    gate/up stacked into our fused projections where they share a form."""
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     weights = {}
     for t in reader.tensors:
@@ -227,7 +228,7 @@ def _write_blocks(path: Path, reader: GGUFReader, config: dict[str, Any]) -> Non
         if config["model_type"] == "llama" and proj in heads:
             r = gguf_blocks.permute_rows(r, unpermute_qk(np.arange(rows), heads[proj]))
         weights[name] = r
-    gguf_blocks.save(path, weights)
+    gguf_blocks.save(path, gguf_blocks.fuse(weights))
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -64,6 +64,33 @@ def permute_rows(r: Repacked, perm: np.ndarray) -> Repacked:
     return Repacked(r.method, r.group, r.q[perm], r.scale[perm], None if r.offset is None else r.offset[perm])
 
 
+# our fused projections (models/checkpoint.py) and their Hugging Face parts, in row order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fuse(weights: dict[str, Repacked]) -> dict[str, Repacked]:
+    """`weights` with each layer's q/k/v and gate/up stacked by rows under our fused names
+    where the parts share one form (method, group, offsets or none): the server then maps
+    every projection straight from the file (models/gguf_serve.py), one copy in memory for
+    every process that serves it."""
+    out = dict(weights)
+    for name in weights:
+        for fused, parts in FUSED.items():
+            if not name.endswith(f".{parts[0]}.weight"):
+                continue
+            names = [name.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+            found = [weights[n] for n in names if n in weights]
+            if len(found) < len(parts) or len({(r.method, r.group, r.offset is None) for r in found}) > 1:
+                continue
+            for n in names:
+                del out[n]
+            offset = None if found[0].offset is None else np.concatenate([r.offset for r in found])
+            out[name.replace(f".{parts[0]}.", f".{fused}.")] = Repacked(
+                found[0].method, found[0].group, np.concatenate([r.q for r in found]),
+                np.concatenate([r.scale for r in found]), offset)
+    return out
+
+
 def save(path: Path, weights: dict[str, Repacked]) -> None:
     from safetensors.numpy import save_file
 
@@ -79,7 +106,8 @@ def save(path: Path, weights: dict[str, Repacked]) -> None:
 
 
 def methods(path: Path) -> dict[str, tuple[str, int]]:
-    """{HF weight name: (method, group)} of a blocks file."""
+    """{weight name (Hugging Face's, or a fused projection of ours: `fuse`): (method, group)}
+    of a blocks file."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:

@@ -88,7 +88,10 @@ def apply(model: LlamaForCausalLM, model_dir: Path) -> int:
 
 
 def _joined(f, names: list[str], methods: dict[str, tuple[str, int]]) -> quant.QuantWeight | None:
-    """One QuantWeight of the HF weights `names` stacked by rows; None if they differ in form."""
+    """One QuantWeight of the weights `names` stacked by rows; None if they differ in form.
+    One name (a fused projection as the conversion stores it, or a lone one): its tensors
+    as safetensors maps them from the file, not copied, so the pages are shared by every
+    process that serves the model and by the OS's page cache."""
     forms = {methods[n] for n in names}
     if len(forms) != 1:
         return None
@@ -99,6 +102,8 @@ def _joined(f, names: list[str], methods: dict[str, tuple[str, int]]) -> quant.Q
         return None
 
     def cat(part: str) -> torch.Tensor:
+        if len(names) == 1:
+            return f.get_tensor(f"{names[0]}.{part}")
         return torch.cat([f.get_tensor(f"{n}.{part}") for n in names]).contiguous()
 
     return quant.QuantWeight(cat("q"), cat("scale"), group, method, cat("offset") if offsets[0] else None)

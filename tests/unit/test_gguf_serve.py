@@ -10,6 +10,7 @@ from specserve import Engine
 from specserve.core import quant
 from specserve.core.config import ConfigError
 from specserve.kernels import cpu_quant
+from specserve.models import gguf_blocks
 from specserve.models.layers import Linear
 from specserve.models.loader import load_model
 from tests.conftest import SMOLLM2
@@ -36,6 +37,24 @@ def test_the_blocks_hold_the_float_conversions_weights_exactly(smollm2_dir):
             served += 1
     assert served == 4 * blocks.config.num_layers
     assert torch.equal(blocks.head_blocks.dequantize(torch.float32), floats.lm_head.weight)  # tied: token_embd
+
+
+def _file_mapped(t: torch.Tensor, name: str) -> bool:
+    """Whether `t`'s memory lies in a mapping of the file called `name` (Linux)."""
+    at = t.data_ptr()
+    with open("/proc/self/maps") as maps:
+        spans = [line.split()[0].split("-") for line in maps if line.rstrip().endswith(name)]
+    return any(int(lo, 16) <= at < int(hi, 16) for lo, hi in spans)
+
+
+def test_the_blocks_are_the_files_pages_not_copies(smollm2_dir):
+    model = load_model(smollm2_dir, torch.float32, CPU)
+    fused = {"qkv_proj", "gate_up_proj"}
+    assert fused <= {name.split(".")[-2] for name in gguf_blocks.methods(smollm2_dir / gguf_blocks.BLOCKS_FILE)}
+    held = [m.quantized for m in model.modules() if isinstance(m, Linear)] + [model.head_blocks]
+    assert len(held) == 4 * model.config.num_layers + 1
+    for qw in held:  # every process serving the model shares these pages (and the page cache)
+        assert all(_file_mapped(t, "blocks.safetensors") for t in (qw.data, qw.scale, qw.zeros) if t is not None)
 
 
 @pytest.fixture(scope="module")
