@@ -32,6 +32,7 @@ CONFIGS: dict[str, dict[str, Any]] = {  # row name -> Engine flags
     "float": {"quantization": "none"},
     "gguf": {},
     "gguf+NGRAM": {"speculative_algorithm": "NGRAM"},
+    "gguf+NGRAM-always": {"speculative_algorithm": "NGRAM", "speculative_adaptive": "off"},  # no governor
     "gguf+EAGLE3": {"speculative_algorithm": "EAGLE3"},
 }
 
@@ -44,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="MT-bench's first turns, or the repeat-and-edit-this-code set where n-grams match")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default="float,gguf,gguf+NGRAM,gguf+EAGLE3", help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="time transformers too")
     p.add_argument("--llama-bench", default="llama-bench", help="llama.cpp's llama-bench binary")
     p.add_argument("--output", default="bench_cpu.jsonl")
