@@ -6,10 +6,13 @@ after another:
 specserve with float weights (`--quantization none`), specserve in the GGUF's blocks
 (plain, NGRAM, EAGLE-3 where the model has a shipped head), Hugging Face transformers on
 the float weights, and llama.cpp's `llama-bench` on the GGUF itself when one is on PATH
-(`--llama-bench`; otherwise a line says it was skipped). Each row: tokens/s, its ratio to
-the blocks' plain row, and how many outputs equal the blocks' plain ones (llama.cpp's are
-not compared: llama-bench generates no text from our prompts, it times its own decode of
-`--max-new-tokens` tokens). Appends one JSON line per row to --output.
+(`--llama-bench`; otherwise a line says it was skipped). Each row: tokens/s end to end
+(prefill included) and decoding alone (from each prompt's first token to its last), their
+ratios to the blocks' plain row and to llama.cpp's decoding, and how many outputs equal
+the blocks' plain ones. llama-bench generates no text from our prompts: it times a prompt
+of our prompts' mean length (`pp`) and a decode of `--max-new-tokens` tokens (`tg`), so
+its decoding row is `tg`, the like of ours, and its end-to-end row is what those rates
+give for our prompts and plain's output lengths. Appends one JSON line per row to --output.
 """
 from __future__ import annotations
 
@@ -53,16 +56,40 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _time_engine(flags: dict[str, Any], model: str, prompts: list[list[int]], max_new: int):
+    """(seconds in all, seconds after each prompt's first token, outputs, weight format)."""
     from specserve import Engine
 
     with Engine(model, device="cpu", log_level="warning", **flags) as engine:
-        params = {"temperature": 0, "max_new_tokens": max_new}
         warm_up(engine, prompts, 1)
-        outs, start = [], time.perf_counter()
-        for ids in prompts:
-            outs.append(engine.generate(input_ids=ids, sampling_params=params)["output_ids"])
+        outs, decode, start = [], 0.0, time.perf_counter()
+        for i, ids in enumerate(prompts):
+            out, seconds = _generate(engine, f"bench-cpu-{i}", ids, max_new)
+            outs.append(out)
+            decode += seconds
             engine.flush_cache()
-        return time.perf_counter() - start, outs, engine.server_info()["weight_quantization"]["method"] or "float32"
+        method = engine.server_info()["weight_quantization"]["method"] or "float32"
+        return time.perf_counter() - start, decode, outs, method
+
+
+def _generate(engine, rid: str, ids: list[int], max_new: int) -> tuple[list[int], float]:
+    """One greedy request through the engine's scheduler: (its output ids, the seconds from
+    its first token, which its prefill gives, to its last: its decode alone, as llama-bench's
+    `tg` times one)."""
+    from specserve.core.messages import GenerateReq
+    from specserve.offline import make_sampling_params
+
+    sched = engine.scheduler
+    outs = sched.add_request(GenerateReq(rid, ids, make_sampling_params({"temperature": 0, "max_new_tokens": max_new})))
+    got: list[int] = []
+    first = None
+    while True:
+        for out in outs:
+            got += out.token_ids
+            if out.finished:
+                return got, time.perf_counter() - (first or time.perf_counter())
+        if got and first is None:
+            first = time.perf_counter()
+        outs = sched.step()
 
 
 def _time_hf(model_dir: Path, prompts: list[list[int]], max_new: int, eos: list[int]):
@@ -78,13 +105,15 @@ def _time_hf(model_dir: Path, prompts: list[list[int]], max_new: int, eos: list[
     return time.perf_counter() - start, outs
 
 
-def _llama_bench(exe: str, gguf: Path, threads: int, tokens: int) -> float:
-    """llama.cpp's decode tokens/s of `tokens` tokens (its `tg` test)."""
-    out = subprocess.run([exe, "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(tokens), "-o", "csv"],
+def _llama_bench(exe: str, gguf: Path, threads: int, prompt: int, tokens: int) -> tuple[float, float]:
+    """llama.cpp's tokens/s over a prompt of `prompt` tokens (its `pp` test) and decoding
+    `tokens` tokens (its `tg` test)."""
+    out = subprocess.run([exe, "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(tokens), "-o", "csv"],
                          capture_output=True, text=True, check=True, timeout=1800).stdout
     header, *rows = [line.split(",") for line in out.strip().splitlines()]
-    col = [h.strip('"') for h in header].index("avg_ts")
-    return float(rows[-1][col].strip('"'))
+    names = [h.strip('"') for h in header]
+    rate = {int(r[names.index("n_prompt")].strip('"')) > 0: float(r[names.index("avg_ts")].strip('"')) for r in rows}
+    return rate[True], rate[False]
 
 
 def _gguf_file(model: str, into: Path) -> Path:
@@ -108,36 +137,53 @@ def main(argv: list[str] | None = None) -> int:
     texts = (mt_bench_first_turns if args.prompts == "mtbench" else repetitive_prompts)(args.num_prompts)
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in texts]
     base = {"bench": "cpu", "model": args.model, "prompts": args.prompts, "threads": threads,
-            "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens}
+            "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_new_tokens": args.max_new_tokens}
     rows: list[dict[str, Any]] = []
     ref: list[list[int]] | None = None
     for name in args.configs.split(","):
-        seconds, outs, method = _time_engine(CONFIGS[name], args.model, prompts, args.max_new_tokens)
+        seconds, decode, outs, method = _time_engine(CONFIGS[name], args.model, prompts, args.max_new_tokens)
         ref = outs if name == "gguf" else ref
-        rows.append({"engine": f"specserve {name}", "weights": method, "tok_s": sum(map(len, outs)) / seconds,
-                     "outs": outs})
+        made = sum(map(len, outs))
+        rows.append({"engine": f"specserve {name}", "weights": method, "tokens": made, "tok_s": made / seconds,
+                     "decode_tok_s": (made - len(outs)) / decode, "outs": outs})
     if args.hf:
         seconds, outs = _time_hf(model_dir, prompts, args.max_new_tokens, sorted(tok.eos_token_ids))
         rows.append({"engine": "transformers", "weights": "float32", "tok_s": sum(map(len, outs)) / seconds,
-                     "outs": outs})
-    exe, tg = shutil.which(args.llama_bench), None
-    if exe is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            tg = _llama_bench(exe, _gguf_file(args.model, Path(tmp)), threads, args.max_new_tokens)
-    if tg is None:
+                     "decode_tok_s": None, "outs": outs})
+    exe = shutil.which(args.llama_bench)
+    if exe is None:
         print(f"llama.cpp: skipped ({args.llama_bench!r} is not on PATH; --llama-bench names it)")
     else:
-        rows.append({"engine": "llama.cpp llama-bench", "weights": "gguf", "tok_s": tg, "outs": None})
-    plain = next((r["tok_s"] for r in rows if r["engine"] == "specserve gguf"), None)
+        lens = [len(p) for p in prompts]
+        with tempfile.TemporaryDirectory() as tmp:
+            pp, tg = _llama_bench(exe, _gguf_file(args.model, Path(tmp)), threads, round(sum(lens) / len(lens)),
+                                  args.max_new_tokens)
+        # end to end as ours is timed: each prompt's prefill at pp's rate, then as many tokens as plain gave at tg's
+        tokens = sum(map(len, ref)) if ref is not None else args.max_new_tokens * len(prompts)
+        rows.append({"engine": "llama.cpp llama-bench", "weights": "gguf", "decode_tok_s": tg, "outs": None,
+                     "tok_s": tokens / (sum(lens) / pp + tokens / tg), "prefill_tok_s": pp})
+    _report(rows, ref, base, args.output)
+    return 0
+
+
+def _report(rows: list[dict[str, Any]], ref: list[list[int]] | None, base: dict[str, Any], output: str) -> None:
+    """One line and one JSON line a row: its tokens/s end to end and decoding, their ratios
+    to the blocks' plain row and llama.cpp's, and how many outputs equal plain's."""
+    plain = next((r for r in rows if r["engine"] == "specserve gguf"), None)
+    llama = next((r for r in rows if r["engine"].startswith("llama.cpp")), None)
     for r in rows:
         outs = r.pop("outs")
         same = None if ref is None or outs is None else sum(a == b for a, b in zip(outs, ref))
-        row = {**base, **r, "vs_gguf_plain": r["tok_s"] / plain if plain else None, "same_as_gguf_plain": same}
-        ratio = f"{row['vs_gguf_plain']:.2f}x" if plain else "-"
-        report(f"cpu: {r['engine']:<24} {r['weights']:<8} {r['tok_s']:7.1f} tok/s  {ratio:>6} of gguf plain  "
-               f"same outputs {same if same is not None else '-'}/{len(prompts)}  ({threads} threads)",
-               row, args.output)
-    return 0
+        decode = r["decode_tok_s"]
+        row = {**base, **r, "same_as_gguf_plain": same,
+               "vs_gguf_plain": r["tok_s"] / plain["tok_s"] if plain else None,
+               "decode_vs_llama_cpp": decode / llama["decode_tok_s"] if llama and decode else None}
+        ratios = "".join(f"  {row[k]:.2f}x {what}" for k, what in (("vs_gguf_plain", "gguf plain"),
+                         ("decode_vs_llama_cpp", "llama.cpp decoding")) if row[k] is not None)
+        decoding = f" ({decode:.1f} decoding)" if decode else ""
+        report(f"cpu: {r['engine']:<24} {r['weights']:<8} {r['tok_s']:7.1f} tok/s{decoding}{ratios}"
+               f"  same outputs {same if same is not None else '-'}/{base['num_prompts']}"
+               f"  ({base['threads']} threads)", row, output)
 
 
 if __name__ == "__main__":

@@ -198,7 +198,8 @@ class SpecGovernor:
     def _rank(self, b: int) -> int:
         return bisect.bisect_left(self._ladder, b)  # position on the ladder
 
-    def record(self, bs: int, speculated: bool, tokens: int, seconds: float, switched: bool = False) -> None:
+    def record(self, bs: int, speculated: bool, tokens: int, seconds: float, switched: bool = False,
+               drafted: bool = True) -> None:
         """One step over `bs` requests committed `tokens` in `seconds`; `switched`: it is
         one of the first WARM_STEPS of a run of its mode. Such a step is not a sample (what
         it takes beyond the mode's steady step prices probes: `_warm_up`). The
@@ -210,8 +211,14 @@ class SpecGovernor:
         faster than it runs.
         Nor is a step that committed nothing: the first step of a pipeline (spec/pipeline.py)
         is launched and left in flight, and its tokens land with the next step; its zero
-        would hold down the mean of tokens for a whole window. Either still counts as time
-        run since the last probe."""
+        would hold down the mean of tokens for a whole window. Nor is a speculative step
+        that drafted nothing (`drafted` False: NGRAM found no match for any request, so the
+        step verified nothing and ran as a decode): as a sample it would price speculation
+        by the stretches where it cannot draft, and on text that repeats only in places
+        (code being edited) hold the governor on plain decoding through the places where
+        every draft lands. Speculation's rate is its rate where it drafts; where it cannot,
+        a speculative step costs a decode. Every step still counts as time run since the
+        last probe, and such a step ends a probe whose last step it is."""
         if not self.enabled or seconds <= 0:
             return
         b = self._bucket(bs)
@@ -226,6 +233,11 @@ class SpecGovernor:
         else:
             self._warming.pop(key, None)
         if switched or tokens <= 0:
+            return
+        probe_ends = probe_step and not self._probe_left.get(b)  # its steps before this one were warm-ups
+        if probe_ends:
+            self._probing.pop(b)
+        if speculated and not drafted:
             return
         times = self._times.setdefault(key, deque(maxlen=self.window))
         times.append(seconds)
@@ -242,8 +254,7 @@ class SpecGovernor:
         # the step time.
         self._time[key] = _step_time(list(times))
         self._rate[key] = total / weight / self._time[key]
-        if probe_step and not self._probe_left.get(b):  # the probe's last step
-            self._probing.pop(b)
+        if probe_ends:
             chosen = self._rate.get((b, not speculated))
             if chosen is not None and tokens / bs / seconds > chosen:
                 self._eager.add(b)  # the step beat the choice: probe again soon, so the window catches up
@@ -280,6 +291,14 @@ class SpecGovernor:
         if not both:
             return None
         return min(both, key=lambda b: (abs(self._rank(b) - self._rank(bucket)), b))
+
+    def cost_ratio(self, bs: int) -> float | None:
+        """What a speculative step over `bs` requests costs in plain steps, as measured (None:
+        a mode not measured yet, or the governor off). A step that drafts pays where its
+        drafts are accepted for more tokens than this."""
+        b = self._bucket(bs)
+        spec, plain = self._time.get((b, True)), self._time.get((b, False))
+        return spec / plain if self.enabled and spec is not None and plain else None
 
     def rates(self, bs: int) -> tuple[float | None, float | None]:
         """(speculative, plain) tokens/s per request for a batch of `bs` (None: not measured)."""
@@ -321,6 +340,11 @@ class RankZeroGovernor:
 
     def leaning(self, bs: int) -> bool:
         return parallel.broadcast_flag(self.inner.leaning(bs) if parallel.tp_rank() == 0 else False)
+
+    def cost_ratio(self, bs: int) -> float | None:
+        """None: each rank's clock would price drafts its own way, and the ranks' drafts
+        (NGRAM's, from one trie on every rank) would part."""
+        return None
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

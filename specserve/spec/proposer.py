@@ -8,8 +8,9 @@ Life cycle per request: `add_request` once its prefill is done, then per specula
 `propose` and `on_verified`, and `remove_request` when it finishes, is aborted or is
 retracted (a retracted request is added again when it resumes). Observation hooks with
 do-nothing defaults: `on_extend` sees every target prefill chunk (EAGLE builds its draft KV
-from it), `on_decoded` every plain decode step the governor chose, and `cacheable` how much
-of a leaving request's KV the prefix cache may keep.
+from it), `on_decoded` every plain decode step the governor chose, `on_price` what a
+speculative step costs before each `propose`, and `cacheable` how much of a leaving
+request's KV the prefix cache may keep.
 
 `DraftsAhead` is pipelined drafting on the device (EAGLE's): the next step's drafts are
 queued from the verify's accepted paths before the host reads the verify back, so the
@@ -78,6 +79,12 @@ class Proposer(ABC):
         """Before `remove_request`: how much of `req`'s KV the prefix cache may take (the
         positions whose draft state a later request could borrow), or None for all."""
         return None
+
+    def on_price(self, ratio: float | None) -> None:
+        """Before `propose`: what a speculative step costs in plain steps at this batch size
+        (the governor's measurement; None: not measured). A proposer that can tell how well
+        a request's draft will do before drafting it may leave out drafts that will not
+        pay (a budget of one node: the step decodes that request)."""
 
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
         """After a target EXTEND forward and its sampling: `features` [T, F] are the

@@ -14,6 +14,8 @@ pipelines sampling by temperature alone.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specserve.core.config import SpecConfig
@@ -49,8 +51,7 @@ class SpecWorker:
         self.eos_ids, self.context_length = eos_ids, context_length
         self.stats = SpecStats()
         self.governor = make_governor(spec.adaptive != "off")  # auto: on, on every device
-        # the last step: (bs, speculated, tokens, start, switched: one of the first WARM_STEPS of its mode)
-        self._open: tuple[int, bool, int, float, bool] | None = None
+        self._open: _OpenStep | None = None  # the last step, recorded when the next one starts
         self._start = 0.0  # when the step `choose` was asked about started
         self._last_mode: bool | None = None  # the mode of the last decode step
         self._run = 0  # decode steps in that mode since it was last chosen
@@ -88,7 +89,7 @@ class SpecWorker:
     def on_extend(self, batch, features: torch.Tensor | None) -> None:
         """A target prefill chunk ran (and was sampled): let the proposer see it."""
         if self._open is not None:  # the prefill sits between the last decode step and the next:
-            self.governor.unmeasured(self._open[0], self._open[1])  # that step goes unmeasured
+            self.governor.unmeasured(self._open.bs, self._open.speculated)  # that step goes unmeasured
             self._open = None
         self._drained = 0  # so do tokens drained before it
         self.proposer.on_extend(batch, features)
@@ -97,7 +98,7 @@ class SpecWorker:
         """Whether the next decode step over `bs` requests speculates (the governor's call);
         the scheduler runs the step, speculative (`step`) or plain (then `on_plain_step`)."""
         speculate = self.governor.speculate(bs)
-        drain = self._open is not None and self._open[1] != speculate
+        drain = self._open is not None and self._open.speculated != speculate
         # The last step is closed before the drain below: its time is what a step of its
         # mode costs in a run of them. The drain (a pipelined step's whole next step) is no
         # part of that cost; charged to it, it would halve speculation's first rate at
@@ -120,11 +121,13 @@ class SpecWorker:
             prev, self._inflight = self._inflight, None
             self._inflight = self._launch(reqs, prev)
             landed, tokens = self._land(prev) if prev is not None else ([], 0)
+            drafted = True
         else:
             assert self._inflight is None, "drain the step in flight first"
-            landed, tokens = reqs, self._speculative_step(reqs)
+            landed = reqs
+            tokens, drafted = self._speculative_step(reqs)
         tokens, self._drained = tokens + self._drained, 0
-        self._open = (len(reqs), True, tokens, self._start, self._switched)
+        self._open = _OpenStep(len(reqs), True, tokens, self._start, self._switched, drafted)
         return landed
 
     @property
@@ -265,7 +268,7 @@ class SpecWorker:
         self._drained = 0  # speculative tokens are no sample of a plain step
         for req in reqs:
             self._record(req, 1, drafted=False)
-        self._open = (len(reqs), False, len(reqs), self._start, self._switched)
+        self._open = _OpenStep(len(reqs), False, len(reqs), self._start, self._switched, True)
 
     def _drain(self) -> None:
         """At a mode switch: GPU work a step queued after its read-back (EAGLE's draft
@@ -278,17 +281,20 @@ class SpecWorker:
         """A step's cost, for the governor, is the time from its start to the next step's
         start: its forward and read-back, and the engine's work on its outputs (per token,
         so it weighs more on plain steps than the step alone shows)."""
-        if self._open is not None:
-            bs, speculated, tokens, start, switched = self._open
-            self.governor.record(bs, speculated, tokens, now - start, switched=switched)
+        step = self._open
+        if step is not None:
+            self.governor.record(step.bs, step.speculated, step.tokens, now - step.start, switched=step.switched,
+                                 drafted=step.drafted)
         self._open = None
 
-    def _speculative_step(self, reqs: list[Req]) -> int:
-        """Propose, verify, accept, commit. Returns tokens committed."""
+    def _speculative_step(self, reqs: list[Req]) -> tuple[int, bool]:
+        """Propose, verify, accept, commit. Returns (tokens committed, whether any request
+        had a draft: a step without one ran as a decode)."""
         budgets = self.budgets(reqs)
         slots = self.kv.alloc_each(budgets)
         assert slots is not None, "the scheduler made room (slots_needed)"
         self.kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], slots)
+        self.proposer.on_price(self.governor.cost_ratio(len(reqs)))
         drafts = self.proposer.propose(reqs, budgets)
         if drafts.num_nodes == 1:  # nothing drafted: the verify is a decode (DECODE graphs)
             batch = decode_batch(reqs, drafts, slots)
@@ -306,7 +312,7 @@ class SpecWorker:
                                                          ahead)
         extended = ahead is not None and ahead.ran
         self.proposer.on_verified(reqs, Verified(committed, paths, features, kept, extended=extended))
-        return sum(map(len, committed))
+        return sum(map(len, committed)), drafts.num_nodes > 1
 
     def _ahead(self, reqs: list[Req], drafts, features: torch.Tensor | None, fb,
                budgets: list[int]) -> _DraftAhead | None:
@@ -380,6 +386,17 @@ class SpecWorker:
         record_request(req.meta, committed, drafted, nodes or self.proposer.max_nodes)
         if drafted:
             self.stats.add(1, committed)
+
+
+class _OpenStep(NamedTuple):
+    """A decode step, recorded with the governor when the next one starts (`_close_last_step`)."""
+
+    bs: int
+    speculated: bool  # the mode `choose` picked
+    tokens: int
+    start: float
+    switched: bool  # one of the first WARM_STEPS of its mode
+    drafted: bool  # a speculative step verified some draft (without one it ran as a decode); plain: True
 
 
 class _DraftAhead:

@@ -85,6 +85,30 @@ def test_fast_speculation_stays_on_and_plain_is_probed_within_the_budget():
     assert gov.rates(64) == (None, None)  # another batch size is measured on its own
 
 
+def test_a_speculative_step_that_drafted_nothing_is_no_sample():
+    """NGRAM on code being edited: its first steps find no match (they verify nothing and
+    run as decodes, a little slower than plain ones), then every step drafts and accepts
+    5.5 tokens at 1.2x a plain step. The steps without a draft say nothing of
+    speculation's pace: the governor stays on speculation throughout, plain decoding only
+    probed now and then. Counted as samples, they turned speculation down before its first
+    match, and at 1% of the time for probes it stayed down for most of the round."""
+    gov = SpecGovernor(True, probe_every=8)
+    plain, modes = 1e-3, []
+    for i in range(600):
+        spec = gov.speculate(1)
+        modes.append(spec)
+        drafted = spec and i >= 40
+        tokens = 5.5 if drafted else 1.0
+        seconds = (1.2 if drafted else 1.05 if spec else 1.0) * plain
+        gov.record(1, spec, tokens, seconds, switched=_warm(modes), drafted=drafted)
+    assert all(modes[:40])  # no sample of speculation yet: nothing to turn it down for
+    plain_runs = "".join("p" if not m else "s" for m in modes).split("s")
+    assert max(map(len, plain_runs)) <= gov.probe_steps  # plain only as probes ...
+    assert sum(not m for m in modes) <= 15  # ... three to measure it, then within the budget
+    spec_rate, plain_rate = gov.rates(1)
+    assert spec_rate == pytest.approx(5.5 / 1.2e-3) and plain_rate == pytest.approx(1 / plain)
+
+
 def test_a_new_bucket_starts_with_its_nearest_measured_buckets_choice():
     gov = SpecGovernor(True, probe_every=8)
     assert gov.speculate(48)  # nothing measured anywhere: speculation first
@@ -360,9 +384,9 @@ class _Clocked(_Alternating):
         self.now += 1e-3
         return self.now
 
-    def record(self, bs, speculated, tokens, seconds, switched=False) -> None:
+    def record(self, bs, speculated, tokens, seconds, switched=False, drafted=True) -> None:
         self.samples.append((speculated, seconds, switched))
-        super().record(bs, speculated, tokens, seconds, switched)
+        super().record(bs, speculated, tokens, seconds, switched, drafted)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

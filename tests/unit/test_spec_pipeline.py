@@ -284,7 +284,7 @@ class _Recording(SpecGovernor):
     def speculate(self, bs: int) -> bool:
         return True
 
-    def record(self, bs, speculated, tokens, seconds, switched=False) -> None:
+    def record(self, bs, speculated, tokens, seconds, switched=False, drafted=True) -> None:
         self.samples.append((bs, tokens))
 
 

@@ -3,12 +3,14 @@
 The prompt and committed tokens are indexed lazily, in order, from the request's own ids
 the next time it drafts, so steps the governor runs plainly pay no trie updates. A
 request's match state goes when it leaves (finished, aborted or retracted); a retracted
-request that resumes is registered again from scratch.
+request that resumes is registered again from scratch. A request whose match is too short
+to pay at the governor's price is given no draft (gate.py).
 """
 from __future__ import annotations
 
 from specserve.core.request import Req
 from specserve.spec.drafts import Drafts
+from specserve.spec.ngram.gate import MatchGate
 from specserve.spec.ngram.proposer import NgramProposer
 from specserve.spec.proposer import Proposer, Verified
 
@@ -26,6 +28,8 @@ class NgramAdapter(Proposer):
         self.ngram = ngram
         self.max_nodes = ngram.num_draft_tokens
         self._indexed: dict[str, int] = {}
+        self.gate = MatchGate()
+        self._drafted_from: dict[str, int] = {}  # rid -> the match length its last draft rested on
 
     def add_request(self, req: Req) -> None:
         self.ngram.add_request(req.rid, [])
@@ -34,7 +38,11 @@ class NgramAdapter(Proposer):
     def remove_request(self, req: Req) -> None:
         """The request's match state goes; the trie keeps what it learned from it."""
         self._indexed.pop(req.rid, None)
+        self._drafted_from.pop(req.rid, None)
         self.ngram.remove_request(req.rid)
+
+    def on_price(self, ratio: float | None) -> None:
+        self.gate.price = ratio
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         if max(budgets) == 1:  # penalties only: no lookup, no catching up
@@ -44,7 +52,20 @@ class NgramAdapter(Proposer):
             if self._indexed[req.rid] < len(ids):
                 self.ngram.on_tokens(req.rid, ids[self._indexed[req.rid]:])
                 self._indexed[req.rid] = len(ids)
-        return self.ngram.propose([r.rid for r in reqs], [r.last_id for r in reqs], budgets)
+        gated = []
+        for req, budget in zip(reqs, budgets):
+            length = self.ngram.match_length(req.rid)
+            if budget > 1 and self.gate.allows(length):
+                self._drafted_from[req.rid] = length
+                gated.append(budget)
+            else:
+                gated.append(1)
+        return self.ngram.propose([r.rid for r in reqs], [r.last_id for r in reqs], gated)
 
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
-        pass  # indexed from all_ids at the next proposal (the trie drafts from host ids)
+        """What each draft earned goes to the gate; the committed tokens are indexed from
+        all_ids at the next proposal (the trie drafts from host ids)."""
+        for req, committed in zip(reqs, verified.committed):
+            length = self._drafted_from.pop(req.rid, None)
+            if length is not None:
+                self.gate.record(length, len(committed))

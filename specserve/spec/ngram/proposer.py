@@ -118,6 +118,12 @@ class NgramProposer:
             trees.append(build(root, self._matches(req), budget))
         return _drafts(trees)
 
+    def match_length(self, rid: str) -> int:
+        """How many of `rid`'s last tokens its longest match with continuations covers (0:
+        none), the history a draft would rest on."""
+        matches = self._matches(self._reqs[rid])
+        return matches[0][1] if matches else 0
+
     def _matches(self, req: _Request) -> list[tuple[int, int]]:
         """(node, d) for the matched suffixes of length d that have continuations, longest
         first. An anchor evicted since the last token matches nothing until the next one."""

@@ -1,0 +1,71 @@
+"""NGRAM's match gate (spec/ngram/gate.py): drafts whose match length has not paid at the
+governor's price are left out, now and then drafted to keep up, and leaving them out
+changes no output."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.spec.ngram.gate import CAP, EXPLORE, MatchGate
+from tests.unit.model_utils import save_tiny_hf, tiny_engine
+
+
+def test_without_a_price_every_match_drafts():
+    gate = MatchGate()
+    gate.record(1, 1)
+    assert gate.allows(1) and gate.allows(5) and not gate.allows(0)
+
+
+def test_a_match_length_that_does_not_pay_is_left_out_and_explored():
+    gate = MatchGate()
+    for _ in range(4):
+        gate.record(1, 1)  # one-token matches: nothing accepted
+        gate.record(6, 9)
+    gate.price = 3.0  # a speculative step costs three plain ones
+    assert gate.allows(6) and gate.allows(2)  # pays; not measured yet
+    drafted = [gate.allows(1) for _ in range(3 * EXPLORE)]
+    assert [i for i, d in enumerate(drafted) if d] == [EXPLORE - 1, 2 * EXPLORE - 1, 3 * EXPLORE - 1]
+    for _ in range(10):
+        gate.record(1, 5)  # the text turned repetitive: the bucket follows
+    assert gate.allows(1) and gate.mean(1) > 3.0
+
+
+def test_long_matches_share_a_bucket():
+    gate = MatchGate()
+    gate.record(CAP + 4, 7)
+    assert gate.mean(CAP) == gate.mean(CAP + 1) == 7.0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    target = save_tiny_hf("llama", tmp_path_factory.mktemp("gate") / "target", vocab_size=49152,
+                          max_position_embeddings=1024, num_hidden_layers=2)
+    rng = random.Random(3)
+    return target, [[rng.randrange(3, 200) for _ in range(5)] * 4 for _ in range(3)]
+
+
+def test_gated_drafts_change_no_output(tiny, smollm2_dir):
+    """A price no draft meets: the proposer leaves drafts out (a decode for the request) but
+    for its explorations; the outputs equal plain decoding's and every slot comes back."""
+    target, prompts = tiny
+    greedy = {"temperature": 0, "max_new_tokens": 40}
+    want = [o["output_ids"] for o in tiny_engine(target, smollm2_dir).generate(input_ids=prompts,
+                                                                               sampling_params=greedy)]
+    engine = tiny_engine(target, smollm2_dir, speculative_algorithm="NGRAM", speculative_adaptive="off")
+    worker = engine.scheduler.spec
+    worker.governor.cost_ratio = lambda bs: 100.0
+    sizes = []
+    propose = worker.proposer.ngram.propose
+
+    def counted(rids, roots, budgets=None):
+        sizes.extend(budgets)
+        return propose(rids, roots, budgets)
+
+    worker.proposer.ngram.propose = counted
+    for batch in (prompts[:1], prompts):
+        outs = engine.generate(input_ids=batch, sampling_params=greedy)
+        assert [o["output_ids"] for o in outs] == want[:len(batch)]
+    assert 1 in sizes and max(sizes) > 1  # left out, and drafted (first sight of a length, explorations)
+    engine.scheduler.kv.flush_cache()
+    engine.scheduler.kv.assert_no_leak()
