@@ -2,7 +2,7 @@
 
 On the same chat-templated prompts (MT-bench's first turns, or with `--prompts repetitive`
 the repeat-and-edit-this-code set where n-gram drafts match), greedy, batch 1, one prompt
-after another:
+after another, the engines taking turns prompt by prompt:
 specserve with float weights (`--quantization none`), specserve in the GGUF's blocks
 (plain, NGRAM, EAGLE-3 where the model has a shipped head), Hugging Face transformers on
 the float weights, and llama.cpp's `llama-bench` on the GGUF itself when one is on PATH
@@ -21,6 +21,8 @@ import shutil
 import subprocess
 import tempfile
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,20 +57,37 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _time_engine(flags: dict[str, Any], model: str, prompts: list[list[int]], max_new: int):
-    """(seconds in all, seconds after each prompt's first token, outputs, weight format)."""
+@dataclass
+class _Timed:
+    seconds: float = 0.0  # in all
+    decode: float = 0.0  # after each prompt's first token
+    outs: list[list[int]] = field(default_factory=list)
+    method: str = "float32"  # the weights' format
+
+
+def _time_engines(names: list[str], model: str, prompts: list[list[int]], max_new: int) -> dict[str, _Timed]:
+    """Every config's engine, alive together and taking turns prompt by prompt: a shared
+    machine's speed drifts within minutes, and timed one config after another the drift
+    falls on whichever row runs later."""
     from specserve import Engine
 
-    with Engine(model, device="cpu", log_level="warning", **flags) as engine:
-        warm_up(engine, prompts, 1)
-        outs, decode, start = [], 0.0, time.perf_counter()
+    with ExitStack() as stack:
+        engines = {n: stack.enter_context(Engine(model, device="cpu", log_level="warning", **CONFIGS[n]))
+                   for n in names}
+        timed = {n: _Timed(method=e.server_info()["weight_quantization"]["method"] or "float32")
+                 for n, e in engines.items()}
+        for engine in engines.values():
+            warm_up(engine, prompts, 1)
         for i, ids in enumerate(prompts):
-            out, seconds = _generate(engine, f"bench-cpu-{i}", ids, max_new)
-            outs.append(out)
-            decode += seconds
-            engine.flush_cache()
-        method = engine.server_info()["weight_quantization"]["method"] or "float32"
-        return time.perf_counter() - start, decode, outs, method
+            for n, engine in engines.items():
+                start = time.perf_counter()
+                out, decode = _generate(engine, f"bench-cpu-{i}", ids, max_new)
+                engine.flush_cache()
+                t = timed[n]
+                t.seconds += time.perf_counter() - start
+                t.decode += decode
+                t.outs.append(out)
+        return timed
 
 
 def _generate(engine, rid: str, ids: list[int], max_new: int) -> tuple[list[int], float]:
@@ -140,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
             "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_new_tokens": args.max_new_tokens}
     rows: list[dict[str, Any]] = []
     ref: list[list[int]] | None = None
-    for name in args.configs.split(","):
-        seconds, decode, outs, method = _time_engine(CONFIGS[name], args.model, prompts, args.max_new_tokens)
-        ref = outs if name == "gguf" else ref
-        made = sum(map(len, outs))
-        rows.append({"engine": f"specserve {name}", "weights": method, "tokens": made, "tok_s": made / seconds,
-                     "decode_tok_s": (made - len(outs)) / decode, "outs": outs})
+    timed = _time_engines(args.configs.split(","), args.model, prompts, args.max_new_tokens)
+    ref = timed["gguf"].outs if "gguf" in timed else None
+    for name, t in timed.items():
+        made = sum(map(len, t.outs))
+        rows.append({"engine": f"specserve {name}", "weights": t.method, "tokens": made, "tok_s": made / t.seconds,
+                     "decode_tok_s": (made - len(t.outs)) / t.decode, "outs": t.outs})
     if args.hf:
         seconds, outs = _time_hf(model_dir, prompts, args.max_new_tokens, sorted(tok.eos_token_ids))
         rows.append({"engine": "transformers", "weights": "float32", "tok_s": sum(map(len, outs)) / seconds,

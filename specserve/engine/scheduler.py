@@ -177,7 +177,7 @@ class Scheduler:
         batch = self._prefill_batch() if look else None  # may run while an overlapped step is in flight
         if batch is None:
             self._decodes_owed = (self._decodes_owed or self.continuous_decode_steps) - 1
-            if self.spec is not None and self.running and self.spec.choose(len(self.running)):
+            if self.spec is not None and self.running and self.spec.choose(self.running):
                 return outs + self._drain() + self._spec_step()
             outs += self._land_spec()
             if self._can_overlap():

@@ -6,7 +6,7 @@ scheduler sizes memory by its `SpecNeeds`, calls `build` once its runner and KV 
 exist, and from then on drives the `Speculator` it got through the methods below. No
 algorithm name appears on this side of the interface.
 
-Decode steps: before each one the scheduler asks `choose(bs)`. Speculate: it makes room
+Decode steps: before each one the scheduler asks `choose(reqs)`. Speculate: it makes room
 (`slots_needed`, retracting requests if it must), drains a step in flight unless
 `continues`, then calls `step`. Plain: it runs its own decode step and reports it with
 `on_plain_step` (tokens still on the device). Prefill chunks are reported with
@@ -85,8 +85,8 @@ class Speculator(Protocol):
         """`req` finished, was aborted or retracted: forget it. Returns how many of its
         positions the prefix cache may keep (None: all)."""
 
-    def choose(self, bs: int) -> bool:
-        """Whether the next decode step over `bs` requests speculates."""
+    def choose(self, reqs: list[Req]) -> bool:
+        """Whether the next decode step over `reqs` (the running requests) speculates."""
 
     def step(self, reqs: list[Req]) -> list[Req]:
         """One speculative step over `reqs`; the requests whose tokens were committed."""

@@ -40,6 +40,12 @@ times a step from its start to the next step's start, so the engine's own per-st
 (outputs, detokenization) is counted, not only the forward and read-back; it records a
 step once the next one has been decided, so `record` recognises the probe by its mode.
 
+A proposer that can tell before drafting whether its drafts would pay (NGRAM: the length
+of each request's match against what drafts from such matches committed, spec/ngram/gate.py)
+gives `speculate` a hint, priced with `cost_ratio`; once a bucket has both modes measured
+the hint decides its steps, so speculation runs where the drafts will land and plain
+decoding elsewhere, with no probe to wait for when the text turns repetitive.
+
 Both modes are exact (a plain step is the plain engine's decode step), so switching never
 changes the output, only the speed.
 """
@@ -108,13 +114,18 @@ class SpecGovernor:
     def _bucket(self, bs: int) -> int:
         return next((s for s in self._ladder if s >= bs), bs)
 
-    def speculate(self, bs: int) -> bool:
-        """Whether the next step over `bs` requests should draft."""
+    def speculate(self, bs: int, hint: bool | None = None) -> bool:
+        """Whether the next step over `bs` requests should draft. `hint`: the proposer's
+        word on this step, when it can tell before drafting whether its drafts would pay
+        at the measured price (`cost_ratio`; NGRAM's match lengths): once the bucket has
+        both modes measured, it decides every step outside a probe."""
         if not self.enabled:
             return True
         b = self._bucket(bs)
         n = self._steps.get(b, 0)
         self._steps[b] = n + 1
+        if hint is not None and (b, True) in self._rate and (b, False) in self._rate and b not in self._probing:
+            return hint
         best = self._best(b)
         if best is None:  # nothing measured nearby: speculation until TRUSTED samples, then plain
             return self._count.get((b, True), 0) < TRUSTED
@@ -335,8 +346,8 @@ class RankZeroGovernor:
     def __init__(self, inner: SpecGovernor) -> None:
         self.inner = inner
 
-    def speculate(self, bs: int) -> bool:
-        return parallel.broadcast_flag(self.inner.speculate(bs) if parallel.tp_rank() == 0 else False)
+    def speculate(self, bs: int, hint: bool | None = None) -> bool:
+        return parallel.broadcast_flag(self.inner.speculate(bs, hint) if parallel.tp_rank() == 0 else False)
 
     def leaning(self, bs: int) -> bool:
         return parallel.broadcast_flag(self.inner.leaning(bs) if parallel.tp_rank() == 0 else False)

@@ -9,7 +9,8 @@ Life cycle per request: `add_request` once its prefill is done, then per specula
 retracted (a retracted request is added again when it resumes). Observation hooks with
 do-nothing defaults: `on_extend` sees every target prefill chunk (EAGLE builds its draft KV
 from it), `on_decoded` every plain decode step the governor chose, `on_price` what a
-speculative step costs before each `propose`, and `cacheable` how much of a leaving
+speculative step costs before each decode step (and `drafts_pay` whether drafting would
+pay, where the proposer can tell), and `cacheable` how much of a leaving
 request's KV the prefix cache may keep.
 
 `DraftsAhead` is pipelined drafting on the device (EAGLE's): the next step's drafts are
@@ -85,6 +86,13 @@ class Proposer(ABC):
         (the governor's measurement; None: not measured). A proposer that can tell how well
         a request's draft will do before drafting it may leave out drafts that will not
         pay (a budget of one node: the step decodes that request)."""
+
+    def drafts_pay(self, reqs: list[Req]) -> bool | None:
+        """Before a decode step, after `on_price`: whether drafting for `reqs` now would pay,
+        when the proposer can tell without drafting; None (the default): it cannot, the
+        governor decides alone. Host state may lag the device by a step (an overlapped plain
+        step's tokens are not read back yet): the answer is a forecast, never a draft."""
+        return None
 
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
         """After a target EXTEND forward and its sampling: `features` [T, F] are the

@@ -1,6 +1,6 @@
 """SpecWorker: one speculative decode step = propose -> verify -> accept -> commit.
 
-Before each decode step the scheduler asks `choose(bs)`; when it says speculate, the
+Before each decode step the scheduler asks `choose(reqs)`; when it says speculate, the
 scheduler calls `step(reqs)` and otherwise knows nothing about speculation. Requests with
 logits processors (penalties, logit bias, a grammar) keep their drafts: the verify's
 logits are processed per node along each node's own path (runner/logits_process.py)
@@ -94,10 +94,13 @@ class SpecWorker:
         self._drained = 0  # so do tokens drained before it
         self.proposer.on_extend(batch, features)
 
-    def choose(self, bs: int) -> bool:
-        """Whether the next decode step over `bs` requests speculates (the governor's call);
-        the scheduler runs the step, speculative (`step`) or plain (then `on_plain_step`)."""
-        speculate = self.governor.speculate(bs)
+    def choose(self, reqs: list[Req]) -> bool:
+        """Whether the next decode step over `reqs` speculates (the governor's call, on the
+        proposer's word where it has one: `drafts_pay`); the scheduler runs the step,
+        speculative (`step`) or plain (then `on_plain_step`)."""
+        bs = len(reqs)
+        self.proposer.on_price(self.governor.cost_ratio(bs))
+        speculate = self.governor.speculate(bs, self.proposer.drafts_pay(reqs))
         drain = self._open is not None and self._open.speculated != speculate
         # The last step is closed before the drain below: its time is what a step of its
         # mode costs in a run of them. The drain (a pipelined step's whole next step) is no

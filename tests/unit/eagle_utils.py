@@ -113,6 +113,6 @@ class SomePlain(SpecGovernor):
         super().__init__(True)
         self.period, self.modes = 2 + plain_run, []
 
-    def speculate(self, bs: int) -> bool:
+    def speculate(self, bs: int, hint: bool | None = None) -> bool:
         self.modes.append(len(self.modes) % self.period < 2)
         return self.modes[-1]

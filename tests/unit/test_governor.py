@@ -109,6 +109,23 @@ def test_a_speculative_step_that_drafted_nothing_is_no_sample():
     assert spec_rate == pytest.approx(5.5 / 1.2e-3) and plain_rate == pytest.approx(1 / plain)
 
 
+def test_a_proposers_hint_decides_once_both_modes_are_measured():
+    """NGRAM tells before each step whether a draft would pay (a long enough match): once
+    the bucket has both modes' rates, the hint picks every step, with no probe to wait for
+    when the text turns repetitive and none spent where it does not."""
+    gov = SpecGovernor(True, probe_every=8)
+    hints, modes = [], []
+    for i in range(400):
+        hint = (i // 25) % 2 == 1  # stretches of copying and of new text
+        spec = gov.speculate(1, hint)
+        hints.append(hint)
+        modes.append(spec)
+        gov.record(1, spec, 6 if spec and hint else 1, 2e-3 if spec else 1e-3, switched=_warm(modes))
+    # speculation measured first (3 samples after 2 warm-up steps), then plain (the same):
+    # from then on every step is the hint's
+    assert modes[:5] == [True] * 5 and modes[12:] == hints[12:]
+
+
 def test_a_new_bucket_starts_with_its_nearest_measured_buckets_choice():
     gov = SpecGovernor(True, probe_every=8)
     assert gov.speculate(48)  # nothing measured anywhere: speculation first
@@ -235,7 +252,7 @@ class _Alternating(SpecGovernor):
         self.pattern = pattern
         self.modes: list[bool] = []
 
-    def speculate(self, bs: int) -> bool:
+    def speculate(self, bs: int, hint: bool | None = None) -> bool:
         self.modes.append(self.pattern[len(self.modes) % len(self.pattern)])
         return self.modes[-1]
 

@@ -4,10 +4,13 @@ changes no output."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
+from specserve.spec.ngram.adapter import NgramAdapter
 from specserve.spec.ngram.gate import CAP, EXPLORE, MatchGate
+from specserve.spec.ngram.proposer import NgramProposer
 from tests.unit.model_utils import save_tiny_hf, tiny_engine
 
 
@@ -35,6 +38,22 @@ def test_long_matches_share_a_bucket():
     gate = MatchGate()
     gate.record(CAP + 4, 7)
     assert gate.mean(CAP) == gate.mean(CAP + 1) == 7.0
+
+
+def test_the_hint_says_whether_some_requests_match_would_pay():
+    ngram = NgramProposer(min_window=1, max_window=4, min_bfs_breadth=1, max_bfs_breadth=2, match_type="BFS",
+                          branch_length=6, capacity=1000, num_draft_tokens=4)
+    adapter = NgramAdapter(ngram)
+    req = SimpleNamespace(rid="a", all_ids=[1, 2, 3, 4, 5, 1, 2, 3], last_id=3)  # what a Req offers the adapter
+    adapter.add_request(req)
+    assert adapter.drafts_pay([req]) is None  # no price yet: the governor decides alone
+    adapter.on_price(3.0)
+    assert adapter.drafts_pay([req]) and ngram.match_length("a") == 3  # 1 2 3 -> 4, never drafted from
+    for _ in range(5):
+        adapter.gate.record(3, 1)
+    assert not adapter.drafts_pay([req])  # such matches committed one token: below the price
+    req.all_ids, req.last_id = req.all_ids + [4], 4  # a plain step's token: the trie catches up
+    assert adapter.drafts_pay([req]) and ngram.match_length("a") == 4
 
 
 @pytest.fixture(scope="module")

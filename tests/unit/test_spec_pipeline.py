@@ -281,7 +281,7 @@ class _Recording(SpecGovernor):
         super().__init__(True)
         self.samples: list[tuple[int, int]] = []  # (bs, tokens)
 
-    def speculate(self, bs: int) -> bool:
+    def speculate(self, bs: int, hint: bool | None = None) -> bool:
         return True
 
     def record(self, bs, speculated, tokens, seconds, switched=False, drafted=True) -> None:

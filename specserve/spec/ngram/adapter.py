@@ -1,8 +1,6 @@
 """The NGRAM proposer behind the `Proposer` protocol: the matcher (proposer.py) keyed by request.
 
-The prompt and committed tokens are indexed lazily, in order, from the request's own ids
-the next time it drafts, so steps the governor runs plainly pay no trie updates. A
-request's match state goes when it leaves (finished, aborted or retracted); a retracted
+A request's match state goes when it leaves (finished, aborted or retracted); a retracted
 request that resumes is registered again from scratch. A request whose match is too short
 to pay at the governor's price is given no draft (gate.py).
 """
@@ -19,10 +17,10 @@ class NgramAdapter(Proposer):
     """NgramProposer (keyed by request id) behind the Proposer protocol.
 
     The prompt and committed tokens are indexed lazily, in order, from the request's own
-    ids the next time it drafts (`_indexed` counts what the trie has seen). While the
-    governor runs plain steps nothing drafts, so plain decoding pays no trie updates (the
-    dominant NGRAM cost at large batch; a batch of 64 MT-bench prompts is ~7000 of them
-    before the first token)."""
+    ids (`_indexed` counts what the trie has seen): the next time it drafts, or, once the
+    governor has a price, before every decode step (`drafts_pay`: whether a draft would
+    pay). Before that, plain steps pay no trie updates (the dominant NGRAM cost at large
+    batch; a batch of 64 MT-bench prompts is ~7000 of them before the first token)."""
 
     def __init__(self, ngram: NgramProposer) -> None:
         self.ngram = ngram
@@ -47,11 +45,7 @@ class NgramAdapter(Proposer):
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         if max(budgets) == 1:  # penalties only: no lookup, no catching up
             return Drafts.roots([r.last_id for r in reqs])
-        for req in reqs:
-            ids = req.all_ids
-            if self._indexed[req.rid] < len(ids):
-                self.ngram.on_tokens(req.rid, ids[self._indexed[req.rid]:])
-                self._indexed[req.rid] = len(ids)
+        self._catch_up(reqs)
         gated = []
         for req, budget in zip(reqs, budgets):
             length = self.ngram.match_length(req.rid)
@@ -61,6 +55,23 @@ class NgramAdapter(Proposer):
             else:
                 gated.append(1)
         return self.ngram.propose([r.rid for r in reqs], [r.last_id for r in reqs], gated)
+
+    def drafts_pay(self, reqs: list[Req]) -> bool | None:
+        """Whether some request's match would pay at the governor's price (None: no price
+        yet). Indexes the host's ids first: during plain steps the trie keeps up, a step
+        behind the device when the plain steps overlap."""
+        if self.gate.price is None:
+            return None
+        self._catch_up(reqs)
+        return any(self.gate.pays(self.ngram.match_length(r.rid)) for r in reqs)
+
+    def _catch_up(self, reqs: list[Req]) -> None:
+        """Index the tokens of `reqs` the trie has not seen (their host ids)."""
+        for req in reqs:
+            ids = req.all_ids
+            if self._indexed[req.rid] < len(ids):
+                self.ngram.on_tokens(req.rid, ids[self._indexed[req.rid]:])
+                self._indexed[req.rid] = len(ids)
 
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
         """What each draft earned goes to the gate; the committed tokens are indexed from

@@ -12,7 +12,9 @@ most), and leaves out a draft whose bucket's mean is below the price of a specul
 in plain steps (`price`, the governor's measurement, set before each proposal; None: every
 draft goes). A bucket it has no verify of yet is drafted; one it leaves out is drafted
 anyway every EXPLORE-th time, so its mean follows the text. Leaving a draft out changes no
-output: the request's step is a decode.
+output: the request's step is a decode. Before each decode step `pays` tells the governor
+whether any request's match would pay (its hint, governor.py): a step where none would is
+a plain step.
 """
 from __future__ import annotations
 
@@ -39,6 +41,12 @@ class MatchGate:
         n = self._left_out.get(b, 0) + 1
         self._left_out[b] = 0 if n >= self.explore else n
         return n >= self.explore
+
+    def pays(self, length: int) -> bool:
+        """Whether a draft from a match of `length` tokens is expected to pay at `price` (a
+        length never drafted from: yes, so that it is measured); no exploration counted."""
+        mean = self.mean(length)
+        return length > 0 and (self.price is None or mean is None or mean >= self.price)
 
     def record(self, length: int, committed: int) -> None:
         """A verify drafted from a match of `length` tokens committed `committed` tokens."""
