@@ -44,7 +44,8 @@ A proposer that can tell before drafting whether its drafts would pay (NGRAM: th
 of each request's match against what drafts from such matches committed, spec/ngram/gate.py)
 gives `speculate` a hint, priced with `cost_ratio`; once a bucket has both modes measured
 the hint decides its steps, so speculation runs where the drafts will land and plain
-decoding elsewhere, with no probe to wait for when the text turns repetitive.
+decoding elsewhere, with no probe to wait for when the text turns repetitive. The worker
+asks for one at batch 1 only (spec/worker.py `choose`).
 
 Both modes are exact (a plain step is the plain engine's decode step), so switching never
 changes the output, only the speed.
@@ -223,13 +224,13 @@ class SpecGovernor:
         Nor is a step that committed nothing: the first step of a pipeline (spec/pipeline.py)
         is launched and left in flight, and its tokens land with the next step; its zero
         would hold down the mean of tokens for a whole window. Nor is a speculative step
-        that drafted nothing (`drafted` False: NGRAM found no match for any request, so the
-        step verified nothing and ran as a decode): as a sample it would price speculation
-        by the stretches where it cannot draft, and on text that repeats only in places
-        (code being edited) hold the governor on plain decoding through the places where
-        every draft lands. Speculation's rate is its rate where it drafts; where it cannot,
-        a speculative step costs a decode. Every step still counts as time run since the
-        last probe, and such a step ends a probe whose last step it is."""
+        that drafted nothing (`drafted` False: NGRAM found no match worth a draft for any
+        request, so the step verified nothing and ran as a decode): as a sample it would
+        price speculation by the stretches where it cannot draft, and on text that repeats
+        only in places (code being edited) hold the governor on plain decoding through the
+        places where every draft lands. Speculation's rate is its rate where it drafts.
+        Every step still counts as time run since the last probe, and such a step ends a
+        probe whose last step it is."""
         if not self.enabled or seconds <= 0:
             return
         b = self._bucket(bs)

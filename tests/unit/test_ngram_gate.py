@@ -40,7 +40,7 @@ def test_long_matches_share_a_bucket():
     assert gate.mean(CAP) == gate.mean(CAP + 1) == 7.0
 
 
-def test_the_hint_says_whether_some_requests_match_would_pay():
+def test_the_hint_says_whether_the_batchs_matches_would_pay():
     ngram = NgramProposer(min_window=1, max_window=4, min_bfs_breadth=1, max_bfs_breadth=2, match_type="BFS",
                           branch_length=6, capacity=1000, num_draft_tokens=4)
     adapter = NgramAdapter(ngram)
@@ -54,6 +54,13 @@ def test_the_hint_says_whether_some_requests_match_would_pay():
     assert not adapter.drafts_pay([req])  # such matches committed one token: below the price
     req.all_ids, req.last_id = req.all_ids + [4], 4  # a plain step's token: the trie catches up
     assert adapter.drafts_pay([req]) and ngram.match_length("a") == 4
+    for _ in range(5):
+        adapter.gate.record(4, 9)
+    other = SimpleNamespace(rid="b", all_ids=[7, 8, 9], last_id=9)  # no match: a decode in a speculative step
+    adapter.add_request(other)
+    assert adapter.drafts_pay([req, other])  # 9 + 1 tokens expected against 2 x 3 for two plain steps
+    adapter.on_price(6.0)
+    assert not adapter.drafts_pay([req, other]) and adapter.drafts_pay([req])  # 10 < 2 x 6; 9 >= 6
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +72,9 @@ def tiny(tmp_path_factory):
 
 
 def test_gated_drafts_change_no_output(tiny, smollm2_dir):
-    """A price no draft meets: the proposer leaves drafts out (a decode for the request) but
-    for its explorations; the outputs equal plain decoding's and every slot comes back."""
+    """A price no draft meets: at batch 1 the proposer leaves drafts out (a decode for the
+    request) but for its explorations; above it every match drafts. The outputs equal plain
+    decoding's and every slot comes back."""
     target, prompts = tiny
     greedy = {"temperature": 0, "max_new_tokens": 40}
     want = [o["output_ids"] for o in tiny_engine(target, smollm2_dir).generate(input_ids=prompts,
@@ -82,9 +90,13 @@ def test_gated_drafts_change_no_output(tiny, smollm2_dir):
         return propose(rids, roots, budgets)
 
     worker.proposer.ngram.propose = counted
+    asked = []
+    drafts_pay = worker.proposer.drafts_pay
+    worker.proposer.drafts_pay = lambda reqs: asked.append(len(reqs)) or drafts_pay(reqs)
     for batch in (prompts[:1], prompts):
         outs = engine.generate(input_ids=batch, sampling_params=greedy)
         assert [o["output_ids"] for o in outs] == want[:len(batch)]
     assert 1 in sizes and max(sizes) > 1  # left out, and drafted (first sight of a length, explorations)
+    assert asked and set(asked) == {1}  # the proposer's word is asked for at batch 1 only
     engine.scheduler.kv.flush_cache()
     engine.scheduler.kv.assert_no_leak()

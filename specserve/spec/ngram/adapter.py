@@ -57,13 +57,16 @@ class NgramAdapter(Proposer):
         return self.ngram.propose([r.rid for r in reqs], [r.last_id for r in reqs], gated)
 
     def drafts_pay(self, reqs: list[Req]) -> bool | None:
-        """Whether some request's match would pay at the governor's price (None: no price
-        yet). Indexes the host's ids first: during plain steps the trie keeps up, a step
-        behind the device when the plain steps overlap."""
-        if self.gate.price is None:
+        """Whether a speculative step over `reqs` is expected to commit at least the price
+        of one (the governor's, in plain steps) times the tokens a plain step gives (one a
+        request), from each request's match (gate.py `expected`); None: no price yet.
+        Indexes the host's ids first: during plain steps the trie keeps up, a step behind
+        the device when the plain steps overlap."""
+        price = self.gate.price
+        if price is None:
             return None
         self._catch_up(reqs)
-        return any(self.gate.pays(self.ngram.match_length(r.rid)) for r in reqs)
+        return sum(self.gate.expected(self.ngram.match_length(r.rid)) for r in reqs) >= price * len(reqs)
 
     def _catch_up(self, reqs: list[Req]) -> None:
         """Index the tokens of `reqs` the trie has not seen (their host ids)."""

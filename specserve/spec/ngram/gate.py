@@ -9,12 +9,13 @@ decodes (a CPU, whose verify costs its tokens), only the long matches do.
 So the gate keeps, per match length (lengths from CAP up share one bucket), the mean
 tokens a verify committed when drafted from such a match (decayed: recent verifies weigh
 most), and leaves out a draft whose bucket's mean is below the price of a speculative step
-in plain steps (`price`, the governor's measurement, set before each proposal; None: every
-draft goes). A bucket it has no verify of yet is drafted; one it leaves out is drafted
+in plain steps (`price`, the governor's measurement, set before each proposal at batch 1;
+None, as above batch 1: every draft goes). A bucket it has no verify of yet is drafted; one it leaves out is drafted
 anyway every EXPLORE-th time, so its mean follows the text. Leaving a draft out changes no
-output: the request's step is a decode. Before each decode step `pays` tells the governor
-whether any request's match would pay (its hint, governor.py): a step where none would is
-a plain step.
+output: the request's step is a decode. Before each decode step the proposer tells the
+governor whether the batch's expected tokens (`expected`, summed over its requests) pay
+for a speculative step at the price (its hint, governor.py): a step over a batch where few
+requests match is a plain step.
 """
 from __future__ import annotations
 
@@ -42,11 +43,17 @@ class MatchGate:
         self._left_out[b] = 0 if n >= self.explore else n
         return n >= self.explore
 
-    def pays(self, length: int) -> bool:
-        """Whether a draft from a match of `length` tokens is expected to pay at `price` (a
-        length never drafted from: yes, so that it is measured); no exploration counted."""
+    def expected(self, length: int) -> float:
+        """Tokens a speculative step is expected to commit for a request whose match is
+        `length` tokens long: its bucket's mean where drafting from it pays; 1 where the
+        gate leaves the draft out (a decode); the price itself for a bucket never drafted
+        from (break-even: a step that needs it is taken, and measures it)."""
         mean = self.mean(length)
-        return length > 0 and (self.price is None or mean is None or mean >= self.price)
+        if length == 0 or self.price is None:
+            return 1.0
+        if mean is None:
+            return self.price
+        return mean if mean >= self.price else 1.0
 
     def record(self, length: int, committed: int) -> None:
         """A verify drafted from a match of `length` tokens committed `committed` tokens."""
