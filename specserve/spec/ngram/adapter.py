@@ -18,9 +18,9 @@ class NgramAdapter(Proposer):
 
     The prompt and committed tokens are indexed lazily, in order, from the request's own
     ids (`_indexed` counts what the trie has seen): the next time it drafts, or, once the
-    governor has a price, before every decode step (`drafts_pay`: whether a draft would
-    pay). Before that, plain steps pay no trie updates (the dominant NGRAM cost at large
-    batch; a batch of 64 MT-bench prompts is ~7000 of them before the first token)."""
+    governor has a price, before every decode step at batch 1 (`drafts_pay`: whether a
+    draft would pay). Otherwise plain steps pay no trie updates (the dominant NGRAM cost at
+    large batch; a batch of 64 MT-bench prompts is ~7000 of them before the first token)."""
 
     def __init__(self, ngram: NgramProposer) -> None:
         self.ngram = ngram

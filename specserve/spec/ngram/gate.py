@@ -1,21 +1,21 @@
 """Which NGRAM drafts are worth verifying: a gate on the length of the match a draft rests on.
 
-A draft is only as good as the history it matched: on the repeat-and-edit set and MT-bench,
-a match of one token (the common case, min window 1) gained about half a token a verify
-with SmolLM2, a match of four or more several tokens. Where a verify of a full tree costs
-little more than a decode (a GPU at batch 1) every draft pays; where it costs several
-decodes (a CPU, whose verify costs its tokens), only the long matches do.
+A draft is only as good as the history it matched: a match of one token (the common case,
+min window 1) rarely gains a token a verify, a match of several tokens often gains many
+(docs/benchmarks.md). Where a verify of a full tree costs little more than a decode (a GPU
+at batch 1) most drafts pay; where it costs several decodes (a CPU, whose verify costs its
+tokens), only the long matches do.
 
-So the gate keeps, per match length (lengths from CAP up share one bucket), the mean
-tokens a verify committed when drafted from such a match (decayed: recent verifies weigh
-most), and leaves out a draft whose bucket's mean is below the price of a speculative step
-in plain steps (`price`, the governor's measurement, set before each proposal at batch 1;
-None, as above batch 1: every draft goes). A bucket it has no verify of yet is drafted; one it leaves out is drafted
-anyway every EXPLORE-th time, so its mean follows the text. Leaving a draft out changes no
-output: the request's step is a decode. Before each decode step the proposer tells the
-governor whether the batch's expected tokens (`expected`, summed over its requests) pay
-for a speculative step at the price (its hint, governor.py): a step over a batch where few
-requests match is a plain step.
+So the gate keeps, per match length (lengths from CAP up share one bucket), the mean tokens
+a verify committed when drafted from such a match (decayed: recent verifies weigh most),
+and leaves out a draft whose bucket's mean is below the price of a speculative step in
+plain steps (`price`, the governor's measurement, set before each proposal at batch 1;
+None, as above batch 1: every draft goes). A bucket it has no verify of yet is drafted;
+one it leaves out is drafted anyway every EXPLORE-th time, so its mean follows the text.
+Leaving a draft out changes no output: the request's step is a decode. Before each decode
+step at batch 1 the proposer also tells the governor whether the expected tokens
+(`expected`) pay for a speculative step at the price (its hint, governor.py): a step whose
+match would not pay is a plain step.
 """
 from __future__ import annotations
 
