@@ -9,7 +9,8 @@ yet). `apply` runs after the float weights have loaded: each `Linear` whose rows
 are all repacked blocks (q, k and v of one method and group for the fused qkv; gate and
 up for gate_up) takes them as its storage and drops its float weight; the LM head's
 blocks become the model's `head_blocks`, read by `compute_logits` (the float head stays
-for drafts that share it). Layers whose GGUF type is not repacked stay float. When every
+for drafts that share it). The float embedding table, and a head tied to it, become the
+checkpoint file's mapped pages. Layers whose GGUF type is not repacked stay float. When every
 layer holds blocks, the model's few-token forwards run in one C call (models/cpu_stack.py).
 """
 from __future__ import annotations
@@ -83,8 +84,31 @@ def apply(model: LlamaForCausalLM, model_dir: Path) -> int:
         head = "lm_head.weight" if "lm_head.weight" in methods else "model.embed_tokens.weight"
         if head in methods and (head == "lm_head.weight" or cfg.tie_word_embeddings):
             model.head_blocks = _joined(f, [head], methods)
+    _map_embedding(model, Path(model_dir))
     model.cpu_stack = CpuStack.build(model)
     return served
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def _map_embedding(model: LlamaForCausalLM, model_dir: Path) -> None:
+    """The float embedding table (and the head tied to it) as the converted checkpoint's
+    pages, as safetensors maps them, where its dtype and shape are the model's: shared by
+    every process serving the model, like the blocks, instead of a copy in each."""
+    table = model.model.embed_tokens.weight
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if EMBEDDING not in f.keys():
+                continue
+            mapped = f.get_tensor(EMBEDDING)
+        if mapped.dtype != table.dtype or mapped.shape != table.shape:
+            return
+        param = nn.Parameter(mapped, requires_grad=False)
+        model.model.embed_tokens.weight = param
+        if model.lm_head.weight is table:
+            model.lm_head.weight = param
+        return
 
 
 def _joined(f, names: list[str], methods: dict[str, tuple[str, int]]) -> quant.QuantWeight | None:

@@ -47,7 +47,7 @@ def _file_mapped(t: torch.Tensor, name: str) -> bool:
     return any(int(lo, 16) <= at < int(hi, 16) for lo, hi in spans)
 
 
-def test_the_blocks_are_the_files_pages_not_copies(smollm2_dir):
+def test_the_blocks_and_the_embedding_are_the_files_pages_not_copies(smollm2_dir):
     model = load_model(smollm2_dir, torch.float32, CPU)
     fused = {"qkv_proj", "gate_up_proj"}
     assert fused <= {name.split(".")[-2] for name in gguf_blocks.methods(smollm2_dir / gguf_blocks.BLOCKS_FILE)}
@@ -55,6 +55,10 @@ def test_the_blocks_are_the_files_pages_not_copies(smollm2_dir):
     assert len(held) == 4 * model.config.num_layers + 1
     for qw in held:  # every process serving the model shares these pages (and the page cache)
         assert all(_file_mapped(t, "blocks.safetensors") for t in (qw.data, qw.scale, qw.zeros) if t is not None)
+    table = model.model.embed_tokens.weight  # the float embedding, and the head tied to it
+    assert model.lm_head.weight is table and _file_mapped(table, "model.safetensors")
+    floats = load_model(smollm2_dir, torch.float32, CPU, "none")
+    assert torch.equal(table, floats.model.embed_tokens.weight)
 
 
 @pytest.fixture(scope="module")
