@@ -82,8 +82,9 @@ class Proposer(ABC):
         return None
 
     def on_price(self, ratio: float | None) -> None:
-        """Before `propose`: what a speculative step costs in plain steps at this batch size
-        (the governor's measurement; None: not measured). A proposer that can tell how well
+        """Before each decode step (so before its `propose`): what a speculative step costs
+        in plain steps at this batch size (the governor's measurement; None: not measured,
+        or not given at this batch size). A proposer that can tell how well
         a request's draft will do before drafting it may leave out drafts that will not
         pay (a budget of one node: the step decodes that request)."""
 

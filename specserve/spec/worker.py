@@ -99,17 +99,15 @@ class SpecWorker:
         1 on the proposer's word where it has one: `drafts_pay`); the scheduler runs the
         step, speculative (`step`) or plain (then `on_plain_step`).
 
-        Only at batch 1, where a draft's value is the step's value: an answer costs the
-        proposer's upkeep on every plain step (NGRAM indexes each request's new tokens,
-        which plain steps otherwise leave for later), and on a GPU at batch 64 that upkeep
-        made NGRAM's plain steps slower than the plain engine's (docs/benchmarks.md). The
-        price for NGRAM's gate (`on_price`) is given at batch 1 only, too: above it every
-        match drafts, as before the gate."""
+        Only at batch 1, where one request's draft is the whole step's value: an answer
+        costs the proposer's upkeep on every plain step (NGRAM indexes each request's new
+        tokens, which plain steps otherwise leave for later), which grows with the batch
+        while one request's match says less and less of the step (docs/benchmarks.md). The
+        price (`on_price`, which NGRAM's gate also drafts by) is given at batch 1 only, too;
+        above it, None: every match drafts."""
         bs = len(reqs)
-        hint = None
-        if bs == 1:  # the proposer's word (see above)
-            self.proposer.on_price(self.governor.cost_ratio(bs))
-            hint = self.proposer.drafts_pay(reqs)
+        self.proposer.on_price(self.governor.cost_ratio(bs) if bs == 1 else None)
+        hint = self.proposer.drafts_pay(reqs) if bs == 1 else None
         speculate = self.governor.speculate(bs, hint)
         drain = self._open is not None and self._open.speculated != speculate
         # The last step is closed before the drain below: its time is what a step of its
@@ -307,8 +305,6 @@ class SpecWorker:
         slots = self.kv.alloc_each(budgets)
         assert slots is not None, "the scheduler made room (slots_needed)"
         self.kv.table.write_many([r.row for r in reqs], [r.kv_len for r in reqs], slots)
-        # the gate's price, at batch 1 only (see `choose`): above it every match drafts
-        self.proposer.on_price(self.governor.cost_ratio(1) if len(reqs) == 1 else None)
         drafts = self.proposer.propose(reqs, budgets)
         if drafts.num_nodes == 1:  # nothing drafted: the verify is a decode (DECODE graphs)
             batch = decode_batch(reqs, drafts, slots)
