@@ -102,8 +102,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="maximum context length "
                         "(default: None, the model's max_position_embeddings)")
     g.add_argument("--quantization", default=_M.quantization,
-                   help="weight quantization: fp8, awq, gptq; gguf (a GGUF's own blocks, on the CPU: its "
-                        "default there); none (float weights, a GGUF dequantized)")
+                   help="weight quantization: fp8, awq, gptq; gguf (a GGUF's own blocks, on the CPU or a GPU; "
+                        "the CPU's default); none (float weights, a GGUF dequantized: a GPU's default)")
     g.add_argument("--served-model-name", default=_M.served_model_name,
                    help="model name reported by the API (default: None, the model path)")
 

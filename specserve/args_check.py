@@ -25,10 +25,6 @@ from specserve.spec.eagle.batch_tree import AUTO, OFF, parse_tree
 
 logger = logging.getLogger("specserve")
 
-# Quantization is planned as gpt-fast-style weight-only transforms in their own files (DESIGN 6).
-PLANNED_QUANTIZATIONS = ("4-bit GGUF blocks on the GPU",)
-
-
 @dataclass(frozen=True)
 class CheckContext:
     """What the rules need besides the Config itself."""
@@ -98,8 +94,7 @@ def check_ranges(cfg: Config, ctx: CheckContext) -> Config:
 def _check_quantization(flag: str, value: str | None, allowed: tuple[str | None, ...]) -> None:
     if value not in allowed:
         supported = ", ".join(v for v in allowed if v is not None)
-        planned = ", ".join(PLANNED_QUANTIZATIONS)
-        raise ConfigError(f"{flag} {value} is not supported yet (supported: {supported}; planned: {planned})")
+        raise ConfigError(f"{flag} {value} is not supported yet (supported: {supported})")
 
 
 def check_unsupported(cfg: Config, ctx: CheckContext) -> Config:

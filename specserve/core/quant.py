@@ -111,6 +111,25 @@ def quantize_fp8(weight: torch.Tensor, group: int | None = None) -> tuple[torch.
     return data, scale
 
 
+def quantize_blocks(weight: torch.Tensor, method: str) -> QuantWeight:
+    """A float weight [N, K] (K a multiple of 32) in GGUF's simplest blocks of 32 columns,
+    scales and offsets in float16 as GGUF stores them: q4 as Q4_1 (scale (max - min) / 15,
+    offset min) or q8 as Q8_0 (scale absmax / 127, no offset). For random-weight benchmarks;
+    a GGUF file's own blocks come from models/gguf_blocks.py."""
+    w = weight.detach().float()
+    n, k = w.shape
+    g = w.view(n, k // 32, 32)
+    if method == Q8:
+        scale = (g.abs().amax(dim=2) / 127).half().float()
+        q = torch.round(g / torch.where(scale > 0, scale, 1.0)[:, :, None]).clamp(-127, 127)
+        return QuantWeight(q.to(torch.int8).view(n, k), scale.half(), 32, Q8)
+    lo = g.amin(dim=2).half().float()
+    scale = ((g.amax(dim=2) - lo) / 15).half().float()
+    q = torch.round((g - lo[:, :, None]) / torch.where(scale > 0, scale, 1.0)[:, :, None]).clamp(0, 15).to(torch.uint8)
+    data = q[:, :, :16] | (q[:, :, 16:] << 4)  # byte j of a group: column j low, j + 16 high
+    return QuantWeight(data.reshape(n, k // 2), scale.half(), 32, Q4, lo.half())
+
+
 def expand_block_scale(scale: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
     """A block checkpoint's scales [ceil(N / block_rows), groups] as one row per weight row
     [rows, groups]; a per-tensor scale (0-d or one element) as [rows, 1]; a per-channel one

@@ -161,8 +161,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: to
     model's lm_head (`_narrow_head`). An fp8 weight (core/quant.py) is read as stored."""
     from specserve.kernels import matvec, skinny
 
-    if isinstance(weight, QuantWeight) and weight.method == "int4":
-        return _int4_gemv(x, weight, norm_weight, eps, residual, gated, out_dtype)
+    if isinstance(weight, QuantWeight) and weight.method in _PACKED:
+        return _packed_gemv(x, weight, norm_weight, eps, residual, gated, out_dtype)
     if x.numel() == x.shape[-1] and not _narrow_head(weight, gated):
         return matvec.gemv(x, weight, norm_weight=norm_weight, eps=eps, residual=residual, out_dtype=out_dtype,
                            gated=gated)
@@ -180,25 +180,33 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return invariant_mm.invariant_matmul(x, weight, bias, out_dtype)
 
 
-def int4_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [T, K] times an int4 weight (core/quant.py) [N, K] -> [T, N], plus residual (int4.py)."""
-    from specserve.kernels import int4
-
-    return int4.int4_matmul(x, qw, residual=residual, out_dtype=out_dtype)
+_PACKED = ("int4", "q4", "q8")  # core/quant.py's methods whose few-token kernels fuse no norm or SiLU
 
 
-def _int4_gemv(x: torch.Tensor, qw: QuantWeight, norm_weight: torch.Tensor | None, eps: float,
-               residual: torch.Tensor | None, gated: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
-    """`gemv`'s fused forms over an int4 weight as separate launches, each rounding as
-    its torch op: the norm, then the product (+ residual), then SiLU*mul."""
+def packed_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, K] times an int4 (int4.py) or GGUF-block (q4, q8: blocks.py) weight [N, K]
+    -> [T, N], plus residual; rows past 32 are further programs streaming the weight again."""
+    if qw.method == "int4":
+        from specserve.kernels import int4
+
+        return int4.int4_matmul(x, qw, residual=residual, out_dtype=out_dtype)
+    from specserve.kernels import blocks
+
+    return blocks.blocks_matmul(x, qw, residual=residual, out_dtype=out_dtype)
+
+
+def _packed_gemv(x: torch.Tensor, qw: QuantWeight, norm_weight: torch.Tensor | None, eps: float,
+                 residual: torch.Tensor | None, gated: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """`gemv`'s fused forms over an int4 or GGUF-block weight as separate launches, each
+    rounding as its torch op: the norm, then the product (+ residual), then SiLU*mul."""
     x = x.reshape(-1, x.shape[-1])
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     if gated:
-        return silu_and_mul(int4_matmul(x, qw)).to(out_dtype or x.dtype)
-    return int4_matmul(x, qw, residual=residual.reshape(x.shape[0], -1) if residual is not None else None,
-                       out_dtype=out_dtype)
+        return silu_and_mul(packed_matmul(x, qw)).to(out_dtype or x.dtype)
+    return packed_matmul(x, qw, residual=residual.reshape(x.shape[0], -1) if residual is not None else None,
+                         out_dtype=out_dtype)
 
 
 def _narrow_head(weight: torch.Tensor | QuantWeight, gated: bool) -> bool:
@@ -256,7 +264,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, heads: i
     # A wide weight streamed by TMA: the projection and RoPE apart (qkv_rope.py's programs
     # take interleaved rows, which pointer loads serve)
     stored = weight.data if isinstance(weight, QuantWeight) else weight
-    if isinstance(weight, QuantWeight) and weight.method == "int4":  # no fused form: the caller's two launches
+    if isinstance(weight, QuantWeight) and weight.method in _PACKED:  # no fused form: the caller's two launches
         return None
     if x.shape[0] < 2 or not qkv_rope.supports(k_cache.shape[-1]) or skinny.use_tma(stored):
         return None

@@ -84,15 +84,7 @@ def _int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, res_ptr, T, N, K, group, s
             x_at = x_ptr + toks[None, :] * sx + 2 * b[:, None]
             x_lo = tl.load(x_at, mask=xm, other=0.0)
             x_hi = tl.load(x_at + 1, mask=xm, other=0.0)
-            if WIDEN:  # the interpreter: exact, a product of two half values is exact in fp32
-                w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
-                x_lo, x_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
-            if IEEE or WIDEN:
-                acc = tl.dot(w_lo, x_lo, acc, input_precision="ieee")
-                acc = tl.dot(w_hi, x_hi, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w_lo, x_lo, acc)
-                acc = tl.dot(w_hi, x_hi, acc)
+            acc = dot_halves(w_lo, w_hi, x_lo, x_hi, acc, IEEE, WIDEN)
         else:
             x_lo = tl.load(x_ptr + 2 * b, mask=bmask, other=0.0).to(tl.float32)
             x_hi = tl.load(x_ptr + 2 * b + 1, mask=bmask, other=0.0).to(tl.float32)
@@ -101,11 +93,35 @@ def _int4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, res_ptr, T, N, K, group, s
         y = acc
     else:
         y = tl.sum(acc2, axis=1)[:, None]  # [BLOCK_N, 1]: BLOCK_T is 1
-    y = y.to(DTYPE).to(tl.float32)  # F.linear's output, rounded to x's dtype
+    store_tokens(y, out_ptr, res_ptr, rows, rmask, toks, tmask, so, sr, DTYPE, RES)
+
+
+@triton.jit
+def dot_halves(w_lo, w_hi, x_lo, x_hi, acc, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """acc + w_lo x_lo + w_hi x_hi by tl.dot (IEEE: fp32 operands). WIDEN (the
+    interpreter, whose dot multiplies half types as raw bits): half operands widened to
+    fp32 first, exact, as a product of two half values is exact in fp32."""
+    if WIDEN:
+        w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
+        x_lo, x_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
+    if IEEE or WIDEN:
+        acc = tl.dot(w_lo, x_lo, acc, input_precision="ieee")
+        acc = tl.dot(w_hi, x_hi, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w_lo, x_lo, acc)
+        acc = tl.dot(w_hi, x_hi, acc)
+    return acc
+
+
+@triton.jit
+def store_tokens(y, out_ptr, res_ptr, rows, rmask, toks, tmask, so, sr, DTYPE: tl.constexpr, RES: tl.constexpr):
+    """out[toks, rows] = y [rows, toks] rounded to DTYPE as F.linear's output is, plus the
+    residual (RES) rounded as torch's add is, then in out's dtype."""
+    y = y.to(DTYPE).to(tl.float32)
     om = rmask[:, None] & tmask[None, :]
     if RES:
         r = tl.load(res_ptr + toks[None, :] * sr + rows[:, None], mask=om, other=0.0).to(tl.float32)
-        y = (r + y).to(DTYPE).to(tl.float32)  # torch's add, rounded to x's dtype
+        y = (r + y).to(DTYPE).to(tl.float32)
     tl.store(out_ptr + toks[None, :] * so + rows[:, None], y.to(out_ptr.dtype.element_ty), mask=om)
 
 
@@ -120,6 +136,22 @@ def _config(n: int, k: int, group: int) -> tuple[int, int, bool]:
     return block_n, min(128, max(32, triton.next_power_of_2(k))), False
 
 
+def operands(x: torch.Tensor, qw: QuantWeight, n: int, residual: torch.Tensor | None,
+             out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(x, the stored weight, out [T, n], residual), each with unit stride along its rows,
+    for a packed-weight kernel (this file's, blocks.py's); the residual's shape and dtype
+    checked."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    data = qw.data if qw.data.stride(1) == 1 else qw.data.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == out.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+    return x, data, out, residual
+
+
 def int4_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [T, K] (fp32, bf16 or fp16; T up to 32 is the intended use) times the int4 weight
@@ -130,16 +162,9 @@ def int4_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | No
     n = int(qw.data.shape[0])
     assert qw.data.dtype == torch.uint8 and 2 * qw.data.shape[1] == k, (qw.data.shape, x.shape)
     assert qw.scale.shape == qw.zeros.shape == (n, -(-k // qw.group)), (qw.scale.shape, qw.zeros.shape)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    data = qw.data if qw.data.stride(1) == 1 else qw.data.contiguous()
-    out = torch.empty(t, n, dtype=out_dtype or x.dtype, device=x.device)
+    x, data, out, residual = operands(x, qw, n, residual, out_dtype)
     if t == 0:
         return out
-    if residual is not None:
-        assert residual.shape == (t, n) and residual.dtype == x.dtype, (residual.shape, residual.dtype)
-        if residual.stride(1) != 1:
-            residual = residual.contiguous()
     block_n, block_k, one_group = _config(n, k, qw.group)
     block_t = 1 if t == 1 else (16 if t <= 16 else MAX_TOKENS)
     scale, zeros = qw.scale.float(), qw.zeros

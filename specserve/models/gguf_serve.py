@@ -1,17 +1,20 @@
-"""A GGUF model served in its own blocks on the CPU (`--quantization gguf`).
+"""A GGUF model served in its own blocks (`--quantization gguf`), on the CPU or a GPU.
 
 `resolve` decides: a converted GGUF directory that carries its blocks (models/gguf_blocks.py)
-is served quantized on the CPU unless `--quantization none` asks for float weights (or the
-caller cannot take quantized layers: `--enable-deterministic-inference`; tensor
-parallelism, whose shards the blocks are not cut into yet); `--quantization gguf` on
-anything else is an error, as is asking for it on a GPU (its kernels there do not exist
-yet). `apply` runs after the float weights have loaded: each `Linear` whose rows
-are all repacked blocks (q, k and v of one method and group for the fused qkv; gate and
-up for gate_up) takes them as its storage and drops its float weight; the LM head's
-blocks become the model's `head_blocks`, read by `compute_logits` (the float head stays
-for drafts that share it). The float embedding table, and a head tied to it, become the
-checkpoint file's mapped pages. Layers whose GGUF type is not repacked stay float. When every
-layer holds blocks, the model's few-token forwards run in one C call (models/cpu_stack.py).
+is served quantized on the CPU unless `--quantization none` asks for float weights, and on
+a GPU when `--quantization gguf` asks for it (its float weights stay the default there);
+never where the caller cannot take quantized layers (`--enable-deterministic-inference`;
+tensor parallelism, whose shards the blocks are not cut into yet). `--quantization gguf`
+on anything else is an error. The CPU multiplies the blocks with kernels/cpu_quant.py, a GPU with the Triton
+kernel kernels/blocks.py (models/quant_linear.py picks). `apply` runs after the float
+weights have loaded: each `Linear` whose rows are all repacked blocks (q, k and v of one
+method and group for the fused qkv; gate and up for gate_up) takes them as its storage and
+drops its float weight; the LM head's blocks become the model's `head_blocks`, read by
+`compute_logits` (the float head stays for drafts that share it). Layers whose GGUF type
+is not repacked stay float. On the CPU the blocks are the checkpoint file's mapped pages,
+as are the float embedding table and a head tied to it, and when every layer holds blocks
+the model's few-token forwards run in one C call (models/cpu_stack.py). On a GPU the
+blocks are copied to the device, their scales and offsets in float16 where that is exact.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from specserve import kernels
 from specserve.core import parallel, quant
 from specserve.core.config import ConfigError
 from specserve.kernels import cpu_quant
@@ -46,15 +50,16 @@ def resolve(flag: str | None, model_dir: Path, device: torch.device, allowed: bo
     if flag == GGUF:
         if not has_blocks:
             raise ConfigError(f"--quantization gguf needs a GGUF model; {model_dir} was not converted from one")
-        if device.type != "cpu":
-            raise ConfigError("--quantization gguf runs on the CPU only for now; on a GPU the GGUF is "
-                              "served dequantized (leave --quantization unset)")
         if not allowed:
             raise ConfigError("--quantization gguf with --enable-deterministic-inference is not supported yet")
         if parallel.tp_size() > 1:
             raise ConfigError("--quantization gguf with --tp-size > 1 is not supported yet")
-    if not (flag in (None, GGUF) and has_blocks and device.type == "cpu" and allowed and parallel.tp_size() == 1):
+    if not (flag in (None, GGUF) and has_blocks and allowed and parallel.tp_size() == 1):
         return False
+    if device.type == "cuda":  # asked for only: the float weights stay the GPU's default
+        if flag == GGUF and not kernels.triton_available():
+            raise ConfigError("--quantization gguf on a GPU needs triton (its kernels are Triton's)")
+        return flag == GGUF
     if not cpu_quant.available():  # said in the log by cpu_quant
         if flag == GGUF:
             raise ConfigError("--quantization gguf: the quantized CPU kernels could not be built (see the log)")
@@ -62,9 +67,9 @@ def resolve(flag: str | None, model_dir: Path, device: torch.device, allowed: bo
     return True
 
 
-def apply(model: LlamaForCausalLM, model_dir: Path) -> int:
-    """Swap the repacked blocks of `model_dir` into `model` (loaded, in its CPU layout);
-    returns how many layers now hold blocks."""
+def apply(model: LlamaForCausalLM, model_dir: Path, device: torch.device) -> int:
+    """Swap the repacked blocks of `model_dir` into `model` (loaded on `device`, in its
+    layout there); returns how many layers now hold blocks."""
     path = Path(model_dir) / gguf_blocks.BLOCKS_FILE
     methods = gguf_blocks.methods(path)
     cfg = model.config
@@ -79,14 +84,58 @@ def apply(model: LlamaForCausalLM, model_dir: Path) -> int:
             if isinstance(module, Linear) and parts:
                 qw = _joined(f, [name for _, name in parts], methods)
                 if qw is not None and qw.shape == _float_shape(module):
-                    _hold(module, qw)
+                    _hold(module, _on_device(qw, device))
                     served += 1
         head = "lm_head.weight" if "lm_head.weight" in methods else "model.embed_tokens.weight"
         if head in methods and (head == "lm_head.weight" or cfg.tie_word_embeddings):
-            model.head_blocks = _joined(f, [head], methods)
-    _map_embedding(model, Path(model_dir))
-    model.cpu_stack = CpuStack.build(model)
+            blocks = _joined(f, [head], methods)
+            model.head_blocks = None if blocks is None else _on_device(blocks, device)
+    if device.type == "cpu":
+        _map_embedding(model, Path(model_dir))
+        model.cpu_stack = CpuStack.build(model)
     return served
+
+
+def quantize_random(model: LlamaForCausalLM) -> int:
+    """Random float weights (`--load-format dummy --quantization gguf`, benchmarks) in the
+    blocks a Q4_1 GGUF file holds: every projection q4, the LM head q8 (core/quant.py's
+    `quantize_blocks`; float32 scales on the CPU, whose kernels take those). Returns how
+    many layers hold blocks."""
+    on_cpu = model.lm_head.weight.device.type == "cpu"
+
+    def blocks(weight: torch.Tensor, method: str) -> quant.QuantWeight:
+        qw = quant.quantize_blocks(weight, method)
+        if on_cpu:
+            qw = qw._replace(scale=qw.scale.float(), zeros=None if qw.zeros is None else qw.zeros.float())
+        return qw
+
+    served = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and module is not model.lm_head and module.quantized is None:
+            weight = module.out_in_weight
+            assert isinstance(weight, torch.Tensor)
+            _hold(module, blocks(weight, quant.Q4))
+            served += 1
+    model.head_blocks = blocks(model.lm_head.weight, quant.Q8)
+    if on_cpu:
+        model.cpu_stack = CpuStack.build(model)
+    return served
+
+
+def _on_device(qw: quant.QuantWeight, device: torch.device) -> quant.QuantWeight:
+    """`qw` where the model is: as mapped on the CPU; on a GPU, copied there with its scales
+    and offsets narrowed to float16 where every one of them is exact in it (GGUF stores
+    Q4_0/Q4_1/Q8_0's in float16; Q4_K's and Q6_K's products of two scales are not), which
+    cuts the bytes a weight by a sixth to a quarter and changes no value."""
+    if device.type == "cpu":
+        return qw
+
+    def narrowed(t: torch.Tensor) -> torch.Tensor:
+        half = t.half()
+        return (half if torch.equal(half.float(), t) else t).to(device)
+
+    return quant.QuantWeight(qw.data.to(device), narrowed(qw.scale), qw.group, qw.method,
+                             None if qw.zeros is None else narrowed(qw.zeros))
 
 
 EMBEDDING = "model.embed_tokens.weight"

@@ -77,7 +77,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     model.load_weights(quantization_mod.checkpoint_tensors(iter_safetensors(model_dir), wq))
     model.finalize(device, dtype)
     if blocks:
-        gguf_serve.apply(model, model_dir)
+        gguf_serve.apply(model, model_dir, device)
         wq = quantization_mod.WeightQuant(gguf_serve.GGUF, from_checkpoint=True)
     model.eval().requires_grad_(False)
     model.weight_quant = wq
@@ -108,5 +108,8 @@ def random_model(model_dir: Path, dtype: torch.dtype, device: torch.device, quan
     quantization_mod.check_device(wq, device)
     quantization_mod.quantize_now(model, wq)
     model.finalize(device, dtype)
+    if quantization == gguf_serve.GGUF:  # the blocks of a Q4_1 GGUF file
+        gguf_serve.quantize_random(model)
+        wq = quantization_mod.WeightQuant(gguf_serve.GGUF)
     model.weight_quant = wq
     return model.eval().requires_grad_(False)

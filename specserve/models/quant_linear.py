@@ -1,15 +1,15 @@
 """A quantized linear layer's product where the model calls the layer itself (prefill,
 large batches, layers off the few-token path): x [T, K] times a `QuantWeight` [N, K].
 
-int4 (AWQ, GPTQ): up to 32 tokens on CUDA through the fused dequantize-multiply kernel
-(kernels/int4.py), more through the dequantized weight. fp8 with per-row scales on a GPU
-that has fp8 tensor cores (compute capability 8.9+, half activations, both sides a
-multiple of 16): each token is quantized to e4m3 with its own scale (absmax / 448) and
+int4 (AWQ, GPTQ) and a GGUF's blocks (q4, q8): up to PACKED_MAX_TOKENS rows on CUDA
+through the fused dequantize-multiply kernels (kernels/int4.py, kernels/blocks.py), more
+through the dequantized weight; on the CPU a GGUF's blocks take kernels/cpu_quant.py.
+fp8 with per-row scales on a GPU that has fp8 tensor cores (compute capability 8.9+,
+half activations, both sides a multiple of 16): each token is quantized to e4m3 with its own scale (absmax / 448) and
 `torch._scaled_mm` multiplies the two fp8 operands, scaling rows and columns in its
 epilogue, as vLLM's and SGLang's fp8 linear layers do. Everywhere else (block scales,
 float32 activations, older GPUs, the CPU) the weight is dequantized for the call
-(core/quant.py) and multiplied by `F.linear`: the reference the kernels follow. A GGUF's
-blocks (q4, q8) take the CPU's kernel (kernels/cpu_quant.py).
+(core/quant.py) and multiplied by `F.linear`: the reference the kernels follow.
 """
 from __future__ import annotations
 
@@ -21,18 +21,21 @@ from specserve.core import quant
 from specserve.kernels import cpu_quant
 
 _HALF = (torch.float16, torch.bfloat16)
+# Rows up to which a 4-bit or GGUF-block weight is multiplied by its few-token kernel, 32
+# rows a weight pass: four passes of such a weight read fewer bytes than one dequantized copy
+PACKED_MAX_TOKENS = 128
 _FP8_MM: dict[int | None, bool] = {}  # device index -> has fp8 tensor cores
 
 
 def quant_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ the dequantized weight's transpose (+ bias) -> [..., N] in x's dtype."""
     n, k = qw.shape
-    if qw.method in (quant.Q4, quant.Q8):
-        return _gguf_linear(x, qw, bias)
-    if qw.method == quant.INT4:
+    if qw.method in (quant.Q4, quant.Q8) and not x.is_cuda:
+        return _gguf_cpu_linear(x, qw, bias)
+    if qw.method in (quant.INT4, quant.Q4, quant.Q8):
         rows = x.reshape(-1, k)
-        if kernels.use_fused(x) and rows.shape[0] <= kernels.SKINNY_MAX_TOKENS:
-            out = kernels.int4_matmul(rows, qw)
+        if kernels.use_fused(x) and rows.shape[0] <= PACKED_MAX_TOKENS:
+            out = kernels.packed_matmul(rows, qw)
             return (out if bias is None else out + bias).reshape(*x.shape[:-1], n)
         return F.linear(x, qw.dequantize(x.dtype), bias)
     if not _scaled_mm_serves(x, qw):
@@ -45,13 +48,13 @@ def quant_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], n)
 
 
-def _gguf_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """A GGUF's blocks: the CPU kernel at any row count, float32 in and out (it keeps pace
-    with BLAS on the dequantized weight from a few hundred rows, and a row's sums do not
-    depend on the others); through the dequantized weight where it cannot run."""
+def _gguf_cpu_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """A GGUF's blocks on the CPU: its kernel at any row count, float32 in and out (it keeps
+    pace with BLAS on the dequantized weight from a few hundred rows, and a row's sums do
+    not depend on the others); through the dequantized weight where it cannot run."""
     n, k = qw.shape
     rows = x.reshape(-1, k)
-    if not rows.is_cuda and cpu_quant.available():
+    if cpu_quant.available():
         out = cpu_quant.matmul(rows.float(), qw).to(x.dtype)
         if bias is not None:
             out = out + bias

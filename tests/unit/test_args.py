@@ -207,7 +207,7 @@ def test_ngram_parameter_errors(argv: list[str], message: str) -> None:
      "--dp-size > 1 with --nnodes > 1 is not supported yet"),
     (["--page-size", "16"], "--page-size 16: page sizes above 1 are not supported yet"),
     (["--quantization", "bitsandbytes"],
-     "--quantization bitsandbytes is not supported yet (supported: fp8, awq, gptq, gguf, none; planned: 4-bit GGUF"),
+     "--quantization bitsandbytes is not supported yet (supported: fp8, awq, gptq, gguf, none)"),
     (EAGLE + ["--speculative-draft-model-quantization", "int8"],
      "--speculative-draft-model-quantization int8 is not supported yet"),
     (["--device", "cuda"], "--device cuda: no CUDA device found"),
