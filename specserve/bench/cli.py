@@ -16,6 +16,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "mtbench": ("specserve.bench.mtbench", "MT-bench: plain against EAGLE-2 / EAGLE-3 / NGRAM (+ HF)"),
     "limit": ("specserve.bench.limit", "batch-1 decode against the GPUs' memory bandwidth (8B/70B shape, TP sizes)"),
     "allreduce": ("specserve.bench.allreduce", "a tensor-parallel all-reduce: NCCL against symmetric memory"),
+    "blocks": ("specserve.bench.blocks", "the GGUF-block kernel against the bf16 kernels at a model shape's layers"),
     "quality": ("specserve.bench.quality", "a quantized model's greedy text against the float model's"),
     "structured": ("specserve.bench.structured", "JSON-schema answers with and without speculation; the mask's cost"),
     "compile": ("specserve.bench.compile", "the engine with and without --enable-torch-compile"),

@@ -22,7 +22,8 @@ into the top of an fp32 mantissa under 1.0's exponent (`_unit_floats`), a float 
   one multiply-add from its unit float, rounded to x's dtype, and multiplied with x's
   halves by two tl.dot (tokens padded to 16 or 32; fp32 accumulate, IEEE for fp32 x).
   Past 32 tokens, grid axis 1 takes the tokens 32 at a time, each block streaming the
-  weight again.
+  weight again. A layer with few output tiles splits each row's groups over up to 8
+  programs (grid axis 2; `split_for`) whose fp32 sums a second launch adds in order.
 
 On the CPU (TRITON_INTERPRET) the dot's half operands are widened to fp32 first, as in
 int4.py: the same products and the same fp32 accumulation.
@@ -42,7 +43,9 @@ import triton
 import triton.language as tl
 
 from specserve.core.quant import Q4, Q8, QuantWeight
+from specserve.kernels import pdl_flags
 from specserve.kernels.int4 import dot_halves, operands, store_tokens
+from specserve.kernels.pdl import wait_and_release
 
 MAX_TOKENS = 32  # tokens a program multiplies; more go to further programs on grid axis 1
 
@@ -94,14 +97,31 @@ def _halves(q_ptr, s_ptr, o_ptr, rows, rmask, g, gmask, j, sq, ss, so, GROUP: tl
 
 
 @triton.jit
+def _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, g, gmask, ss, so, WPG: tl.constexpr, OFFSET: tl.constexpr):
+    """Groups g of rows: their int32 words [BLOCK_N, GROUPS, WPG], scales and offsets
+    [BLOCK_N, GROUPS] in fp32 (offsets 0 without OFFSET)."""
+    wi = tl.arange(0, WPG)
+    words = tl.load(w_rows + g[None, :, None] * WPG + wi[None, None, :],
+                    mask=rmask[:, None, None] & gmask[None, :, None], other=0)
+    sm = rmask[:, None] & gmask[None, :]
+    s = tl.load(s_ptr + rows[:, None] * ss + g[None, :], mask=sm, other=0.0).to(tl.float32)
+    o = tl.zeros_like(s)
+    if OFFSET:
+        o = tl.load(o_ptr + rows[:, None] * so + g[None, :], mask=sm, other=0.0).to(tl.float32)
+    return words, s, o
+
+
+@triton.jit
 def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw, ss, so,
                         GROUP: tl.constexpr, Q4_: tl.constexpr, OFFSET: tl.constexpr, RES: tl.constexpr,
-                        BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+                        BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: y = W x over int32 words of the blocks, [BLOCK_N, GROUPS, words a group]
     a tile, their four bytes taken in turn. Per group it sums x times each value's unit
     float (`_unit_floats`) and x alone, and recovers sum(x q) from the two: q4
     16 (sum(x f) - sum(x)), q8 256 (sum(x f) - sum(x)) - 128 sum(x); then
-    y += s sum(x q) + o sum(x). Each column costs a shift, a logic op and a multiply-add."""
+    y += s sum(x q) + o sum(x). Each column costs a shift, a logic op and a multiply-add.
+    The next tile's loads are issued before this one's arithmetic, the first before the
+    PDL wait (no earlier kernel writes the weights)."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     WPG: tl.constexpr = 4 if Q4_ else GROUP // 4  # int32 words a group
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,21 +129,24 @@ def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw,
     gi = tl.arange(0, GROUPS)
     wi = tl.arange(0, WPG)
     w_rows = w_ptr + rows[:, None, None].to(tl.int64) * sw
+    words, s, o = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, gi, gi < NG, ss, so, WPG, OFFSET)
+    wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
     acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
     for g0 in range(0, NG, GROUPS):
         g = g0 + gi
         gmask = g < NG
-        words = tl.load(w_rows + g[None, :, None] * WPG + wi[None, None, :],
-                        mask=rmask[:, None, None] & gmask[None, :, None], other=0)
+        words_n, s_n, o_n = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, g + GROUPS, g + GROUPS < NG, ss, so,
+                                       WPG, OFFSET)
         col0 = g[:, None] * GROUP + wi[None, :] * 4  # [GROUPS, WPG]: the column of each word's first byte
+        xm = gmask[:, None] & (wi < WPG)[None, :]
         part = tl.zeros([BLOCK_N, GROUPS, WPG], dtype=tl.float32)
         xs = tl.zeros([GROUPS, WPG], dtype=tl.float32)
         for b in tl.static_range(4):
-            x_b = tl.load(x_ptr + col0 + b, mask=gmask[:, None], other=0.0).to(tl.float32)
+            x_b = tl.load(x_ptr + col0 + b, mask=xm, other=0.0).to(tl.float32)
             xs += x_b
             if Q4_:  # byte b: its low nibble is column 4i + b, its high one 4i + b + 16
                 part += _unit_floats(words, 19 - 8 * b, True) * x_b[None, :, :]
-                x_h = tl.load(x_ptr + col0 + b + 16, mask=gmask[:, None], other=0.0).to(tl.float32)
+                x_h = tl.load(x_ptr + col0 + b + 16, mask=xm, other=0.0).to(tl.float32)
                 xs += x_h
                 part += _unit_floats(words, 15 - 8 * b, True) * x_h[None, :, :]
             else:
@@ -134,10 +157,8 @@ def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw,
             xq = 16.0 * (xf - x_sum)
         else:
             xq = 256.0 * (xf - x_sum) - 128.0 * x_sum
-        sm = rmask[:, None] & gmask[None, :]
-        acc += tl.load(s_ptr + rows[:, None] * ss + g[None, :], mask=sm, other=0.0).to(tl.float32) * xq
-        if OFFSET:
-            acc += tl.load(o_ptr + rows[:, None] * so + g[None, :], mask=sm, other=0.0).to(tl.float32) * x_sum
+        acc += s * xq + o * x_sum
+        words, s, o = words_n, s_n, o_n
     y = tl.sum(acc, axis=1).to(DTYPE).to(tl.float32)  # F.linear's output, rounded to x's dtype
     if RES:
         y = (tl.load(res_ptr + rows, mask=rmask, other=0.0).to(tl.float32) + y).to(DTYPE).to(tl.float32)
@@ -145,22 +166,26 @@ def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw,
 
 
 @triton.jit
-def _blocks_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, T, N, K, sx, sq, ss, so, sout, sr,
+def _blocks_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N, K, GPS, sx, sq, ss, so, sout, sr,
                    GROUP: tl.constexpr, Q4_: tl.constexpr, OFFSET: tl.constexpr, RES: tl.constexpr,
-                   IEEE: tl.constexpr, WIDEN: tl.constexpr,
-                   BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Two tokens or more: the dequantized halves (`_halves`) times x's through tl.dot."""
+                   SPLIT: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                   GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
+    """Two tokens or more: the dequantized halves (`_halves`) times x's through tl.dot.
+    Program (n, t, p) takes GPS groups from group p * GPS on; with SPLIT > 1 it writes
+    its fp32 sums to part[p] for `_sum_splits`, else the finished rows."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     H: tl.constexpr = GROUP // 2
+    wait_and_release(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = toks < T
+    first = tl.program_id(2) * GPS
     gi = tl.arange(0, GROUPS)
     j = tl.arange(0, H)
-    n_groups = K // GROUP
+    n_groups = tl.minimum(K // GROUP, first + GPS)
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    for g0 in range(0, n_groups, GROUPS):
+    for g0 in range(first, n_groups, GROUPS):
         g = g0 + gi
         gmask = g < n_groups
         w_lo, w_hi = _halves(q_ptr, s_ptr, o_ptr, rows, rmask, g, gmask, j, sq, ss, so, GROUP, Q4_, OFFSET, DTYPE)
@@ -173,6 +198,28 @@ def _blocks_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, T, N, K, sx, sq
         w_lo = tl.reshape(w_lo, [BLOCK_N, GROUPS * H])
         w_hi = tl.reshape(w_hi, [BLOCK_N, GROUPS * H])
         acc = dot_halves(w_lo, w_hi, x_lo, x_hi, acc, IEEE, WIDEN)
+    if SPLIT > 1:
+        at = part_ptr + (tl.program_id(2) * T + toks[None, :]).to(tl.int64) * N + rows[:, None]
+        tl.store(at, acc, mask=rmask[:, None] & tmask[None, :])
+    else:
+        store_tokens(acc, out_ptr, res_ptr, rows, rmask, toks, tmask, sout, sr, DTYPE, RES)
+
+
+@triton.jit
+def _sum_splits(part_ptr, out_ptr, res_ptr, x_ptr, T, N, sout, sr, SPLIT: tl.constexpr, RES: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
+    """out = the SPLIT partial sums of `_blocks_kernel`, added in order, then finished as
+    its unsplit programs finish them (`store_tokens`)."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    wait_and_release(USE_PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    m = rmask[:, None] & tmask[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    for p in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + (p * T + toks[None, :]).to(tl.int64) * N + rows[:, None], mask=m, other=0.0)
     store_tokens(acc, out_ptr, res_ptr, rows, rmask, toks, tmask, sout, sr, DTYPE, RES)
 
 
@@ -180,13 +227,16 @@ Config = tuple[int, int, int]  # (BLOCK_N, GROUPS, num_warps)
 
 
 def config(n: int, k: int, group: int, tokens: int, method: str = Q4) -> Config:
-    """The launch shape. One token: 16 rows a program, q4 64 groups a tile with 4 warps, q8
-    256 columns with one warp. From two tokens on: 32 rows and 128 columns (the dot's
-    tiles; 16 rows for narrow layers so they still spread over the SMs). Never more groups
-    than a row holds, but at least 32 columns. Chosen from a sweep over the Llama-8B and
-    SmolLM2 layer shapes on an H200."""
-    if tokens == 1:
-        block_n, cols, warps = (16, 64 * group, 4) if method == Q4 else (16, 256, 1)
+    """The launch shape. One token: q4 16 rows a program, 64 groups a tile with 4 warps (a
+    layer of 16384 rows or more: 32 rows, 8 groups, one warp); q8 16 rows, 256 columns,
+    one warp. From two tokens on: 32 rows and 128 columns (the dot's tiles; 16 rows for
+    narrow layers so they still spread over the SMs). Never more groups than a row holds,
+    but at least 32 columns. Chosen from sweeps over the Llama-8B and SmolLM2 layer shapes
+    on an H200."""
+    if tokens == 1 and method == Q4:
+        block_n, cols, warps = (32, 8 * group, 1) if n >= 16384 else (16, 64 * group, 4)
+    elif tokens == 1:
+        block_n, cols, warps = 16, 256, 1
     else:
         block_n, cols, warps = (32 if n >= 1024 else 16), 128, 4
     groups = min(cols // group, triton.next_power_of_2(k // group))
@@ -218,15 +268,38 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
         _gemv_blocks_kernel[(triton.cdiv(n, block_n),)](
             x, words, scale, offset, out, res, n, k // group, words.stride(0), scale.stride(0), offset.stride(0),
             GROUP=group, Q4_=qw.method == Q4, OFFSET=qw.zeros is not None, RES=residual is not None,
-            BLOCK_N=block_n, GROUPS=groups, num_warps=warps)
+            BLOCK_N=block_n, GROUPS=groups, num_warps=warps, **pdl_flags(x.device))
         return out
     block_t = 16 if t <= 16 else MAX_TOKENS
-    grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_t))
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(t, block_t)
+    steps = triton.cdiv(k // group, groups)  # tiles of GROUPS groups a row
+    split = split_for(tiles, steps)
+    gps = triton.cdiv(steps, split) * groups  # groups a split
+    part = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    flags = pdl_flags(x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_t), split)
     _blocks_kernel[grid](
-        x, data, scale, offset, out, res, t, n, k,
+        x, data, scale, offset, out, res, part, t, n, k, gps,
         x.stride(0), data.stride(0), scale.stride(0), offset.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0,
-        GROUP=group, Q4_=qw.method == Q4, OFFSET=qw.zeros is not None, RES=residual is not None,
+        GROUP=group, Q4_=qw.method == Q4, OFFSET=qw.zeros is not None, RES=residual is not None, SPLIT=split,
         IEEE=x.dtype == torch.float32, WIDEN=x.device.type != "cuda",
-        BLOCK_N=block_n, GROUPS=groups, BLOCK_T=block_t, num_warps=warps)
+        BLOCK_N=block_n, GROUPS=groups, BLOCK_T=block_t, num_warps=warps, **flags)
+    if split > 1:
+        _sum_splits[(triton.cdiv(n, 128), triton.cdiv(t, block_t))](
+            part, out, res, x, t, n, out.stride(0), residual.stride(0) if residual is not None else 0,
+            SPLIT=split, RES=residual is not None, BLOCK_N=128, BLOCK_T=block_t, num_warps=4, **flags)
     return out
+
+
+PROGRAMS = 512  # programs a few-token product aims for (about four an SM on an H100 or H200)
+
+
+def split_for(tiles: int, steps: int) -> int:
+    """Into how many parts a few-token product splits each row's groups: enough that
+    `tiles` output tiles make PROGRAMS programs, a power of two, at most 8 and never more
+    parts than the row has tiles of groups."""
+    split = 1
+    while tiles * split < PROGRAMS and split * 2 <= min(8, steps):
+        split *= 2
+    return split

@@ -161,3 +161,46 @@ def test_gemv_entry_runs_the_norm_and_silu_apart(gated):
     y = F.linear(normed, qw.dequantize(torch.float32))
     ref = F.silu(y[:, :32]) * y[:, 32:] if gated else r + y
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_gemv_entry_at_one_token():
+    from specserve import kernels
+
+    qw = _blocks(Q4, 64, 256, 32, True, seed=5)
+    x = torch.randn(1, 256, device=DEV)
+    nw = torch.rand(256, device=DEV) + 0.5
+    normed = nw * F.rms_norm(x, (256,), None, 1e-5)
+    y = F.linear(normed, qw.dequantize(torch.float32))
+    with kernels.fused_kernels(True):
+        gated = kernels.gemv(x, qw, norm_weight=nw, eps=1e-5, gated=True)
+        plain = kernels.gemv(x, qw, norm_weight=nw, eps=1e-5)
+    torch.testing.assert_close(gated, F.silu(y[:, :32]) * y[:, 32:], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(plain, y, rtol=1e-4, atol=1e-5)
+
+
+def test_split_rows_sum_as_the_unsplit_kernel_does(monkeypatch):
+    """Few output tiles: each row's groups split over programs whose sums a second launch
+    adds (with the residual); the result is the unsplit kernel's up to the fp32 sum order."""
+    from specserve.kernels import blocks
+
+    qw = _blocks(Q8, 32, 16 * 128, 32, True, seed=6)
+    x = torch.randn(5, 16 * 128, device=DEV)
+    r = torch.randn(5, 32, device=DEV)
+    assert blocks.split_for(1, 16) == 8 and blocks.split_for(600, 16) == 1 and blocks.split_for(1, 3) == 2
+    split = blocks.blocks_matmul(x, qw, residual=r)
+    monkeypatch.setattr(blocks, "PROGRAMS", 1)
+    whole = blocks.blocks_matmul(x, qw, residual=r)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    _check(split, x, qw, r)
+
+
+def test_bench_blocks_times_the_layers_of_the_shape():
+    """`specserve bench blocks` (a GPU benchmark): the layers it times are the 8B shape's,
+    and without a GPU it says so."""
+    from specserve.bench import blocks as bench
+
+    assert bench.layer_shapes("8b") == [("qkv", 6144, 4096, Q4), ("o", 4096, 4096, Q4), ("gate_up", 28672, 4096, Q4),
+                                        ("down", 4096, 14336, Q4), ("head", 128256, 4096, Q8)]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            bench.main(["--tokens", "1"])
