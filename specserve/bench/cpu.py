@@ -9,10 +9,11 @@ the float weights, and llama.cpp's `llama-bench` on the GGUF itself when one is 
 (`--llama-bench`; otherwise a line says it was skipped). Each row: tokens/s end to end
 (prefill included) and decoding alone (from each prompt's first token to its last), their
 ratios to the blocks' plain row and to llama.cpp's decoding, and how many outputs equal
-the blocks' plain ones. llama-bench generates no text from our prompts: it times a prompt
-of our prompts' mean length (`pp`) and a decode of `--max-new-tokens` tokens (`tg`), so
-its decoding row is `tg`, the like of ours, and its end-to-end row is what those rates
-give for our prompts and plain's output lengths. Appends one JSON line per row to --output.
+the blocks' plain ones. llama-bench generates no text from our prompts: it takes its turn
+after our engines' on each prompt, timing a prompt of that prompt's length (`pp`) and a
+decode of `--max-new-tokens` tokens (`tg`), so its decoding row is `tg`, the like of ours,
+and its end-to-end row is what those rates give for our prompts and plain's output lengths.
+Appends one JSON line per row to --output.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,10 +67,12 @@ class _Timed:
     method: str = "float32"  # the weights' format
 
 
-def _time_engines(names: list[str], model: str, prompts: list[list[int]], max_new: int) -> dict[str, _Timed]:
+def _time_engines(names: list[str], model: str, prompts: list[list[int]], max_new: int,
+                  between: Callable[[list[int]], None] | None = None) -> dict[str, _Timed]:
     """Every config's engine, alive together and taking turns prompt by prompt: a shared
     machine's speed drifts within minutes, and timed one config after another the drift
-    falls on whichever row runs later."""
+    falls on whichever row runs later. `between(prompt)` takes its turn after theirs
+    (llama.cpp's, `_LlamaTurns`)."""
     from specserve import Engine
 
     with ExitStack() as stack:
@@ -87,6 +91,8 @@ def _time_engines(names: list[str], model: str, prompts: list[list[int]], max_ne
                 t.seconds += time.perf_counter() - start
                 t.decode += decode
                 t.outs.append(out)
+            if between is not None:
+                between(ids)
         return timed
 
 
@@ -124,11 +130,39 @@ def _time_hf(model_dir: Path, prompts: list[list[int]], max_new: int, eos: list[
     return time.perf_counter() - start, outs
 
 
-def _llama_bench(exe: str, gguf: Path, threads: int, prompt: int, tokens: int) -> tuple[float, float]:
+@dataclass
+class _LlamaTurns:
+    """llama-bench's turn after each prompt's engines: one run (after its own warm-up) of
+    its `pp` test at that prompt's length and its `tg` test of `tokens` tokens; the rates
+    are the runs' tokens over their seconds."""
+
+    exe: str
+    gguf: Path
+    threads: int
+    tokens: int
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    gen_tokens: int = 0
+    gen_seconds: float = 0.0
+
+    def __call__(self, ids: list[int]) -> None:
+        pp, tg = _llama_bench(self.exe, self.gguf, self.threads, len(ids), self.tokens, reps=1)
+        self.prompt_tokens += len(ids)
+        self.prompt_seconds += len(ids) / pp
+        self.gen_tokens += self.tokens
+        self.gen_seconds += self.tokens / tg
+
+    def rates(self) -> tuple[float, float]:
+        """(pp, tg) tokens/s over every turn."""
+        return self.prompt_tokens / self.prompt_seconds, self.gen_tokens / self.gen_seconds
+
+
+def _llama_bench(exe: str, gguf: Path, threads: int, prompt: int, tokens: int, reps: int = 5) -> tuple[float, float]:
     """llama.cpp's tokens/s over a prompt of `prompt` tokens (its `pp` test) and decoding
-    `tokens` tokens (its `tg` test)."""
-    out = subprocess.run([exe, "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(tokens), "-o", "csv"],
-                         capture_output=True, text=True, check=True, timeout=1800).stdout
+    `tokens` tokens (its `tg` test), each the mean of `reps` runs."""
+    argv = [exe, "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(tokens), "-r", str(reps),
+            "-o", "csv"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=1800).stdout
     header, *rows = [line.split(",") for line in out.strip().splitlines()]
     names = [h.strip('"') for h in header]
     rate = {int(r[names.index("n_prompt")].strip('"')) > 0: float(r[names.index("avg_ts")].strip('"')) for r in rows}
@@ -158,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     base = {"bench": "cpu", "model": args.model, "prompts": args.prompts, "threads": threads,
             "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_new_tokens": args.max_new_tokens}
     rows: list[dict[str, Any]] = []
-    ref: list[list[int]] | None = None
-    timed = _time_engines(args.configs.split(","), args.model, prompts, args.max_new_tokens)
+    exe = shutil.which(args.llama_bench)
+    with tempfile.TemporaryDirectory() as tmp:
+        llama = None if exe is None else _LlamaTurns(exe, _gguf_file(args.model, Path(tmp)), threads,
+                                                     args.max_new_tokens)
+        timed = _time_engines(args.configs.split(","), args.model, prompts, args.max_new_tokens, llama)
     ref = timed["gguf"].outs if "gguf" in timed else None
     for name, t in timed.items():
         made = sum(map(len, t.outs))
@@ -169,18 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         seconds, outs = _time_hf(model_dir, prompts, args.max_new_tokens, sorted(tok.eos_token_ids))
         rows.append({"engine": "transformers", "weights": "float32", "tok_s": sum(map(len, outs)) / seconds,
                      "decode_tok_s": None, "outs": outs})
-    exe = shutil.which(args.llama_bench)
-    if exe is None:
+    if llama is None:
         print(f"llama.cpp: skipped ({args.llama_bench!r} is not on PATH; --llama-bench names it)")
     else:
-        lens = [len(p) for p in prompts]
-        with tempfile.TemporaryDirectory() as tmp:
-            pp, tg = _llama_bench(exe, _gguf_file(args.model, Path(tmp)), threads, round(sum(lens) / len(lens)),
-                                  args.max_new_tokens)
+        pp, tg = llama.rates()
         # end to end as ours is timed: each prompt's prefill at pp's rate, then as many tokens as plain gave at tg's
         tokens = sum(map(len, ref)) if ref is not None else args.max_new_tokens * len(prompts)
         rows.append({"engine": "llama.cpp llama-bench", "weights": "gguf", "decode_tok_s": tg, "outs": None,
-                     "tok_s": tokens / (sum(lens) / pp + tokens / tg), "prefill_tok_s": pp})
+                     "tok_s": tokens / (llama.prompt_tokens / pp + tokens / tg), "prefill_tok_s": pp})
     _report(rows, ref, base, args.output)
     return 0
 

@@ -23,11 +23,13 @@ def test_rows_and_a_missing_llama_cpp(smollm2_dir, tmp_path, capsys):
 
 
 def test_llama_cpp_rows_come_from_its_pp_and_tg_tests(smollm2_dir, tmp_path, monkeypatch):
-    """llama-bench's CSV (a stand-in script here): its `tg` rate is the decoding row, and its
-    end-to-end row is our prompts' prefill at its `pp` rate plus plain's tokens at `tg`."""
-    exe = tmp_path / "llama-bench"
-    exe.write_text('#!/bin/sh\necho \'"n_prompt","n_gen","avg_ts"\'\necho \'"40","0","400.0"\'\n'
-                   'echo \'"0","4","50.0"\'\n')
+    """llama-bench's CSV (a stand-in script here, which logs its arguments): it takes a turn
+    after each prompt, at that prompt's length, one run each; its `tg` rate is the decoding
+    row, and its end-to-end row is our prompts' prefill at its `pp` rate plus plain's tokens
+    at `tg`."""
+    exe, calls = tmp_path / "llama-bench", tmp_path / "calls"
+    exe.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho \'"n_prompt","n_gen","avg_ts"\'\n'
+                   'echo \'"40","0","400.0"\'\necho \'"0","4","50.0"\'\n')
     exe.chmod(0o755)
     monkeypatch.setattr(cpu, "_gguf_file", lambda model, into: tmp_path / "model.gguf")
     out = tmp_path / "cpu.jsonl"
@@ -35,6 +37,9 @@ def test_llama_cpp_rows_come_from_its_pp_and_tg_tests(smollm2_dir, tmp_path, mon
             "--llama-bench", str(exe), "--output", str(out)]
     assert cpu.main(argv) == 0
     plain, llama = [json.loads(line) for line in out.read_text().splitlines()]
+    turns = [line.split() for line in calls.read_text().splitlines()]
+    assert len(turns) == 2 and all(t[t.index("-r") + 1] == "1" and t[t.index("-n") + 1] == "4" for t in turns)
+    assert sum(int(t[t.index("-p") + 1]) for t in turns) == llama["prompt_tokens"]
     assert (llama["decode_tok_s"], llama["prefill_tok_s"]) == (50.0, 400.0)
     seconds = llama["prompt_tokens"] / 400.0 + plain["tokens"] / 50.0
     assert llama["tok_s"] == pytest.approx(plain["tokens"] / seconds)
