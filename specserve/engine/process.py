@@ -123,11 +123,14 @@ def _loop(sched, inbox: Connection, outbox: Connection, shared: bool, clock: Ste
         outs = []
         for msg in msgs:
             if msg is None:
+                clock.stop()
                 return
             outs += _handle(sched, msg, outbox)
-        if sched.has_work:
-            with clock.step():
+        if sched.has_work:  # timed on to the next step while work remains (engine/watchdog.py)
+            with clock.step(still_busy=lambda: sched.has_work):
                 outs += _safe_step(sched, shared)
+        else:
+            clock.stop()
         if outs:
             outbox.send(outs)
 
