@@ -232,7 +232,7 @@ def config(n: int, k: int, group: int, tokens: int, method: str = Q4) -> Config:
     one warp. From two tokens on: 32 rows and 128 columns (the dot's tiles; 16 rows for
     narrow layers so they still spread over the SMs). Never more groups than a row holds,
     but at least 32 columns. Chosen from sweeps over the Llama-8B and SmolLM2 layer shapes
-    on an H200."""
+    (`specserve bench blocks --launch`; docs/benchmarks.md)."""
     if tokens == 1 and method == Q4:
         block_n, cols, warps = (32, 8 * group, 1) if n >= 16384 else (16, 64 * group, 4)
     elif tokens == 1:
@@ -292,7 +292,7 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     return out
 
 
-PROGRAMS = 512  # programs a few-token product aims for (about four an SM on an H100 or H200)
+PROGRAMS = 512  # programs a few-token product aims for: several an SM, so narrow layers keep memory busy
 
 
 def split_for(tiles: int, steps: int) -> int:
