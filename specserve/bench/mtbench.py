@@ -119,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy; above 0: seeded sampling (question i seeded i, as in every method)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling's top-p (with --temperature above 0)")
+    p.add_argument("--top-k", type=int, default=0, help="sampling's top-k, 0: none (with --temperature above 0)")
+    p.add_argument("--min-p", type=float, default=0.0, help="sampling's min-p (with --temperature above 0)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per engine (default: the engine's)")
@@ -226,10 +229,16 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def ours(engine: Engine, max_new: int, bs: int, temperature: float = 0.0) -> Generate:
+def filters(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling filters asked for, as sampling params (none where left at their defaults)."""
+    asked = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
+    return {k: v for k, v in asked.items() if v != {"top_p": 1.0, "top_k": 0, "min_p": 0.0}[k]}
+
+
+def ours(engine: Engine, max_new: int, bs: int, temperature: float = 0.0, limits: dict | None = None) -> Generate:
     """Our engine: warm-up on reversed prompts, then timed batches of bs (spec_compare.timed_run)."""
     def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], tuple[int, int, int]]:
-        seconds, outs = timed_run(engine, prompts, max_new, bs, temperature)
+        seconds, outs = timed_run(engine, prompts, max_new, bs, temperature, limits)
         meta = [o["meta_info"] for o in outs]
         return seconds, [o["output_ids"] for o in outs], tuple(
             sum(m.get(key, 0) for m in meta) for key in ("spec_verify_ct", "spec_accept_token_num", "spec_plain_ct"))
@@ -245,11 +254,11 @@ def until_eos(ids: list[int], eos: set[int]) -> list[int]:
 
 
 def hf_batches(model: CausalLM, prompts: list[list[int]], max_new: int, bs: int,
-               eos: list[int], temperature: float = 0.0) -> list[list[int]]:
-    """transformers generate (greedy, or sampling at `temperature`) in batches of bs,
-    left-padded, outputs cut after EOS."""
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False)
+               eos: list[int], temperature: float = 0.0, limits: dict | None = None) -> list[list[int]]:
+    """transformers generate (greedy, or sampling at `temperature` with `limits`: top_p,
+    top_k, min_p) in batches of bs, left-padded, outputs cut after EOS."""
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) | (limits or {}) \
+        if temperature > 0 else dict(do_sample=False)
     dev, pad, outs = next(model.parameters()).device, eos[0], []
     for i in range(0, len(prompts), bs):
         batch = prompts[i:i + bs]
@@ -262,14 +271,15 @@ def hf_batches(model: CausalLM, prompts: list[list[int]], max_new: int, bs: int,
     return outs
 
 
-def hf(model: CausalLM, max_new: int, bs: int, eos: list[int], temperature: float = 0.0) -> Generate:
+def hf(model: CausalLM, max_new: int, bs: int, eos: list[int], temperature: float = 0.0,
+       limits: dict | None = None) -> Generate:
     """transformers, warmed up like our engines (every prompt reversed, WARM_TOKENS tokens at the
     timed temperature, same batching)."""
     def generate(prompts: list[list[int]]) -> tuple[float, list[list[int]], tuple[int, int, int]]:
         with torch.inference_mode():
-            hf_batches(model, [p[::-1] for p in prompts], WARM_TOKENS, bs, eos, temperature)
+            hf_batches(model, [p[::-1] for p in prompts], WARM_TOKENS, bs, eos, temperature, limits)
             start = time.perf_counter()
-            outs = hf_batches(model, prompts, max_new, bs, eos, temperature)
+            outs = hf_batches(model, prompts, max_new, bs, eos, temperature, limits)
         return time.perf_counter() - start, outs, (0, 0, 0)
     return generate
 
@@ -294,7 +304,7 @@ def _measure_ours(args: argparse.Namespace, method: Method, bs: int, tok: Tokeni
     try:
         info = engine.server_info()
         runtime = Runtime(torch.device(info["device"]), getattr(torch, info["dtype"].removeprefix("torch.")))
-        generate = ours(engine, args.max_new_tokens, bs, args.temperature)
+        generate = ours(engine, args.max_new_tokens, bs, args.temperature, filters(args))
         rounds = [run_turns(generate, tok, questions, args.turns) for _ in range(args.rounds)]
         return middle_round(rounds), runtime
     finally:
@@ -312,8 +322,8 @@ def _measure_hf(args: argparse.Namespace, bs: int, tok: Tokenizer, questions: li
     from specserve.models.source import resolve_model_dir
 
     model = load_hf(resolve_model_dir(args.model), runtime)
-    return run_turns(hf(model, args.max_new_tokens, bs, sorted(tok.eos_token_ids), args.temperature), tok, questions,
-                     args.turns)
+    return run_turns(hf(model, args.max_new_tokens, bs, sorted(tok.eos_token_ids), args.temperature, filters(args)),
+                     tok, questions, args.turns)
 
 
 def measure(args: argparse.Namespace, method: Method, bs: int, tok: Tokenizer, questions: list[list[str]],
@@ -359,6 +369,7 @@ def make_row(args: argparse.Namespace, method: Method, bs: int, answers: Answers
             "draft": method.draft, "batch_size": bs, "device": str(runtime.device),
             "dtype": str(runtime.dtype).removeprefix("torch."), "num_questions": len(answers.ids),
             "turns": args.turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "filters": filters(args) if args.temperature > 0 else {},
             "tokens": answers.tokens,
             "seconds": answers.seconds, "tok_s": tok_s, "accept_length": accept_length(method, answers),
             "speedup": tok_s / (plain.tokens / plain.seconds), "identical_outputs": identical(answers, plain),
@@ -399,7 +410,8 @@ def summary(rows: list[dict]) -> str:
 
 def _decoding(row: dict) -> str:
     t = row.get("temperature", 0.0)
-    return f"temperature {t:g}, seeded" if t else "greedy"
+    limits = "".join(f", {k.replace('_', '-')} {v:g}" for k, v in row.get("filters", {}).items())
+    return f"temperature {t:g}{limits}, seeded" if t else "greedy"
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -52,28 +52,31 @@ def add_run_args(p: argparse.ArgumentParser, num_prompts: int, max_new_tokens: i
     p.add_argument("--output", default=output)
 
 
-def warm_up(engine, prompts: list[list[int]], bs: int, temperature: float = 0.0) -> None:
+def warm_up(engine, prompts: list[list[int]], bs: int, temperature: float = 0.0,
+            filters: dict | None = None) -> None:
     """Run every prompt *reversed*, batched as the timed run will be, a few tokens each and
-    at the timed run's temperature: Triton kernels compile for the paths and shapes they
+    at the timed run's temperature and filters: Triton kernels compile for the paths and shapes they
     will meet (block sizes depend on lengths, and sampling has kernels of its own: a run
     warmed up greedily but timed at T > 0 would compile them inside the timed run, and one
     compile costs as much as many decode steps), while a proposer that learns from traffic
     (NGRAM) never sees a benchmark prompt or its answer before the timed run."""
     for i in range(0, len(prompts), bs):
         engine.generate(input_ids=[p[::-1] for p in prompts[i:i + bs]],
-                        sampling_params={"temperature": temperature, "max_new_tokens": WARM_TOKENS, "seed": 0})
+                        sampling_params={"temperature": temperature, "max_new_tokens": WARM_TOKENS, "seed": 0,
+                                         **(filters or {})})
     engine.flush_cache()
 
 
-def timed_run(engine, prompts: list[list[int]], max_new: int, bs: int,
-              temperature: float = 0.0) -> tuple[float, list[dict]]:
+def timed_run(engine, prompts: list[list[int]], max_new: int, bs: int, temperature: float = 0.0,
+              filters: dict | None = None) -> tuple[float, list[dict]]:
     """Warm up, then (seconds, results) of generation in batches of bs, no cross-batch cache
-    hits: greedy, or sampled at `temperature` with prompt i seeded i (seeded sampling is
-    reproducible, and speculative sampling reproduces it token for token)."""
-    warm_up(engine, prompts, bs, temperature)
+    hits: greedy, or sampled at `temperature` (and `filters`: top_p, top_k, min_p) with
+    prompt i seeded i (seeded sampling is reproducible, and speculative sampling reproduces
+    it token for token)."""
+    warm_up(engine, prompts, bs, temperature, filters)
     outs, start = [], time.perf_counter()
     for i in range(0, len(prompts), bs):
-        params = [{"temperature": temperature, "max_new_tokens": max_new, "seed": j}
+        params = [{"temperature": temperature, "max_new_tokens": max_new, "seed": j, **(filters or {})}
                   for j in range(i, min(i + bs, len(prompts)))]
         outs += engine.generate(input_ids=prompts[i:i + bs], sampling_params=params)
         engine.flush_cache()

@@ -329,6 +329,19 @@ class Tempered:
     seeds: torch.Tensor  # [Q] int64
     counters: torch.Tensor  # [R] int64: each row's output index, its noise key
     per_request: int = 1
+    floors: torch.Tensor | None = None  # [R] float32: logits below a row's floor are never drawn
+
+
+def filter_floors(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, per_request: int = 1) -> torch.Tensor:
+    """[R] float32: the smallest logit each row of logits [R, V] keeps under its request's
+    top-k, top-p and min-p (-inf: every one), with no sort, in one launch (filters.py;
+    `runner.sampler.filter_floors` is the reference)."""
+    from specserve.kernels import filters
+
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return filters.filter_floors(logits, temperature, top_k, top_p, min_p, per_request)
 
 
 def sampled_argmax(logits: torch.Tensor, tempered: Tempered) -> torch.Tensor:

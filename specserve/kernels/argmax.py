@@ -10,7 +10,8 @@ verify's few long rows; chunked, a 32-row verify over a 49152-token vocabulary r
 
 With `Tempered` rows the chunk takes the maximum of logits / T + g instead, g the seeded
 Gumbel noise of the row's (seed, output index) drawn in registers (gumbel.gumbel_at), so
-sampling at temperature T is one pass over the logits. The torch path (runner.sampler.sample,
+sampling at temperature T is one pass over the logits; with floors (filters.py: top-k, top-p
+and min-p) the logits below a row's floor are left out of its draw. The torch path (runner.sampler.sample,
 spec.accept.gumbel_targets; it runs everywhere else) writes the noise [R, V], then the
 scaled logits, their sum with the noise and a where over greedy rows, and takes their
 argmax: at batch 1 about eight launches a plain sampled step, and at a verify several
@@ -32,10 +33,12 @@ CHUNK = 4096  # logits per program
 
 
 @triton.jit
-def _chunks_kernel(x_ptr, val_ptr, idx_ptr, temp_ptr, greedy_ptr, seed_ptr, counter_ptr, V, stride_x, C,
-                   PER_REQ, BLOCK: tl.constexpr, TEMPERED: tl.constexpr, USE_PDL: tl.constexpr):
+def _chunks_kernel(x_ptr, val_ptr, idx_ptr, temp_ptr, greedy_ptr, seed_ptr, counter_ptr, floor_ptr, V, stride_x,
+                   C, PER_REQ, BLOCK: tl.constexpr, TEMPERED: tl.constexpr, FLOORED: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     """Program (r, c): the max of row r's chunk c (tempered and perturbed where TEMPERED
-    and r's request samples) and its first index, into [r, c]."""
+    and r's request samples; logits below the row's floor left out where FLOORED) and its
+    first index, into [r, c]."""
     wait_and_release(USE_PDL)  # the logits are the kernel before's
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -49,6 +52,8 @@ def _chunks_kernel(x_ptr, val_ptr, idx_ptr, temp_ptr, greedy_ptr, seed_ptr, coun
             # runner.sampler.temperatures floors it
             t = tl.maximum(tl.load(temp_ptr + q + tl.zeros([BLOCK], dtype=tl.int64)), 1e-5)
             g = gumbel_at(tl.load(seed_ptr + q).to(tl.int64), tl.load(counter_ptr + r).to(tl.int64), cols)
+            if FLOORED:
+                live = live & (x >= tl.load(floor_ptr + r))
             x = tl.where(live, tl.math.div_rn(x, t) + g, float("-inf"))
     best, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + r * C + c, best)
@@ -92,8 +97,10 @@ def chunk_maxima(logits: torch.Tensor, tempered: Tempered | None = None) -> tupl
         else:
             assert t.counters.numel() == rows and t.seeds.numel() * t.per_request == rows, "one key per row"
             params, per_request = (t.temperature, t.greedy, t.seeds, t.counters), t.per_request
-        _chunks_kernel[(rows, chunks)](logits, val, idx, *params, v, logits.stride(0), chunks, per_request,
-                                       BLOCK=CHUNK, TEMPERED=t is not None, num_warps=4, **pdl_flags(logits.device))
+        floors = t.floors if t is not None else None
+        _chunks_kernel[(rows, chunks)](logits, val, idx, *params, val if floors is None else floors, v,
+                                       logits.stride(0), chunks, per_request, BLOCK=CHUNK, TEMPERED=t is not None,
+                                       FLOORED=floors is not None, num_warps=4, **pdl_flags(logits.device))
     return val, idx
 
 

@@ -19,6 +19,7 @@ import torch
 from specserve import kernels
 from specserve.core.request import Req
 
+_LOG2E = 1.4426950408889634
 _M1, _M2 = 0x7FEB352D, 0x2C1B3C6D  # odd multipliers < 2**31: products stay inside int64
 _MASK32 = 0xFFFFFFFF
 
@@ -102,30 +103,47 @@ def temperatures(sb: SamplingBatch) -> torch.Tensor:
     return torch.where(sb.greedy, 1.0, sb.temperature).clamp_min(1e-5)
 
 
+def filtered(sb: SamplingBatch, vocab: int) -> bool:
+    """Whether some request of `sb` limits top-k, top-p or min-p."""
+    return sb.needs_sort(vocab) or sb.needs_min_p
+
+
+def filter_floors(logits: torch.Tensor, sb: SamplingBatch, per_request: int = 1) -> torch.Tensor:
+    """[R] float32: the smallest logit each row of logits [R, V] keeps (-inf: all of them),
+    row r under request r // per_request's params. The filters keep an upper set of the
+    logits (kernels/filters.py says which): top-k and top-p on the whole vocabulary's
+    softmax at the temperature, ties at the edge kept, and min-p. One launch on a GPU;
+    here by sorting, the reference."""
+    if kernels.use_fused(logits):  # greedy rows' floors, found at T -> 0, are never read
+        return kernels.filter_floors(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, per_request)
+    t = temperatures(sb)
+    if per_request > 1:
+        t, top_k, top_p, min_p = (v.repeat_interleave(per_request) for v in (t, sb.top_k, sb.top_p, sb.min_p))
+    else:
+        top_k, top_p, min_p = sb.top_k, sb.top_p, sb.min_p
+    x = logits.float()
+    lmax = x.max(-1).values
+    floor = torch.where(min_p > 0, lmax + t * torch.log(min_p), float("-inf"))
+    has_k = top_k < (x > float("-inf")).sum(-1)
+    has_p = top_p < 1.0
+    if not bool((has_k | has_p).any()):
+        return floor
+    s = x.sort(-1, descending=True).values
+    e = torch.exp2((s - lmax[:, None]) * (_LOG2E / t)[:, None])
+    before = e.cumsum(-1) - e  # the mass ahead of each sorted logit
+    rank = torch.arange(x.shape[-1], device=x.device)[None, :]
+    ok = (rank < torch.where(has_k, top_k, x.shape[-1] + 1)[:, None]) \
+        & (before < torch.where(has_p, top_p * e.sum(-1), float("inf"))[:, None])  # a prefix of each row
+    kept = s.gather(1, (ok.sum(-1) - 1).clamp_min(0)[:, None]).squeeze(1)
+    return torch.maximum(floor, torch.where(has_k | has_p, kept, float("-inf")))
+
+
 def filter_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Temperature-scaled logits with -inf outside top-k, top-p and min-p."""
     scaled = logits / temperatures(sb)[:, None]
-    vocab = logits.shape[-1]
-    if sb.needs_sort(vocab):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        rank = torch.arange(vocab, device=logits.device)[None, :]
-        drop = rank >= sb.top_k[:, None]
-        # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
-        drop |= (probs.cumsum(-1) - probs) >= sb.top_p[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
-    if sb.needs_min_p:
-        probs = scaled.softmax(-1)
-        keep = probs >= sb.min_p[:, None] * probs.max(-1, keepdim=True).values
-        scaled = scaled.masked_fill(~keep, float("-inf"))
+    if filtered(sb, logits.shape[-1]):
+        scaled = scaled.masked_fill(logits < filter_floors(logits, sb)[:, None], float("-inf"))
     return scaled
-
-
-def tempered_only(sb: SamplingBatch, vocab: int) -> bool:
-    """Whether sampling `sb` needs nothing but each request's temperature (no filters):
-    then a GPU draws it in one pass over the logits (kernels/argmax.py)."""
-    return not (sb.needs_sort(vocab) or sb.needs_min_p)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
@@ -133,10 +151,13 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
     any request asked)."""
     if sb.all_greedy:
         next_ids = logits.argmax(-1)
-    elif kernels.use_fused(logits) and tempered_only(sb, logits.shape[-1]):
-        # the same draw as below (the same noise, division and first-index ties), with
-        # no [B, V] noise or scaled logits stored: two launches where the torch ops take ~8
-        next_ids = kernels.sampled_argmax(logits, kernels.Tempered(sb.temperature, sb.greedy, sb.seeds, sb.counters))
+    elif kernels.use_fused(logits):
+        # the same draw as below (the same noise, division, floors and first-index ties),
+        # with no [B, V] noise or scaled logits stored and nothing sorted: two launches
+        # (three with filters) where the torch ops take ~8 (~20)
+        floors = filter_floors(logits, sb) if filtered(sb, logits.shape[-1]) else None
+        next_ids = kernels.sampled_argmax(logits, kernels.Tempered(sb.temperature, sb.greedy, sb.seeds, sb.counters,
+                                                                   floors=floors))
     else:
         scaled = filter_logits(logits, sb)
         sampled = (scaled + gumbel_noise(sb.seeds, sb.counters, logits.shape[-1])).argmax(-1)

@@ -29,7 +29,7 @@ import torch
 
 from specserve import kernels
 from specserve.core.h2d import ready_event
-from specserve.runner.sampler import SamplingBatch, filter_logits, gumbel_noise, temperatures, tempered_only
+from specserve.runner.sampler import SamplingBatch, filter_floors, filter_logits, filtered, gumbel_noise, temperatures
 from specserve.spec.drafts import Drafts
 
 
@@ -154,9 +154,13 @@ def walk_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
     tempered = None
     if sampled is not None:
         assert idx is None, "a sampled walk takes every row"
-        if fused and tempered_only(sampled, logits.shape[-1]):
+        if fused:
             counters = sampled.counters[:, None] + drafts.depths().to(sampled.counters.device)  # [B, N]
-            tempered = kernels.Tempered(sampled.temperature, sampled.greedy, sampled.seeds, counters.reshape(-1), n)
+            floors = None
+            if filtered(sampled, logits.shape[-1]):  # each node's floor under its request's params
+                floors = filter_floors(logits.reshape(-1, logits.shape[-1]), sampled, per_request=n)
+            tempered = kernels.Tempered(sampled.temperature, sampled.greedy, sampled.seeds, counters.reshape(-1), n,
+                                        floors)
         else:
             logits = gumbel_targets(logits, sampled, drafts.depths())
     packed = kernels.greedy_walk(tok, par, valid, mask, logits, tempered) if fused else None
@@ -333,7 +337,7 @@ def gumbel_targets(logits: torch.Tensor, sb: SamplingBatch, depths: torch.Tensor
     b, n, vocab = logits.shape
     counters = sb.counters[:, None] + depths.to(sb.counters.device)  # [B, N]: output index at each node
     noise = gumbel_noise(sb.seeds.repeat_interleave(n), counters.reshape(-1), vocab).view(b, n, vocab)
-    if sb.needs_sort(vocab) or sb.needs_min_p:  # filters: each request's params on its N rows
+    if filtered(sb, vocab):  # filters: each request's params on its N rows
         flat = logits.reshape(b * n, vocab)
         scaled = filter_logits(flat, per_node_batch(sb, torch.arange(b), n)).view(b, n, vocab)
     else:  # temperature alone: no per-node copies of the params

@@ -11,7 +11,7 @@ one is read back, and the host does step k's bookkeeping while the GPU runs step
 as SGLang's overlap scheduler does for its spec v2 workers (any top-k here).
 
 A step may be left in flight when every request's walk runs on the device (greedy; or
-sampling by temperature alone, through the step graphs: step_graphs.py), has a full
+seeded sampling, filters included, through the step graphs: step_graphs.py), has a full
 tree, no logits processors (penalties, bias, grammar: the host processes each node) and
 no logprobs, cannot reach the context length within two steps,
 and the proposer drafts ahead (`eligible`, `SpecWorker._pipelines`).
@@ -79,7 +79,7 @@ class InFlightSpec:
 
 def eligible(reqs: list[Req], num_steps: int, context_length: int, sampled: bool = False) -> bool:
     """Whether a step over `reqs` may be left in flight: greedy walks (or, with `sampled`,
-    sampling by temperature alone: step_graphs.py walks its Gumbel targets), full trees,
+    seeded sampling: step_graphs.py walks its Gumbel targets), full trees,
     no logprobs (the verify graph's logits are overwritten by the next step) and room in
     the context for two more steps' tokens (the host checks limits a step late; positions
     stay in range). A request near max_new_tokens may be left in flight: a step that ends
@@ -90,13 +90,9 @@ def eligible(reqs: list[Req], num_steps: int, context_length: int, sampled: bool
         p = req.params
         if p.logprobs or p.processed:
             return False
-        if not p.greedy and not (sampled and _temperature_only(p)):
+        if not p.greedy and not sampled:
             return False
         if req.seq_len + room >= context_length:
             return False
     return True
 
-
-def _temperature_only(p) -> bool:
-    """Sampling params with no top-k, top-p or min-p filter."""
-    return (not p.top_k or p.top_k <= 0) and p.top_p >= 1.0 and p.min_p <= 0

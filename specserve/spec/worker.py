@@ -10,7 +10,7 @@ governor turns speculation down, the step is the scheduler's own plain decode st
 `on_decoded`, before their read-back). On CUDA a greedy EAGLE step is left in flight and
 read back after the next one is launched (pipeline.py); `step` then commits the previous
 step's tokens. At batch 1-64 such a step is one graph replay (step_graphs.py), which also
-pipelines sampling by temperature alone.
+pipelines seeded sampling (temperature, top-k, top-p, min-p).
 """
 from __future__ import annotations
 

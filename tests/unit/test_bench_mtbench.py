@@ -110,6 +110,19 @@ def test_rounds_report_the_middle_one(tiny, tmp_path):
         mtbench._parser().parse_args(["--rounds", "0"])
 
 
+def test_sampling_filters_reach_every_request_and_the_summary(tiny, tmp_path):
+    """--top-p/--top-k/--min-p go with --temperature into every request (speculative
+    sampling stays seeded plain sampling's, filters included) and into the row and summary."""
+    argv = _argv(tiny, tmp_path, "--no-hf", "--num-questions", "2", "--max-new-tokens", "4", "--batch-sizes", "1",
+                 "--temperature", "1.0", "--top-p", "0.9", "--top-k", "20", "--ngram")
+    assert mtbench.main(argv) == 0
+    rows = _rows(tmp_path)
+    assert all(r["filters"] == {"top_p": 0.9, "top_k": 20} for r in rows)
+    assert all(r["identical_outputs"] == 2 for r in rows)
+    assert "temperature 1, top-p 0.9, top-k 20, seeded" in mtbench.summary(rows)
+    assert mtbench.filters(mtbench._parser().parse_args([])) == {}
+
+
 def test_several_eagle3_heads_get_a_row_each(tiny, tmp_path):
     """Repeating --eagle3-draft compares heads in one run: a row per head, named by its directory."""
     other = save_eagle3(tmp_path / "other", tiny["target"], draft_vocab=64)

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from specserve import kernels  # noqa: E402
 from specserve.kernels import argmax  # noqa: E402
-from specserve.runner.sampler import HostFlags, SamplingBatch, sample  # noqa: E402
+from specserve.runner.sampler import HostFlags, SamplingBatch, filter_floors, sample  # noqa: E402
 from specserve.spec.accept import gumbel_targets, walk_greedy  # noqa: E402
 from tests.unit.test_tree_kernels import _random_trees  # noqa: E402
 
@@ -62,43 +62,50 @@ def test_the_fused_draw_is_the_torch_draw(rows, vocab, chunk, monkeypatch):
     assert len(set(draws.tolist())) >= 6
 
 
-def _batch(p: dict, counters: torch.Tensor, top_k: int = 10**6) -> SamplingBatch:
-    """A temperature-only SamplingBatch of `p`, or one limiting every request to top_k."""
-    rows = counters.numel()
-    zeros = torch.zeros(rows, device=DEV)
-    top_k = torch.full((rows,), top_k, device=DEV)
-    return SamplingBatch(top_p=torch.ones(rows, device=DEV), top_k=top_k, min_p=zeros, counters=counters,
-                         flags=HostFlags(all_greedy=False, needs_sort=bool((top_k < 10**6).any()),
-                                         needs_min_p=False), **p)
+def _batch(p: dict, counters: torch.Tensor, top_k: int = 10**6, top_p: float = 1.0,
+           min_p: float = 0.0) -> SamplingBatch:
+    """A temperature-only SamplingBatch of `p`, or one limiting every request by the filters."""
+    rows = p["seeds"].numel()
+    top_k_t = torch.full((rows,), top_k, device=DEV)
+    return SamplingBatch(top_p=torch.full((rows,), top_p, device=DEV), top_k=top_k_t,
+                         min_p=torch.full((rows,), min_p, device=DEV), counters=counters,
+                         flags=HostFlags(all_greedy=False, needs_sort=top_k < 10**6 or top_p < 1.0,
+                                         needs_min_p=min_p > 0), **p)
 
 
-def test_sample_takes_the_fused_draw_where_only_temperatures_apply(monkeypatch):
-    """Plain sampling on the fused side of the switch: the kernel's draw for a
-    temperature-only batch; the torch path (filters) as soon as a request limits top-k."""
+def test_sample_takes_the_fused_draw_with_and_without_filters(monkeypatch):
+    """Plain sampling on the fused side of the switch is the kernel's draw: for a
+    temperature-only batch the torch draw's tokens; with top-k 5 the torch draw over the
+    logits above each row's floor (kernels/filters.py), which keeps each row's top 5."""
     logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(4)).to(DEV)
     p, counters = _params(6, 4), torch.arange(6, device=DEV) + 100
     with kernels.fused_kernels(True):
         got = sample(logits, _batch(p, counters)).next_ids
     assert torch.equal(got, _torch_draw(logits, p, counters))
 
-    def refuse(*a, **k):
-        raise AssertionError("a batch with filters must take the torch path")
-
-    monkeypatch.setattr(kernels, "sampled_argmax", refuse)
+    limited_batch = _batch(p, counters, top_k=5)
     with kernels.fused_kernels(True):
-        limited = sample(logits, _batch(p, counters, top_k=5)).next_ids
-    assert ((logits.argsort(-1, descending=True)[:, :5] == limited[:, None]).any(-1)).all()
+        limited = sample(logits, limited_batch).next_ids
+        floors = filter_floors(logits, limited_batch)
+    masked = logits.masked_fill(logits < floors[:, None], float("-inf"))
+    assert torch.equal(limited, _torch_draw(masked, p, counters))
+    top5 = logits.argsort(-1, descending=True)[:, :5]
+    assert ((top5 == limited[:, None]).any(-1)).all()
+    assert torch.equal((logits >= floors[:, None]).sum(-1), torch.full((6,), 5, device=DEV))
 
 
 @pytest.mark.parametrize("n", [1, 6, 33])
 def test_a_sampled_walk_forms_its_targets_in_the_kernel(n):
     """walk_greedy with `sampled` (the step graphs' call) walks the same targets as the
     walk over gumbel_targets' tensor: the same packed rows (paths, tokens, bonus), greedy
-    and sampled requests mixed, each node keyed by its request's output index + depth."""
+    and sampled requests mixed, each node keyed by its request's output index + depth,
+    with no filter, top-k, top-p and min-p (each node's floor under its request's params)."""
     for seed in range(4):
         drafts, logits = _random_trees(5, n, 3 if seed % 2 else 6, seed)
         p = _params(5, seed)
-        sb = _batch(p, torch.tensor([0, 3, 9, 1, 40], device=DEV) + seed)
+        # filters on the smaller trees (the interpreter runs the floors' sort slowly)
+        filters = [{}, {"top_k": 3}, {"top_p": 0.6}, {"min_p": 0.2, "top_k": 50}][seed] if n < 33 else {}
+        sb = _batch(p, torch.tensor([0, 3, 9, 1, 40], device=DEV) + seed, **filters)
         with kernels.fused_kernels(True):
             got, _ = walk_greedy(drafts, logits, None, sb)
             ref, _ = walk_greedy(drafts, gumbel_targets(logits, sb, drafts.depths()), None)

@@ -138,9 +138,11 @@ def test_sampled_steps_in_step_graphs_reproduce_seeded_plain_sampling(tiny, smol
     """Sampled steps walk Gumbel targets keyed by each node's output index, which the step
     graph derives from the kv_len it carries: seeded outputs are plain sampling's, token
     for token, in a batch that mixes greedy and sampled requests (padded: three requests
-    replay the graph of four; batch tree: from 2 requests up the batch tree drafts)."""
+    replay the graph of four; batch tree: from 2 requests up the batch tree drafts). The
+    last request limits top-k, top-p and min-p: its floors are found in the graph."""
     target, heads, ps, _ = tiny
     params = [{"temperature": t, "seed": 11 + i, "max_new_tokens": 30} for i, t in enumerate((1.0, 0.0, 0.7))]
+    params[2].update(top_k=20, top_p=0.9, min_p=0.02)
     want = [o["output_ids"] for o in run(engine(target, smollm2_dir), ps[:3], params)]
     counts: dict = {}
     flags = {**BATCH_TREE, "speculative_batch_tree_from": 2} if graphed == "batch tree" else {}
@@ -168,7 +170,8 @@ class _DrawsFused:
 def test_sampled_steps_draw_in_the_argmax_kernel_as_plain_sampling_does(tiny, smollm2_dir, monkeypatch):
     """With the fused draw (kernels/argmax.py) in plain sampling and in the step graphs'
     sampled walk, seeded outputs are still plain sampling's token for token: both form
-    logits / T + noise in the kernel the same way, greedy and sampled requests mixed.
+    logits / T + noise in the kernel the same way, greedy and sampled requests mixed, and
+    the filtered request's floors from the same kernel (kernels/filters.py).
     (The random head's drafts rarely hit, so the nodes' depth keys are checked by
     test_sampled_argmax.py's walk test.)"""
     from specserve.runner import sampler
@@ -178,6 +181,7 @@ def test_sampled_steps_draw_in_the_argmax_kernel_as_plain_sampling_does(tiny, sm
     monkeypatch.setattr(accept, "kernels", _DrawsFused())
     target, heads, ps, _ = tiny
     params = [{"temperature": t, "seed": 21 + i, "max_new_tokens": 10} for i, t in enumerate((1.0, 0.0, 0.7))]
+    params[2].update(min_p=0.05)  # one pass a row: the interpreter is slow (bisection: test_filter_floors.py)
     want = [o["output_ids"] for o in run(engine(target, smollm2_dir), ps[:3], params)]
     counts: dict = {}
     eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, counts)
@@ -387,7 +391,8 @@ def test_which_steps_may_be_left_in_flight():
     assert not pipeline.eligible([_Req(0, 992)], steps, ctx)  # near the context length
     assert not pipeline.eligible([_Req(0, 10), _Req(0, 10, temperature=1.0)], steps, ctx)  # a sampled walk
     assert pipeline.eligible([_Req(0, 10), _Req(0, 10, temperature=1.0)], steps, ctx, sampled=True)  # step graphs
-    for limit in ({"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.1}):  # filters: the graphs sample by temperature alone
-        assert not pipeline.eligible([_Req(0, 10, temperature=1.0, **limit)], steps, ctx, sampled=True)
+    for limit in ({"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.1}):  # filters: each node's floor in the graph
+        assert pipeline.eligible([_Req(0, 10, temperature=1.0, **limit)], steps, ctx, sampled=True)
+        assert not pipeline.eligible([_Req(0, 10, temperature=1.0, **limit)], steps, ctx)
     assert not pipeline.eligible([_Req(0, 10, logprobs=True)], steps, ctx)  # its logits are overwritten
     assert not pipeline.eligible([_Req(0, 10, frequency_penalty=0.5)], steps, ctx)

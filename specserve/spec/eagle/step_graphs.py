@@ -38,12 +38,14 @@ verify it instead of the main tree: each shape keeps its own static trees (`_Tre
 run keeps one shape (`launch` asserts it), and the target's attention backend keeps verify
 graph state per N.
 
-Sampled steps (temperature alone: no top-k, top-p, min-p, penalties or logprobs) have
-graphs of their own: the walk runs over `gumbel_targets`, the target logits plus the
-Gumbel noise plain sampling would draw at each node's output index, so they reproduce
-seeded plain sampling token for token as the unpipelined step does (worker.py
-`_accept`). On CUDA the walk's argmax kernel forms them as it reads the logits
-(kernels/argmax.py), so neither the noise nor the targets are stored. The output index is
+Sampled steps (temperature, top-k, top-p and min-p; no penalties or logprobs) have
+graphs of their own: the walk runs over `gumbel_targets`, the target logits above each
+node's filter floor plus the Gumbel noise plain sampling would draw at each node's output
+index, so they reproduce seeded plain sampling token for token as the unpipelined step
+does (worker.py `_accept`). On CUDA one launch finds the floors (kernels/filters.py; a
+request without filters costs nothing there) and the walk's argmax kernel forms the
+targets as it reads the logits (kernels/argmax.py), so neither the noise nor the targets
+are stored. The output index is
 kv_len minus a per-request offset (kv_len - len(output_ids), fixed for a request's life),
 so the graph derives it from the kv_len it carries.
 
@@ -69,7 +71,7 @@ from specserve.spec.tree.draft import TreeDrafter
 if TYPE_CHECKING:
     from specserve.spec.eagle.proposer import EagleProposer
 
-_TEMPERATURE_ONLY = HostFlags(all_greedy=False, needs_sort=False, needs_min_p=False)
+_FILTERED = HostFlags(all_greedy=False, needs_sort=True, needs_min_p=True)  # rows without filters cost nothing
 EXACT = 8  # every batch size up to this has a graph of its own (padding costs most there)
 MAX_BS = 64  # the largest step graph: above it the GPU's verify work sets a step's pace
 
@@ -146,9 +148,9 @@ class StepGraphs:
         self.io = torch.zeros(max_bs * (n + 1), dtype=torch.int64, device=dev)
         self.kv_len = torch.zeros(max_bs, dtype=torch.int64, device=dev)  # before the step; after, once replayed
         self.row_start = torch.zeros(2 * max_bs, dtype=torch.int64, device=dev)  # [rows, kv_len before], the prologue's
-        # sampled steps: per request temperature and greedy (0/1); seed and output-index offset
-        self.floats = torch.ones(2, max_bs, dtype=torch.float32, device=dev)
-        self.ints = torch.zeros(2, max_bs, dtype=torch.int64, device=dev)
+        # sampled steps: per request temperature, greedy (0/1), top-p, min-p; seed, output-index offset, top-k
+        self.floats = torch.ones(4, max_bs, dtype=torch.float32, device=dev)
+        self.ints = torch.zeros(3, max_bs, dtype=torch.int64, device=dev)
         # `keep_rows`'s index_selects load their CUDA modules now (a kernel's first launch
         # does; small and large sizes take different kernels), not on a fresh engine's
         # first shrinking batch mid-traffic. Each keeps its rows in place.
@@ -210,9 +212,12 @@ class StepGraphs:
         """The state a run's first replay starts from: kv_lens, sampling params, trees."""
         b = len(reqs)
         ps = [r.params for r in reqs]
-        ints = [[r.seed for r in reqs], [r.kv_len - len(r.output_ids) for r in reqs]]
+        vocab = self.runner.vocab_size
+        ints = [[r.seed for r in reqs], [r.kv_len - len(r.output_ids) for r in reqs],
+                [p.top_k if p.top_k and p.top_k > 0 else vocab for p in ps]]
         self.ints[:, :b].copy_(torch.tensor(ints, dtype=torch.int64), non_blocking=True)
-        floats = [[p.temperature for p in ps], [float(p.greedy) for p in ps]]
+        floats = [[p.temperature for p in ps], [float(p.greedy) for p in ps], [p.top_p for p in ps],
+                  [p.min_p for p in ps]]
         self.floats[:, :b].copy_(torch.tensor(floats, dtype=torch.float32), non_blocking=True)
         self.kv_len[:b].copy_(torch.tensor([r.kv_len for r in reqs], dtype=torch.int64), non_blocking=True)
         for static, value in ((trees.tokens, drafts.tokens), (trees.parents, drafts.parents),
@@ -226,7 +231,7 @@ class StepGraphs:
         k, t = rows.numel(), self._last
         for buf in (self.kv_len, t.tokens, t.parents, t.mask):
             buf[:k].copy_(buf[:b].index_select(0, rows))
-        for buf in (self.floats, self.ints):  # sampling params, [2, max_bs]
+        for buf in (self.floats, self.ints):  # sampling params, [4 | 3, max_bs]
             buf[:, :k].copy_(buf[:, :b].index_select(1, rows))
 
     def trees(self, b: int) -> Drafts:
@@ -238,12 +243,11 @@ class StepGraphs:
         return self.kv_len[:b]
 
     def _sampling(self, b: int, kv_len: torch.Tensor) -> SamplingBatch:
-        """The sampled requests' params (temperature alone) with output indices from kv_len."""
-        temperature, greedy = self.floats[:, :b]
-        seeds, offset = self.ints[:, :b]
-        unused = self.floats[0, :b]  # filters: the flags say none are read
-        return SamplingBatch(temperature=temperature, greedy=greedy > 0, top_p=unused, top_k=seeds, min_p=unused,
-                             seeds=seeds, counters=kv_len - offset, flags=_TEMPERATURE_ONLY)
+        """The sampled requests' params with output indices from kv_len."""
+        temperature, greedy, top_p, min_p = self.floats[:, :b]
+        seeds, offset, top_k = self.ints[:, :b]
+        return SamplingBatch(temperature=temperature, greedy=greedy > 0, top_p=top_p, top_k=top_k, min_p=min_p,
+                             seeds=seeds, counters=kv_len - offset, flags=_FILTERED)
 
     def _step(self, b: int, sampled: bool) -> torch.Tensor:
         """The step's device work for b requests, padding included (captured, or eager on a
