@@ -12,19 +12,26 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from specserve.kernels import argmax, gumbel, walk
+from specserve.kernels import argmax, filters, gumbel, walk
 
 HOPPER = GPUTarget("cuda", 90, 32)
 CHUNKS = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i64", "temp_ptr": "*fp32", "greedy_ptr": "*i1",
-          "seed_ptr": "*i64", "counter_ptr": "*i64", "V": "i32", "stride_x": "i32", "C": "i32", "PER_REQ": "i32"}
+          "seed_ptr": "*i64", "counter_ptr": "*i64", "floor_ptr": "*fp32", "V": "i32", "stride_x": "i32", "C": "i32",
+          "PER_REQ": "i32"}
+FLOORS = {"x_ptr": "*fp32", "out_ptr": "*fp32", "buf_ptr": "*fp32", "temp_ptr": "*fp32", "topk_ptr": "*i64",
+          "topp_ptr": "*fp32", "minp_ptr": "*fp32", "V": "i32", "stride_x": "i32", "PER_REQ": "i32"}
 # (name, kernel, signature of its runtime arguments, its constexprs, text its PTX must hold)
 KERNELS = [
-    (f"argmax chunks tempered={t} pdl={p}", argmax._chunks_kernel, CHUNKS,
-     {"BLOCK": 4096, "TEMPERED": t, "USE_PDL": p}, "div.rn.f32" if t else "")
-    for t in (True, False) for p in (True, False)
+    (f"argmax chunks tempered={t} floored={f} pdl={p}", argmax._chunks_kernel, CHUNKS,
+     {"BLOCK": 4096, "TEMPERED": t, "FLOORED": f and t, "USE_PDL": p}, "div.rn.f32" if t else "")
+    for t in (True, False) for f in (True, False) for p in (True, False) if t or not f
 ] + [
     ("argmax chunks bf16 logits", argmax._chunks_kernel, {**CHUNKS, "x_ptr": "*bf16"},
-     {"BLOCK": 4096, "TEMPERED": True, "USE_PDL": True}, "div.rn.f32"),
+     {"BLOCK": 4096, "TEMPERED": True, "FLOORED": True, "USE_PDL": True}, "div.rn.f32"),
+    ("sampling floors", filters._floors_kernel, FLOORS,
+     {"BLOCK": filters.BLOCK, "CAP": filters.CAP, "VALUE_PASSES": filters.VALUE_PASSES, "USE_PDL": True}, ""),
+    ("sampling floors, bf16 logits", filters._floors_kernel, {**FLOORS, "x_ptr": "*bf16"},
+     {"BLOCK": filters.BLOCK, "CAP": filters.CAP, "VALUE_PASSES": filters.VALUE_PASSES, "USE_PDL": False}, ""),
     ("argmax pick", argmax._pick_kernel, {"val_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64", "R": "i32",
                                           "C": "i32"}, {"BLOCK_R": 16, "BLOCK_C": 16, "USE_PDL": True}, ""),
     ("greedy walk", walk._walk_kernel, {"tok_ptr": "*i64", "par_ptr": "*i64", "valid_ptr": "*i1", "mask_ptr": "*u8",
