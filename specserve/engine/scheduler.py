@@ -33,7 +33,7 @@ from specserve.models import quantization
 from specserve.runner.logits_process import process_rows
 from specserve.runner.memory import OOM_ADVICE
 from specserve.runner.model_runner import ModelRunner
-from specserve.runner.sampler import SampleOutput, sample, sampling_batch
+from specserve.runner.sampler import SampleOutput
 from specserve.tokenizer.streaming import IncrementalDetokenizer, StopChecker
 from specserve.tokenizer.tokenizer import Tokenizer
 
@@ -191,7 +191,7 @@ class Scheduler:
         sampled = batch.sampled_reqs
         if sampled:
             logits = process_rows(logits, sampled)
-            so = sample(logits, sampling_batch(sampled, self.runner.vocab_size, logits.device))
+            so = self.runner.sample(logits, sampled)
             if batch.mode == ForwardMode.DECODE:
                 self._tell_proposer(sampled, so, fb, features)
             self._commit(sampled, so)
@@ -223,7 +223,7 @@ class Scheduler:
         fb = self.runner.forward_batch(batch, self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
         lag = [int(id(r) in ahead) for r in reqs]
-        so = sample(logits, sampling_batch(reqs, self.runner.vocab_size, logits.device, lag))
+        so = self.runner.sample(logits, reqs, lag)
         self._tell_proposer(reqs, so, fb, features)
         self._inflight = InFlight.launch(reqs, so, slots)
         return self._read_back(prev) if prev is not None else []

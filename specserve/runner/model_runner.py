@@ -19,12 +19,15 @@ from specserve.core.batch import ScheduleBatch
 from specserve.core.config import CacheConfig, ModelConfig, RunnerConfig
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.core.h2d import h2d_many
+from specserve.core.request import Req
 from specserve.models.compile import CompiledForward
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model, pick_dtype, random_model, read_hf_config
 from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.memory import OOM_ADVICE, auto_mem_fraction, kv_cache_dtype
 from specserve.runner.prefill_graphs import PrefillGraphs
+from specserve.runner.sample_graphs import SampleGraphs
+from specserve.runner.sampler import SampleOutput, sample, sampling_batch
 
 logger = logging.getLogger("specserve")
 
@@ -109,6 +112,7 @@ class ModelRunner:
         self.attn_backend = make_backend(runner_cfg.attention_backend, self.device, invariant)
         self.feature_mode: str | None = None  # what forward_with_features returns (EAGLE drafts)
         self.graphs: CudaGraphRunner | None = None
+        self.sample_graphs: SampleGraphs | None = None  # a decode step's seeded sampling, replayed
         self.prefill_graphs: PrefillGraphs | None = None  # prefill chunks (one request or several)
         self._aranges: dict[int, torch.Tensor] = {}  # arange(n) on the device, by n (`arange`)
         self.runner_cfg = runner_cfg
@@ -159,6 +163,8 @@ class ModelRunner:
                                 [0], [1], req_to_token, self.kv_pool, self.attn_backend)
         with torch.inference_mode():
             self.graphs.capture(template)
+        self.sample_graphs = SampleGraphs(self.graphs.static[ForwardMode.DECODE].logits, self.graphs.sizes)
+        with torch.inference_mode():
             prefill_tokens = self.prefill_graph_max_tokens()
             if prefill_tokens:
                 self.prefill_graphs = PrefillGraphs(self.model, self.attn_backend, self.vocab_size, prefill_tokens,
@@ -277,6 +283,17 @@ class ModelRunner:
             raise ValueError(f"unknown feature mode {mode!r}")
         self.feature_mode = mode
         self.model.aux_layers = tuple(aux_layers) if mode == "aux" else ()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs: list[Req], lag: list[int] | None = None) -> SampleOutput:
+        """The next token of each of `reqs` from its row of `logits` (processed): one
+        sampling-graph replay when the rows are a decode graph's (sample_graphs.py), else
+        `runner.sampler.sample`. lag: as in `sampling_batch`."""
+        graphs, ps = self.sample_graphs, [r.params for r in reqs]
+        if graphs is not None and logits.shape[0] == len(reqs) \
+                and graphs.covers(logits, all(p.greedy for p in ps), any(p.logprobs for p in ps)):
+            return graphs.sample(reqs, lag)
+        return sample(logits, sampling_batch(reqs, self.vocab_size, logits.device, lag))
 
     @torch.inference_mode()
     def forward_with_features(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
