@@ -1,5 +1,5 @@
-"""Shared fixtures for the real default model (SmolLM2-135M-Instruct from PyPI), and the
-suite's memory discipline.
+"""Shared fixtures for the real default model (SmolLM2-135M-Instruct from PyPI), the
+suite's memory discipline, and the gate that runs timing tests alone.
 
 The model fixtures use the normal cache (`$SPECSERVE_CACHE_DIR` or `~/.cache/specserve`), so the model
 is downloaded once per machine, not once per test run. After a test that built an engine the
@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import gc
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share the machine: torch's thread pools, a core each, would otherwise
+    # spin against each other (engine tests ran 3-5x slower that way).
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 RELEASE_AFTER_MB = 100
 
 
@@ -37,6 +47,23 @@ def _release_memory():
         trim = getattr(_LIBC, "malloc_trim", None)
         if trim is not None:
             trim(0)
+
+
+@pytest.fixture(autouse=True)
+def _serial_gate(request):
+    """The suite runs on two pytest-xdist workers (pyproject's addopts). A test marked
+    `serial` times something real (a watchdog, a grace period, a client's deadline), so it
+    runs alone: it takes an exclusive lock that every other test of the run takes shared,
+    so it starts once the other worker's test has ended, and the other worker starts none
+    until it is done. Without xdist there is nothing to share."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    with open(Path(tempfile.gettempdir()) / f"specserve-tests-{run}.lock", "a+") as f:
+        serial = request.node.get_closest_marker("serial") is not None
+        fcntl.flock(f, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)  # released when f closes
+        yield
 
 
 SMOLLM2 = "smollm2-135m"

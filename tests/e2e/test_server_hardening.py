@@ -16,7 +16,7 @@ import pytest
 
 from tests.e2e.server_utils import launched_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from tests.e2e.server_utils import (
     wait_healthy,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def _start(tmp_path, *flags: str) -> tuple[subprocess.Popen, str, Path]:

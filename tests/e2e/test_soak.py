@@ -17,7 +17,7 @@ import pytest
 
 from tests.e2e.server_utils import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 ARGS = ["--clients", "6", "--seconds", "10", "--max-tokens", "8", "--greedy-prompts", "2",
         "--greedy-max-tokens", "6", "--greedy-share", "0.25", "--duplicate-share", "0.15",
