@@ -5,7 +5,7 @@ three Triton launches (the filters' floors, kernels/filters.py; the draw's chunk
 and pick, kernels/argmax.py), and each launch costs the host more than the GPU takes to
 run it. Here each captured size g samples rows [0:g] of the decode graph's static logits
 with parameters held in static buffers: a step writes its requests' parameters (two
-copies) and replays one graph.
+copies, none when its requests are the last step's) and replays one graph.
 
 Invariants:
   * the captured body is `runner.sampler.sample` over a SamplingBatch of the static
@@ -30,7 +30,7 @@ import torch
 
 from specserve.core.request import Req
 from specserve.runner.cuda_graph import capture_each
-from specserve.runner.sampler import HostFlags, SampleOutput, SamplingBatch, sample
+from specserve.runner.sampler import HostFlags, SampleOutput, SamplingBatch, param_rows, sample
 
 _EVERY_FILTER = HostFlags(all_greedy=False, needs_sort=True, needs_min_p=True)
 
@@ -41,8 +41,8 @@ class SampleGraphs:
         batch sizes; `capture` False runs the same body eagerly (CPU tests)."""
         self.logits, self.sizes, self.capture = logits, sizes, capture
         max_bs, dev = sizes[-1], logits.device
-        self.floats = torch.zeros(4, max_bs, dtype=torch.float32, device=dev)  # temperature, greedy, top_p, min_p
-        self.ints = torch.zeros(3, max_bs, dtype=torch.int64, device=dev)  # top_k, seed, output index
+        self.floats = torch.zeros(4, max_bs, dtype=torch.float32, device=dev)  # as sampler.param_rows
+        self.ints = torch.zeros(3, max_bs, dtype=torch.int64, device=dev)  # as sampler.param_rows
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: dict[int, torch.Tensor] = {}
         self._last: tuple[int, list[Req], list[int]] = (0, [], [])  # size, requests, next counters
@@ -82,17 +82,15 @@ class SampleGraphs:
     def _fill(self, reqs: list[Req], counters: list[int], g: int) -> None:
         """Write the requests' parameters to the static buffers' first g columns (padding: greedy)."""
         vocab, pad = self.logits.shape[1], g - len(reqs)
-        ps = [r.params for r in reqs]
-        floats = [[p.temperature for p in ps] + [0.0] * pad, [float(p.greedy) for p in ps] + [1.0] * pad,
-                  [p.top_p for p in ps] + [1.0] * pad, [p.min_p for p in ps] + [0.0] * pad]
-        ints = [[p.top_k if p.top_k and p.top_k > 0 else vocab for p in ps] + [vocab] * pad,
-                [r.seed for r in reqs] + [0] * pad, counters + [0] * pad]
+        float_rows, int_rows = param_rows(reqs, vocab, counters)
+        floats = [row + [fill] * pad for row, fill in zip(float_rows, (0.0, 1.0, 0.0, 1.0))]
+        ints = [row + [fill] * pad for row, fill in zip(int_rows, (vocab, 0, 0))]
         self.floats[:, :g].copy_(torch.tensor(floats, dtype=torch.float32), non_blocking=True)
         self.ints[:, :g].copy_(torch.tensor(ints, dtype=torch.int64), non_blocking=True)
 
     def _draw(self, g: int) -> torch.Tensor:
         """The captured body: sample rows [0:g] under the static parameters."""
-        temperature, greedy, top_p, min_p = self.floats[:, :g]
+        temperature, top_p, min_p, greedy = self.floats[:, :g]
         top_k, seeds, counters = self.ints[:, :g]
         sb = SamplingBatch(temperature=temperature, greedy=greedy > 0, top_p=top_p, top_k=top_k, min_p=min_p,
                            seeds=seeds, counters=counters, flags=_EVERY_FILTER)

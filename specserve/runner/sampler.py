@@ -180,12 +180,11 @@ def sampling_batch(reqs: list[Req], vocab_size: int, device: torch.device,
     ps = [r.params for r in reqs]
     if all(p.greedy and not p.logprobs for p in ps):
         return _greedy_batch(reqs, vocab_size, device)
-    top_k = [p.top_k if p.top_k and p.top_k > 0 else vocab_size for p in ps]
-    floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
-                           [float(p.greedy) for p in ps]], dtype=torch.float32).to(device, non_blocking=True)
     counters = [len(r.output_ids) + (lag[b] if lag else 0) for b, r in enumerate(reqs)]
-    ints = torch.tensor([top_k, [r.seed for r in reqs], counters],
-                        dtype=torch.int64).to(device, non_blocking=True)
+    float_rows, int_rows = param_rows(reqs, vocab_size, counters)
+    top_k = int_rows[0]
+    floats = torch.tensor(float_rows, dtype=torch.float32).to(device, non_blocking=True)
+    ints = torch.tensor(int_rows, dtype=torch.int64).to(device, non_blocking=True)
     flags = HostFlags(all_greedy=all(p.greedy for p in ps),
                       needs_sort=any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in ps),
                       needs_min_p=any(p.min_p > 0 for p in ps))
@@ -195,6 +194,14 @@ def sampling_batch(reqs: list[Req], vocab_size: int, device: torch.device,
         top_logprobs=max((p.top_logprobs for p in ps if p.logprobs), default=0),
         want_logprobs=any(p.logprobs for p in ps), flags=flags,
     )
+
+
+def param_rows(reqs: list[Req], vocab_size: int, counters: list[int]) -> tuple[list[list], list[list[int]]]:
+    """The requests' parameters as host rows: [temperature, top_p, min_p, greedy] floats and
+    [top_k (vocab_size when off), seed, output index] ints."""
+    ps = [r.params for r in reqs]
+    return ([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps], [float(p.greedy) for p in ps]],
+            [[p.top_k if p.top_k and p.top_k > 0 else vocab_size for p in ps], [r.seed for r in reqs], counters])
 
 
 _GREEDY: dict[tuple[int, int, torch.device], SamplingBatch] = {}  # (B, vocab, device) -> tensors
