@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from specserve.args import parse_config
 from specserve.core.config import Config, ConfigError
-from specserve.core.messages import ControlOut, ControlReq, GenerateReq, TokenOut
+from specserve.core.messages import ControlOut, ControlReq, GenerateReq, TokenOut, unpack_outs
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.client import on_gpu
 from specserve.engine.process import kv_leak
@@ -121,7 +121,7 @@ class Engine:
                 dead = ranks.dead()
                 if dead is not None:
                     raise RuntimeError(dead)
-            for out in ranks.outbox.recv():
+            for out in unpack_outs(ranks.outbox.recv()):
                 _accumulate(acc[out.rid], out)
                 if out.finished:
                     pending.discard(out.rid)

@@ -2,14 +2,22 @@
 
 Starts `specserve.launch_server` with the given flags (or uses --url), sends MT-bench
 prompts from --concurrency client threads through the streaming OpenAI completions API,
-and reports request throughput, output tokens/s, mean TTFT (time to the first streamed
+(split over --client-procs processes, so that the clients' own parsing is not what
+limits a fast server) and reports request throughput, output tokens/s, mean TTFT (time to the first streamed
 text) and TPOT ((last - first chunk) / (tokens - 1)), plus the server's mean accept
 length from /get_server_info. One summary line, one JSON line.
+
+With --offline the same prompts also run through the offline `Engine` (engine in this
+process, no HTTP, no pipes) under the same flags, in waves of --concurrency (with
+--ignore-eos every request of a wave ends together, as the closed-loop clients do), and
+the report gives the server's tokens/s over the offline engine's: what the server's
+processes, pipes and streaming cost. The server runs first and has exited by then.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import shlex
 import socket
 import subprocess
@@ -31,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--client-procs", type=int, default=None, help="client processes (default: one per 8 "
+                   "clients, at most 8)")
+    p.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens "
+                   "(random weights: their EOS can come at any point)")
+    p.add_argument("--offline", action="store_true", help="also time the offline Engine on the same "
+                   "prompts with the same flags, and report server / offline")
     p.add_argument("--output", default="bench_serving.jsonl")
     return p
 
@@ -60,10 +74,10 @@ def _start(server_args: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not become healthy within 600 s")
 
 
-def _one(url: str, model: str, prompt: str, max_tokens: int) -> dict:
+def _one(url: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool = False) -> dict:
     """Stream one completion; timestamps of the first and last text chunks, token count."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     start, first, last, tokens = time.perf_counter(), None, None, 0
@@ -83,6 +97,46 @@ def _one(url: str, model: str, prompt: str, max_tokens: int) -> dict:
             "tokens": tokens}
 
 
+def _clients(args: argparse.Namespace, url: str, model: str, prompts: list[str]) -> tuple[list[dict], float]:
+    """Run every prompt through --concurrency closed-loop clients; results and seconds."""
+    procs = max(1, min(args.concurrency, args.client_procs or min(8, -(-args.concurrency // 8))))
+    threads = [args.concurrency // procs + (k < args.concurrency % procs) for k in range(procs)]
+    shares = [(url, model, prompts[k::procs], args.max_tokens, args.ignore_eos, threads[k]) for k in range(procs)]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        pool.map(time.sleep, [0.5] * procs, chunksize=1)  # every worker up before the clock starts
+        start = time.perf_counter()
+        results = [r for share in pool.starmap(_share, shares, chunksize=1) for r in share]
+        return results, time.perf_counter() - start
+
+
+def _share(url: str, model: str, prompts: list[str], max_tokens: int, ignore_eos: bool, threads: int) -> list[dict]:
+    """One client process: `threads` closed-loop clients over `prompts`."""
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(lambda p: _one(url, model, p, max_tokens, ignore_eos), prompts))
+
+
+def _offline_tok_s(args: argparse.Namespace, prompts: list[str]) -> float:
+    """Output tokens/s of the offline Engine on `prompts`, in waves of --concurrency."""
+    from specserve.args import parse_config
+    from specserve.offline import Engine
+
+    engine = Engine(config=parse_config([*shlex.split(args.server_args), "--log-level", "warning"]))
+    try:
+        params = {"max_new_tokens": args.max_tokens, "temperature": 0, "ignore_eos": args.ignore_eos}
+        engine.generate(["Say hello."], {**params, "max_new_tokens": 8})  # warm-up, as for the server
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(prompts), args.concurrency):
+            outs = engine.generate(prompts[i:i + args.concurrency], params)
+            tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
+        return tokens / (time.perf_counter() - start)
+    finally:
+        engine.shutdown()
+
+
+def _ratio(num: float, den: float | None) -> float | None:
+    return num / den if den else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     proc, url = (None, args.url) if args.url else _start(args.server_args)
@@ -92,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
             model = json.load(resp)["data"][0]["id"]
         _one(url, model, "Say hello.", 8)  # warm-up, not a benchmark prompt
-        start = time.perf_counter()
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            results = list(pool.map(lambda p: _one(url, model, p, args.max_tokens), prompts))
-        seconds = time.perf_counter() - start
+        results, seconds = _clients(args, url, model, prompts)
         with urllib.request.urlopen(f"{url}/get_server_info", timeout=10) as resp:
             info = json.load(resp)
     finally:
@@ -103,16 +154,20 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(timeout=60)
     tokens = sum(r["tokens"] for r in results)
+    offline = _offline_tok_s(args, prompts) if args.offline else None
     accept = (info.get("internal_states") or [{}])[0].get("avg_spec_accept_length")
     row = {"bench": "serving", "server_args": args.server_args, "num_prompts": len(prompts),
            "concurrency": args.concurrency, "max_tokens": args.max_tokens, "seconds": seconds,
-           "request_throughput": len(prompts) / seconds, "output_tok_s": tokens / seconds,
+           "request_throughput": len(prompts) / seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
            "mean_ttft_ms": 1e3 * mean(r["ttft"] for r in results),
            "mean_tpot_ms": 1e3 * mean(r["tpot"] for r in results), "accept_length": accept,
-           "device": info.get("device")}
+           "device": info.get("device"), "offline_tok_s": offline,
+           "server_over_offline": _ratio(tokens / seconds, offline)}
     report(f"serving [{args.server_args or 'plain'}] c={args.concurrency}: {row['request_throughput']:.2f} req/s, "
            f"{row['output_tok_s']:.1f} tok/s, TTFT {row['mean_ttft_ms']:.0f} ms, TPOT {row['mean_tpot_ms']:.1f} ms"
-           + (f", accept len {accept:.2f}" if accept else "") + f" ({row['device']})", row, args.output)
+           + (f", accept len {accept:.2f}" if accept else "")
+           + (f"; offline {offline:.1f} tok/s, server/offline {row['server_over_offline']:.3f}" if offline else "")
+           + f" ({row['device']})", row, args.output)
     return 0
 
 

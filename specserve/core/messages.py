@@ -1,7 +1,9 @@
 """Typed messages between the front end (HTTP or offline API) and the engine loop.
 
 Small picklable dataclasses: they cross a process boundary (multiprocessing pipe) in the
-server and stay in-process for the offline `Engine`. Nothing here touches torch.
+server and stay in-process for the offline `Engine`. Deltas cross the pipe from the engine
+as `TokenOut.packed` tuples (`pack_outs` / `unpack_outs`), a list per message. Nothing here
+touches torch.
 """
 from __future__ import annotations
 
@@ -64,3 +66,22 @@ class TokenOut:
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # spec_verify_ct, spec_accept_length, ...
+
+    def packed(self) -> tuple:
+        """This delta as a plain tuple: what crosses the engine's pipe (a list of tuples
+        pickles in about a third of the time of a list of dataclasses)."""
+        return (self.rid, self.token_ids, self.text, self.finished, self.finish_reason, self.prompt_tokens,
+                self.completion_tokens, self.cached_tokens, self.logprobs or None, self.meta or None)
+
+    @staticmethod
+    def unpacked(row: tuple) -> TokenOut:
+        """The inverse of `packed`."""
+        return TokenOut(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8] or [], row[9] or {})
+
+
+def pack_outs(outs: list[TokenOut]) -> list[tuple]:
+    return [o.packed() for o in outs]
+
+
+def unpack_outs(rows: list[tuple]) -> list[TokenOut]:
+    return [TokenOut.unpacked(r) for r in rows]

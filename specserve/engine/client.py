@@ -119,10 +119,10 @@ class ProcessEngineClient:
             if fut is not None and not fut.done():
                 fut.set_result(msg.result)
             return
-        for out in msg:
-            q = self._queues.get(out.rid)
+        for row in msg:  # TokenOut.packed tuples; row[0] is the id the engine was sent
+            q = self._queues.get(row[0])
             if q is not None:
-                q.put_nowait(out)
+                q.put_nowait(TokenOut.unpacked(row))
 
     def _fail_all(self, what: str) -> None:
         self._end_all({"type": "abort", "status_code": 503, "message": f"the engine stopped: {what}"})
@@ -182,7 +182,8 @@ class ProcessEngineClient:
             while not finished:
                 out = await queue.get()
                 finished = out.finished
-                yield dataclasses.replace(out, rid=req.rid)
+                out.rid = req.rid  # this stream's own object (unpacked for it alone)
+                yield out
         finally:
             self.router.done(d)
             self._queues.pop(sent.rid, None)

@@ -3,7 +3,7 @@ and (rank 0) sends deltas back.
 
 The HTTP server's event loop and the scheduler's hot loop must not share one GIL, so the
 scheduler runs here. Messages are the dataclasses of `messages.py`: rank 0 reads them from
-a one-way multiprocessing pipe and answers on another; under tensor parallelism it
+a one-way multiprocessing pipe and answers on another (deltas as `TokenOut.packed` tuples); under tensor parallelism it
 broadcasts each batch it read to the other ranks (`core/parallel.py`), which handle the
 same messages and run the same steps (engine/ranks.py says why). At tp 1 a step that
 raises aborts the requests it touched (with the error) instead of killing the process: no
@@ -21,7 +21,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from specserve.core import parallel
-from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq
+from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq, pack_outs
 from specserve.engine.protocol import EngineStart, ModelInfo, RankPlace
 from specserve.engine.watchdog import StepClock
 
@@ -132,7 +132,7 @@ def _loop(sched, inbox: Connection, outbox: Connection, shared: bool, clock: Ste
         else:
             clock.stop()
         if outs:
-            outbox.send(outs)
+            outbox.send(pack_outs(outs))
 
 
 def _follow(sched, place: RankPlace, clock: StepClock) -> None:

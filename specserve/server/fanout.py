@@ -64,7 +64,16 @@ class FanOut:
         """The next delta of any choice; raises what an engine stream raised (ValueError -> 400)."""
         if self._open == 0:
             return None
-        index, item = await self._queue.get()
+        return self._take(await self._queue.get())
+
+    def poll(self) -> tuple[int, TokenOut] | None:
+        """The next delta if one is queued already, else None (as at the end); raises as `next`."""
+        if self._open == 0 or self._queue.empty():
+            return None
+        return self._take(self._queue.get_nowait())
+
+    def _take(self, queued: tuple[int, TokenOut | BaseException]) -> tuple[int, TokenOut]:
+        index, item = queued
         if isinstance(item, BaseException):
             if not isinstance(item, (ValueError, APIError)) and not self.client.is_alive():
                 raise APIError(503, "The engine is not running")

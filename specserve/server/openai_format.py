@@ -7,6 +7,7 @@ types; the tokenizer is used only to spell token ids (`token_str`).
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -136,10 +137,29 @@ def completion_response(ctx: ResponseCtx, states: list[ChoiceState]) -> Completi
                               usage=make_usage(ctx, states))
 
 
+def _js(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
 class _StreamBase:
+    """A stream's bookkeeping, and its plain chunks written from a template.
+
+    Most chunks carry text and nothing else; building and dumping the pydantic models for
+    each costs several times what the template does, for the same JSON text
+    (tests/unit/test_stream_chunks.py holds the two equal)."""
+
+    OBJECT = ""
+
     def __init__(self, ctx: ResponseCtx, num_choices: int):
         self.ctx = ctx
         self.states = [ChoiceState(i) for i in range(num_choices)]
+        self._head = (f'{{"id":{_js(ctx.id)},"object":"{self.OBJECT}","created":{ctx.created},'
+                      f'"model":{_js(ctx.model)},"choices":[{{"index":')
+
+    def _plain(self, index: int, body: str, finish: str | None) -> str:
+        """A chunk of one choice whose fields after `index` are `body` (JSON members),
+        no logprobs, and `finish`."""
+        return f'{self._head}{index},{body},"logprobs":null,"finish_reason":{_js(finish)}}}],"usage":null}}'
 
     def _track(self, index: int, out: TokenOut) -> bool:
         """Record `out`; False when it carries nothing worth a chunk (e.g. held-back text)."""
@@ -156,6 +176,8 @@ class ChatStream(_StreamBase):
     With a tool format, each choice's text goes through a `ToolStream`: content streams as
     it is known not to start a call, and each call goes out whole as two tool_calls deltas
     (index, id, type and name; then its arguments)."""
+
+    OBJECT = "chat.completion.chunk"
 
     def __init__(self, ctx: ResponseCtx, num_choices: int):
         super().__init__(ctx, num_choices)
@@ -176,6 +198,9 @@ class ChatStream(_StreamBase):
             return []
         lps = chat_logprobs(self.ctx.tokenizer, out.logprobs) if self.ctx.logprobs else None
         finish = self._finish(out)
+        if self._splitters is None and lps is None:
+            delta = f'{{"content":{_js(out.text)}}}' if out.text or not out.finished else "{}"
+            return [self._plain(index, f'"delta":{delta}', finish)]
         if self._splitters is None:
             deltas = [ChatDelta(content=out.text) if out.text or not out.finished else ChatDelta()]
         else:
@@ -214,6 +239,8 @@ class ChatStream(_StreamBase):
 class CompletionStream(_StreamBase):
     """Chunks of /v1/completions: text deltas per choice, usage last."""
 
+    OBJECT = "text_completion"
+
     def __init__(self, ctx: ResponseCtx, num_choices: int):
         super().__init__(ctx, num_choices)
         self._offsets = [0] * num_choices
@@ -229,9 +256,9 @@ class CompletionStream(_StreamBase):
     def delta(self, index: int, out: TokenOut) -> list[str]:
         if not self._track(index, out):
             return []
-        lps = None
-        if self.ctx.logprobs:
-            lps, self._offsets[index] = completion_logprobs(self.ctx.tokenizer, out.logprobs, self._offsets[index])
+        if not self.ctx.logprobs:
+            return [self._plain(index, f'"text":{_js(out.text)}', self._finish(out))]
+        lps, self._offsets[index] = completion_logprobs(self.ctx.tokenizer, out.logprobs, self._offsets[index])
         choice = CompletionChoice(index=index, text=out.text, logprobs=lps, finish_reason=self._finish(out))
         return [self._chunk([choice])]
 

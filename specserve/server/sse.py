@@ -53,11 +53,20 @@ async def sse_stream(
             yield sse(payload)
         item = first
         while item is not None:
-            index, out = item
-            if out.finished and (err := abort_error(out.finish_reason)) is not None:
+            # Deltas already queued go out in one write: a loop that fell behind catches up
+            # with fewer sends, instead of one send per token.
+            payloads: list[str] = []
+            err = None
+            while item is not None:
+                index, out = item
+                if out.finished and (err := abort_error(out.finish_reason)) is not None:
+                    break
+                payloads += fmt.delta(index, out)
+                item = fan.poll()
+            if payloads:
+                yield "".join(map(sse, payloads))
+            if err is not None:
                 raise err
-            for payload in fmt.delta(index, out):
-                yield sse(payload)
             item = await fan.next()
         for payload in fmt.end():
             yield sse(payload)
