@@ -293,6 +293,9 @@ def _add_server(p: argparse.ArgumentParser) -> None:
                         "are aborted (finish reason abort)")
     g.add_argument("--watchdog-timeout", type=float, default=_V.watchdog_timeout,
                    help="seconds an engine step may take; a longer one (a hang) stops the server with an error")
+    g.add_argument("--tokenizer-worker-num", type=int, default=_V.tokenizer_worker_num,
+                   help="HTTP front-end processes on the one port, each parsing, tokenizing and streaming "
+                        "its own requests to every engine replica (default: 1)")
 
 
 def _add_logging(p: argparse.ArgumentParser) -> None:

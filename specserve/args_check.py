@@ -65,7 +65,7 @@ _AT_LEAST_1 = (
     ("runner", "cuda_graph_max_bs"),
     ("runner", "torch_compile_max_bs"), ("runner", "tp_size"), ("runner", "cpu_threads"), ("spec", "num_steps"),
     ("spec", "eagle_topk"), ("spec", "num_draft_tokens"), ("spec", "ngram_capacity"),
-    ("spec", "batch_tree_from"), ("server", "max_choices_per_request"),
+    ("spec", "batch_tree_from"), ("server", "max_choices_per_request"), ("server", "tokenizer_worker_num"),
 )
 _RANGES: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
     ("server", "port", lambda v: 1 <= v <= 65535, "in 1..65535"),

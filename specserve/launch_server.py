@@ -28,6 +28,7 @@ from specserve.engine.process import setup_logging
 if TYPE_CHECKING:
     from specserve.engine.client import ProcessEngineClient
     from specserve.engine.nodes import NodeWatch
+    from specserve.frontends import FrontEnds
 
 logger = logging.getLogger("specserve")
 
@@ -80,9 +81,16 @@ def _serve(cfg: Config) -> int:
             if watch is not None:
                 watch.report(str(e))
             return 1
+        fronts = None
         try:
-            _run_http(client, sock, stopper)
+            if cfg.server.tokenizer_worker_num > 1:
+                from specserve.frontends import FrontEnds
+
+                fronts = FrontEnds(client, client.tokenizer, sock, stopper.stop)
+            _run_http(client, sock, stopper, fronts)
         finally:
+            if fronts is not None:
+                fronts.stop(cfg.server.graceful_shutdown_timeout)
             client.shutdown()
             if watch is not None:
                 watch.close()
@@ -117,16 +125,12 @@ def _watch_nodes(cfg: Config, stopper: _Stopper) -> NodeWatch | None:
     return NodeWatch(cfg.runner.dist_init_addr, cfg.runner.nnodes, 0, stopper.stop)
 
 
-def _run_http(client: ProcessEngineClient, sock: socket.socket, stopper: _Stopper) -> None:
-    import uvicorn
-
-    from specserve.server.http import build_app
-    from specserve.server.uvicorn_server import DrainingServer
+def _run_http(client: ProcessEngineClient, sock: socket.socket, stopper: _Stopper,
+              fronts: FrontEnds | None) -> None:
+    from specserve.server.uvicorn_server import draining_server
 
     cfg = client.config.server
-    server = DrainingServer(uvicorn.Config(
-        build_app(client), log_level=cfg.log_level if cfg.log_level != "info" else "warning",
-        timeout_keep_alive=5), client.begin_shutdown, cfg.graceful_shutdown_timeout)
+    server = draining_server(client, also=fronts.terminate if fronts is not None else lambda: None)
     stopper.server = server
     if stopper.why is not None:  # an engine died before the server existed
         return

@@ -145,6 +145,7 @@ class ServerConfig:
     max_choices_per_request: int = 256  # prompts x n of one HTTP call; more is a 400
     graceful_shutdown_timeout: float = 5.0  # seconds running requests get after SIGTERM / Ctrl-C
     watchdog_timeout: float = 300.0  # an engine step longer than this stops the server (SGLang's)
+    tokenizer_worker_num: int = 1  # HTTP front-end processes sharing the port (SGLang's name)
 
 
 @dataclass(frozen=True)

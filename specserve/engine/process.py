@@ -3,7 +3,8 @@ and (rank 0) sends deltas back.
 
 The HTTP server's event loop and the scheduler's hot loop must not share one GIL, so the
 scheduler runs here. Messages are the dataclasses of `messages.py`: rank 0 reads them from
-a one-way multiprocessing pipe and answers on another (deltas as `TokenOut.packed` tuples); under tensor parallelism it
+one-way multiprocessing pipes, a pair per front-end process (`fronts.py`), and answers each
+request on its sender's pipe (deltas as `TokenOut.packed` tuples); under tensor parallelism it
 broadcasts each batch it read to the other ranks (`core/parallel.py`), which handle the
 same messages and run the same steps (engine/ranks.py says why). At tp 1 a step that
 raises aborts the requests it touched (with the error) instead of killing the process: no
@@ -18,10 +19,12 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from specserve.core import parallel
-from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq, pack_outs
+from specserve.core.messages import AbortReq, ControlOut, ControlReq, GenerateReq
+from specserve.engine.fronts import Fronts
 from specserve.engine.protocol import EngineStart, ModelInfo, RankPlace
 from specserve.engine.watchdog import StepClock
 
@@ -32,10 +35,11 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
 
 
-def engine_main(start: EngineStart, place: RankPlace, inbox: Connection | None,
-                outbox: Connection | None, clock: StepClock | None = None) -> None:
-    """Run rank `place.rank`; rank 0 alone has the pipes (`inbox`, `outbox`). Each step
-    is timed on `clock`, which the front end's watchdog reads."""
+def engine_main(start: EngineStart, place: RankPlace, inboxes: list[Connection] | None,
+                outboxes: list[Connection] | None, clock: StepClock | None = None) -> None:
+    """Run rank `place.rank`; rank 0 alone has the pipes, a pair per front end (`inboxes`,
+    `outboxes`; the first pair is the launcher's). Each step is timed on `clock`, which
+    the front end's watchdog reads."""
     clock = clock or StepClock()
     # Ctrl-C reaches the whole process group; the front end decides when this process stops
     # (it sends None, then waits), so SIGINT here would only print a second traceback.
@@ -49,19 +53,19 @@ def engine_main(start: EngineStart, place: RankPlace, inbox: Connection | None,
     try:
         sched = _build(start, place)
     except Exception as e:  # report, don't hang the parent
-        if outbox is not None:
-            outbox.send(("error", f"{type(e).__name__}: {e}"))
+        if outboxes:
+            outboxes[0].send(("error", f"{type(e).__name__}: {e}"))
         logger.error("rank %d failed to start: %s: %s", place.rank, type(e).__name__, e)
         sys.exit(1)
-    if inbox is None or outbox is None:
+    if not inboxes or not outboxes:
         _follow(sched, place, clock)
         return
     cfg = start.config
     served = cfg.model.served_model_name or cfg.model.model_path
     try:
-        outbox.send(("ready", ModelInfo(served, sched.context_length, sched.runner.vocab_size,
-                                        sched.max_running, sched.kv.num_slots)))
-        _loop(sched, inbox, outbox, place.tp_size > 1, clock)
+        outboxes[0].send(("ready", ModelInfo(served, sched.context_length, sched.runner.vocab_size,
+                                             sched.max_running, sched.kv.num_slots)))
+        _loop(sched, Fronts(inboxes, outboxes), place.tp_size > 1, clock)
     except (BrokenPipeError, EOFError, OSError):
         return  # the front end went away: nothing left to serve
     except Exception as e:  # a collective failed: another rank is gone (the launcher says which)
@@ -105,34 +109,25 @@ def _build(start: EngineStart, place: RankPlace):
     return Scheduler(start, load_tokenizer(start.tokenizer_dir))
 
 
-def _loop(sched, inbox: Connection, outbox: Connection, shared: bool, clock: StepClock) -> None:
-    """Rank 0: read what the front end sent, share it with the other ranks, handle it, step."""
+def _loop(sched, fronts: Fronts, shared: bool, clock: StepClock) -> None:
+    """Rank 0: read what the front ends sent, share it with the other ranks, handle it, step."""
     while True:
-        msgs = []
-        timeout = 0.0 if sched.has_work else 0.05
-        try:
-            while inbox.poll(timeout):
-                msgs.append(inbox.recv())
-                timeout = 0.0
-                if msgs[-1] is None:
-                    break
-        except (EOFError, OSError):
-            msgs.append(None)  # the front end is gone: the other ranks stop too
+        msgs = fronts.read(0.0 if sched.has_work else 0.05)
         if shared and parallel.broadcast_flag(bool(msgs)):  # most steps: one small collective
-            parallel.broadcast_object(msgs)
+            parallel.broadcast_object([msg for _, msg in msgs])
         outs = []
-        for msg in msgs:
+        for front, msg in msgs:
             if msg is None:
                 clock.stop()
                 return
-            outs += _handle(sched, msg, outbox)
+            outs += _handle(sched, msg, fronts.answer_to(front))
         if sched.has_work:  # timed on to the next step while work remains (engine/watchdog.py)
             with clock.step(still_busy=lambda: sched.has_work):
                 outs += _safe_step(sched, shared)
         else:
             clock.stop()
         if outs:
-            outbox.send(pack_outs(outs))
+            fronts.send(outs)
 
 
 def _follow(sched, place: RankPlace, clock: StepClock) -> None:
@@ -151,7 +146,7 @@ def _follow(sched, place: RankPlace, clock: StepClock) -> None:
         sys.exit(1)
 
 
-def _handle(sched, msg, outbox: Connection | None) -> list:
+def _handle(sched, msg, answer: Callable[[ControlOut], None] | None) -> list:
     if isinstance(msg, GenerateReq):
         return sched.add_request(msg)
     if isinstance(msg, AbortReq):
@@ -160,8 +155,8 @@ def _handle(sched, msg, outbox: Connection | None) -> list:
         ops = {"flush_cache": sched.flush_cache, "server_info": sched.server_info, "metrics": sched.metrics,
                "kv_leak": lambda: kv_leak(sched)}
         result = ops[msg.op]() if msg.op in ops else {"error": f"unknown control op {msg.op}"}
-        if outbox is not None:
-            outbox.send(ControlOut(msg.token, result))
+        if answer is not None:
+            answer(ControlOut(msg.token, result))
     return []
 
 

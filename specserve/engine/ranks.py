@@ -94,7 +94,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def _signals_held() -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """Ctrl-C and SIGTERM wait until the block ends (then they arrive as they would have).
 
     `Process.start()` writes the child's start-up pickle into a pipe; a handler that raises
@@ -116,29 +116,36 @@ def _signals_held() -> Iterator[None]:
 
 
 class Replica:
-    """This node's processes of one engine replica; the pipes when rank 0 is among them."""
+    """This node's processes of one engine replica; when rank 0 is among them, the front
+    ends' sides of its pipes: `inboxes[k]` (to the engine) and `outboxes[k]` (from it) for
+    front end k, the first pair also as `inbox` and `outbox`."""
 
-    def __init__(self, start: EngineStart, places: list[RankPlace], index: int = 0) -> None:
+    def __init__(self, start: EngineStart, places: list[RankPlace], index: int = 0, fronts: int = 1) -> None:
         ctx = mp.get_context("spawn")
         self.index, self.places = index, places
-        self.inbox = self.outbox = None
+        self.inboxes: list[Connection] = []
+        self.outboxes: list[Connection] = []
         self.procs: list = []
         self.clocks = [StepClock(ctx) for _ in places]  # the step watchdog's (engine/watchdog.py)
         for place, clock in zip(places, self.clocks):
-            ends: tuple[Connection | None, Connection | None] = (None, None)
+            ends: tuple[list[Connection] | None, list[Connection] | None] = (None, None)
             if place.rank == 0:
-                inbox_r, self.inbox = ctx.Pipe(duplex=False)
-                self.outbox, outbox_w = ctx.Pipe(duplex=False)
-                ends = (inbox_r, outbox_w)
+                to_engine = [ctx.Pipe(duplex=False) for _ in range(fronts)]  # (engine's end, front end's)
+                from_engine = [ctx.Pipe(duplex=False) for _ in range(fronts)]  # (front end's, engine's)
+                self.inboxes = [w for _, w in to_engine]
+                self.outboxes = [r for r, _ in from_engine]
+                ends = ([r for r, _ in to_engine], [w for _, w in from_engine])
             name = f"specserve-engine-{index}" + (f"-tp{place.rank}" if place.tp_size > 1 else "")
             proc = ctx.Process(target=engine_main, args=(start, place, *ends, clock), daemon=True,
                                name=name)
-            with _signals_held():
+            with signals_held():
                 proc.start()
             self.procs.append(proc)
-            for end in ends:
-                if end is not None:
+            for group in ends:
+                for end in group or []:
                     end.close()
+        self.inbox = self.inboxes[0] if self.inboxes else None
+        self.outbox = self.outboxes[0] if self.outboxes else None
 
     def wait_ready(self) -> ModelInfo:
         """Block until rank 0 serves; RuntimeError if any rank exits first or it fails."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
@@ -28,3 +29,19 @@ class DrainingServer(uvicorn.Server):
         logger.info("Shutting down: running requests have %g s to finish", self.grace_s)
         self.begin_shutdown(self.grace_s)
         await super().shutdown(sockets)
+
+
+def draining_server(client: Any, also: Callable[[], None] = lambda: None) -> DrainingServer:
+    """The HTTP server of one front end over `client` (an EngineClient with
+    `begin_shutdown`), configured from its config's server section; `also()` runs when
+    its shutdown begins."""
+    from specserve.server.http import build_app
+
+    def begin_shutdown(grace_s: float) -> None:
+        client.begin_shutdown(grace_s)
+        also()
+
+    cfg = client.config.server
+    return DrainingServer(uvicorn.Config(
+        build_app(client), log_level=cfg.log_level if cfg.log_level != "info" else "warning",
+        timeout_keep_alive=5), begin_shutdown, cfg.graceful_shutdown_timeout)

@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "specserve.offline": 8,
     "specserve.launch_server": 8,
     "specserve.follower_node": 8,
+    "specserve.frontends": 8,
     "specserve.cli": 8,
     "specserve.bench": 8,
     "specserve.train": 8,
