@@ -63,6 +63,8 @@ class Engine:
         if r.dp_size > 1 or r.nnodes > 1:
             raise ConfigError("the offline Engine runs one replica on one host: --dp-size and --nnodes "
                               "above 1 need the server")
+        if self.config.server.tokenizer_worker_num > 1:
+            raise ConfigError("--tokenizer-worker-num sets the server's HTTP processes; the offline Engine has none")
         self._ids = itertools.count()
         self.scheduler: Scheduler | None = None
         self._ranks: Replica | None = None

@@ -3,7 +3,8 @@
 With two front ends and two replicas, eight concurrent greedy requests answer what one
 engine answers, both front ends take connections, and every front end reports the
 engines' metrics. A front end that dies stops the server with an error naming it, and
-nothing is left behind; SIGTERM stops every process with status 0 (server_utils).
+nothing is left behind; SIGTERM stops every process with status 0 (server_utils). The offline
+Engine, which has no HTTP process, refuses the flag.
 """
 from __future__ import annotations
 
@@ -56,3 +57,11 @@ def test_a_front_end_dying_stops_the_server(tmp_path):
     (front,) = _front_end_pids(proc)
     subprocess.run(["kill", "-9", str(front)], check=True)
     assert_stops_with_error(proc, log, 15, "front-end process specserve-frontend-1 exited")
+
+
+def test_the_offline_engine_refuses_front_ends():
+    from specserve import Engine
+    from specserve.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--tokenizer-worker-num"):
+        Engine(tokenizer_worker_num=2, log_level="warning")
