@@ -53,8 +53,10 @@ class ProcessEngineClient(EngineLink):
 
     def _pipe_closed(self, d: int) -> None:
         replica = self._replicas[d]
-        replica.procs[0].join(timeout=2)  # reaped, its exit code says how it ended
-        self._died(replica.dead() or f"replica {d}'s engine closed its pipe")
+        # A process that exited closed its pipe; its sentinel says so even while the watcher
+        # thread is the one reaping it (is_alive() would still say True here).
+        exited = {s for s in wait(replica.sentinels(), timeout=2) if isinstance(s, int)}
+        self._died(replica.dead(exited) or f"replica {d}'s engine closed its pipe")
 
     def _watch(self) -> None:
         """Wait on every engine process; also the step watchdog (engine/watchdog.py)."""
