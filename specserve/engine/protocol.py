@@ -1,8 +1,9 @@
 """The front end's view of an engine: what it starts from, and what the HTTP layer may call.
 
 `EngineStart` is what start-up resolved before any weights load (preflight.py); it crosses
-into the engine process. `EngineClient` is implemented by `engine/client.py` (an engine
-running in a child process) and by test fakes. The HTTP layer depends on this protocol
+into the engine process. `EngineClient` is implemented by `engine/link.py` (pipes to engines
+running in other processes; `engine/client.py` is the launcher's, which owns them) and by
+test fakes. The HTTP layer depends on this protocol
 only, never on the scheduler, so the two can be tested apart.
 """
 from __future__ import annotations
