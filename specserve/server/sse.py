@@ -47,14 +47,16 @@ async def sse_stream(
     fan: FanOut, first: tuple[int, TokenOut] | None, fmt: StreamFormatter
 ) -> AsyncIterator[str]:
     """Yield the SSE events of a whole response. `first` is the delta already awaited (so that
-    a request the engine rejects got a 4xx status instead of a 200 stream)."""
+    a request the engine rejects got a 4xx status instead of a 200 stream).
+
+    Every write holds what is ready: the opening events with the first deltas, the deltas
+    already queued together (a loop that fell behind catches up with fewer sends, instead
+    of one a token), and the closing events with `[DONE]`."""
+    head = tail = ""
     try:
-        for payload in fmt.start():
-            yield sse(payload)
+        head = "".join(map(sse, fmt.start()))
         item = first
         while item is not None:
-            # Deltas already queued go out in one write: a loop that fell behind catches up
-            # with fewer sends, instead of one send per token.
             payloads: list[str] = []
             err = None
             while item is not None:
@@ -63,18 +65,18 @@ async def sse_stream(
                     break
                 payloads += fmt.delta(index, out)
                 item = fan.poll()
-            if payloads:
-                yield "".join(map(sse, payloads))
+            text, head = head + "".join(map(sse, payloads)), ""
+            if text:
+                yield text
             if err is not None:
                 raise err
             item = await fan.next()
-        for payload in fmt.end():
-            yield sse(payload)
+        tail = head + "".join(map(sse, fmt.end()))
     except Exception as exc:  # noqa: BLE001 - the status is sent; report in-band and end cleanly
-        yield sse(to_api_error(exc).body())  # an unexpected one is logged by to_api_error
+        tail = head + sse(to_api_error(exc).body())  # an unexpected one is logged by to_api_error
     finally:
         await fan.close()
-    yield DONE
+    yield tail + DONE
 
 
 class SSEResponse(StreamingResponse):
