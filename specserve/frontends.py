@@ -1,8 +1,8 @@
 """The front-end processes beyond the launcher's (--tokenizer-worker-num N: N - 1 of them).
 
 One HTTP process parses, tokenizes and streams every request of the server on one event
-loop, and at a few tens of thousands of streamed tokens a second that loop, not the
-GPUs, sets the pace. Each front end here serves the launcher's listening socket (the
+loop; with many replicas or a small model that loop, not the engines, sets the pace
+(docs/benchmarks.md). Each front end here serves the launcher's listening socket (the
 kernel hands each connection to one of them) with an `EngineLink` of its own: its own
 pipe pair to every replica's rank 0 (`engine/fronts.py` answers each request on its
 sender's pipe), its own router and tokenizer. The launcher keeps the engine processes.

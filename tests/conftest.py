@@ -21,7 +21,7 @@ import pytest
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers share the machine: torch's thread pools, a core each, would otherwise
-    # spin against each other (engine tests ran 3-5x slower that way).
+    # spin against each other (the engine tests ran several times slower that way).
     import torch
 
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -40,33 +40,30 @@ def _out(text: str, finished: bool) -> TokenOut:
     return TokenOut("r", [7], text, finished, {"type": "length"} if finished else None)
 
 
+def _completion_chunk(ctx: ResponseCtx, index: int, text: str, finish: str | None) -> str:
+    choice = CompletionChoice(index=index, text=text, logprobs=None, finish_reason=finish)
+    return CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice],
+                              usage=None).model_dump_json()
+
+
+def _chat_chunk(ctx: ResponseCtx, index: int, text: str, finish: str | None) -> str:
+    delta = ChatDelta(content=text) if text or finish is None else ChatDelta()
+    choice = ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=finish)
+    return ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice],
+                               usage=None).model_dump_json()
+
+
 @pytest.mark.parametrize("text,finished", CASES)
-@pytest.mark.parametrize("index", [0, 3])
-def test_completion_chunk_is_the_models_json(text: str, finished: bool, index: int) -> None:
+@pytest.mark.parametrize("stream_cls,models,index", [(CompletionStream, _completion_chunk, 0),
+                                                     (CompletionStream, _completion_chunk, 3),
+                                                     (ChatStream, _chat_chunk, 0), (ChatStream, _chat_chunk, 2)])
+def test_a_plain_chunk_is_the_models_json(text: str, finished: bool, stream_cls, models, index: int) -> None:
     ctx = _ctx()
-    stream = CompletionStream(ctx, 4)
-    chunks = stream.delta(index, _out(text, finished))
+    chunks = stream_cls(ctx, 4).delta(index, _out(text, finished))
     if not (text or finished):
         assert chunks == []  # nothing worth a chunk: the template is not asked
         return
-    choice = CompletionChoice(index=index, text=text, logprobs=None, finish_reason="length" if finished else None)
-    want = CompletionResponse(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice], usage=None)
-    assert chunks == [want.model_dump_json()]
-
-
-@pytest.mark.parametrize("text,finished", CASES)
-@pytest.mark.parametrize("index", [0, 2])
-def test_chat_chunk_is_the_models_json(text: str, finished: bool, index: int) -> None:
-    ctx = _ctx()
-    stream = ChatStream(ctx, 3)
-    chunks = stream.delta(index, _out(text, finished))
-    if not (text or finished):
-        assert chunks == []
-        return
-    delta = ChatDelta(content=text) if text or not finished else ChatDelta()
-    choice = ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason="length" if finished else None)
-    want = ChatCompletionChunk(id=ctx.id, created=ctx.created, model=ctx.model, choices=[choice], usage=None)
-    assert chunks == [want.model_dump_json()]
+    assert chunks == [models(ctx, index, text, "length" if finished else None)]
 
 
 class _Burst:
