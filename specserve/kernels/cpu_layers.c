@@ -2,7 +2,8 @@
    kernels/cpu_layers.py): for each layer, RMSNorm, the fused q/k/v product (+ bias),
    RoPE, the new keys and values written into the layer's KV cache, attention over each
    query row's visible keys, o_proj added to the stream, RMSNorm, gate/up, SiLU * up and
-   down_proj added to the stream. Every product reads GGUF blocks (cpu_quant.h).
+   down_proj added to the stream. Every product reads GGUF blocks (cpu_quant.h) and takes
+   its x rounded to int16 by the step before it (a norm, attention, SiLU * up).
 
    The stream [T, hidden] is updated in place. One OpenMP parallel region runs the whole
    stack: products split their output columns over the threads, norms and RoPE split rows,
@@ -43,6 +44,8 @@ typedef struct {
     const uint8_t *q_valid;    /* [B * max_new] */
     const uint8_t *mask;       /* [B, max_new, max_kv], or NULL */
     float *xn, *qkv, *attn, *gate_up, *act, *scores; /* scratch; scores [threads, max_kv] */
+    int16_t *xq;               /* [T, max(hidden, heads * head_dim, inter)]: a product's x rounded */
+    float *xd, *xs;            /* its scales [T, that / 32] and sums [T, that / 16] (cpu_quant.h) */
 } Batch;
 
 /* rows [begin, end) of T split evenly over the team */
@@ -127,7 +130,21 @@ static float dot_any(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* xn[t] = stream[t] / rms(stream[t]) * weight, for this thread's rows */
+/* the products' view of rows of K columns: b's shared buffers */
+static QX qx_of(const Batch *b, int64_t K) {
+    const QX qx = {b->xq, b->xd, b->xs, K};
+    return qx;
+}
+
+/* x [T, K] rounded for a product (cpu_quant.h), this thread's rows */
+static void round_rows(const float *x, int64_t K, const Batch *b) {
+    int64_t r0, r1;
+    my_rows(b->T, &r0, &r1);
+    const QX qx = qx_of(b, K);
+    qx_rows(x, r0, r1, &qx);
+}
+
+/* xn[t] = stream[t] / rms(stream[t]) * weight, for this thread's rows, rounded for a product */
 static void rms_rows(const float *stream, const float *weight, float *xn, const Batch *b) {
     int64_t r0, r1;
     my_rows(b->T, &r0, &r1);
@@ -137,6 +154,7 @@ static void rms_rows(const float *stream, const float *weight, float *xn, const 
         const float inv = 1.f / sqrtf(dot_any(x, x, H) / (float)H + b->eps);
         for (int64_t i = 0; i < H; i++) xn[t * H + i] = x[i] * inv * weight[i];
     }
+    round_rows(xn, H, b);
 }
 
 /* x [D] rotated in place by the table row of `pos`: x * cos + roll(x, D / 2) * signed sin */
@@ -210,6 +228,7 @@ static void attend(const Layer *L, const Batch *b) {
     }
 }
 
+/* SiLU(gate) * up, this thread's rows, rounded for down_proj */
 static void act_rows(const Batch *b) {
     int64_t r0, r1;
     my_rows(b->T, &r0, &r1);
@@ -223,26 +242,30 @@ static void act_rows(const Batch *b) {
             for (int64_t i = 0; i < I; i++) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
         }
     }
+    round_rows(b->act, I, b);
 }
 
 static void layer(const Layer *L, const Batch *b, float *stream) {
-    const int64_t T = b->T;
+    const int64_t T = b->T, HD = b->heads * b->head_dim;
+    const QX hidden = qx_of(b, b->hidden), heads = qx_of(b, HD), inter = qx_of(b, b->inter);
     rms_rows(stream, L->norm1, b->xn, b);
 #pragma omp barrier
-    qmm_share(&L->qkv, b->xn, T, b->qkv, 0);
+    qmm_share(&L->qkv, &hidden, T, b->qkv, 0);
 #pragma omp barrier
     rope_store(L, b);
 #pragma omp barrier
     attend(L, b); /* ends in the omp for's barrier */
-    qmm_share(&L->o, b->attn, T, stream, 1);
+    round_rows(b->attn, HD, b);
+#pragma omp barrier
+    qmm_share(&L->o, &heads, T, stream, 1);
 #pragma omp barrier
     rms_rows(stream, L->norm2, b->xn, b);
 #pragma omp barrier
-    qmm_share(&L->gate_up, b->xn, T, b->gate_up, 0);
+    qmm_share(&L->gate_up, &hidden, T, b->gate_up, 0);
 #pragma omp barrier
     act_rows(b);
 #pragma omp barrier
-    qmm_share(&L->down, b->act, T, stream, 1);
+    qmm_share(&L->down, &inter, T, stream, 1);
 #pragma omp barrier
 }
 

@@ -26,7 +26,7 @@ _I, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class _QW(ctypes.Structure):
-    _fields_ = [("method", _I), ("N", _I), ("K", _I), ("group", _I), ("data", _P), ("scale", _P), ("offset", _P)]
+    _fields_ = [("method", _I), ("N", _I), ("K", _I), ("group", _I), ("half", _I), ("has_offset", _I), ("data", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -38,7 +38,8 @@ class _Batch(ctypes.Structure):
     _fields_ = [("T", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
                 ("eps", _F), ("scale", _F), ("rope", _P), ("positions", _P), ("out_slots", _P),
                 ("B", _I), ("max_new", _I), ("max_kv", _I), ("kv_index", _P), ("q_index", _P), ("q_valid", _P),
-                ("mask", _P), ("xn", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P), ("scores", _P)]
+                ("mask", _P), ("xn", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P), ("scores", _P),
+                ("xq", _P), ("xd", _P), ("xs", _P)]
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,13 @@ class Attention:
 
 
 def servable(qw: quant.QuantWeight) -> bool:
-    """Whether the C stack reads this weight: GGUF blocks whose rows are whole 32-column steps."""
-    return qw.method in cpu_quant.METHODS and qw.shape[1] % 32 == 0
+    """Whether the C stack reads this weight (kernels/cpu_quant.py `servable`)."""
+    return cpu_quant.servable(qw)
 
 
-def _qw(w: quant.QuantWeight) -> _QW:
-    n, k = w.shape
-    offset = w.zeros.data_ptr() if w.zeros is not None else None
-    return _QW(cpu_quant.METHODS[w.method], n, k, w.group, w.data.data_ptr(), w.scale.data_ptr(), offset)
+def _qw(qw: quant.QuantWeight) -> _QW:
+    w = cpu_quant.pack(qw)
+    return _QW(cpu_quant.METHODS[w.method], w.n, w.k, w.group, int(w.half), int(w.has_offset), w.data.data_ptr())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -129,10 +129,13 @@ class Stack:
         assert all(x.dtype == torch.int64 for x in ints) and all(x.dtype == torch.bool for x in keep[2:4]
                                                                    if x is not None), "cpu_layers: index dtypes"
         assert attn.rope_table.dtype == torch.float32 and attn.rope_table.shape[1] == 2 * s.head_dim
+        widest = max(s.hidden, s.heads * s.head_dim, s.inter)
+        rounded = (torch.empty(t, widest, dtype=torch.int16), torch.empty(t, widest // cpu_quant.XBLOCK),
+                   torch.empty(t, widest // 16))
         batch = _Batch(t, s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.eps, s.scale,
                        attn.rope_table.data_ptr(), keep[5].data_ptr(), keep[4].data_ptr(), bsz, max_new, max_kv,
                        keep[0].data_ptr(), keep[1].data_ptr(), keep[2].data_ptr(), _ptr(mask),
-                       *(p.data_ptr() for p in parts))
+                       *(p.data_ptr() for p in parts), *(r.data_ptr() for r in rounded))
         captured = torch.empty(len(capture), t, s.hidden)
         where = (ctypes.c_int64 * max(1, len(capture)))(*capture)
         rc = lib.cpu_layers_forward(self.layers, len(self.layers), ctypes.byref(batch), stream.data_ptr(), where,

@@ -1,172 +1,316 @@
-/* Quantized matrix products on the CPU: y[M, N] = x[M, K] . W^T, W held as GGUF blocks
-   repacked at load (cpu_quant.h; specserve/core/quant.py, methods "q4" and "q8"; built
-   and called by kernels/cpu_quant.py, and by cpu_layers.c). x and y are float32; K is a
-   multiple of 32.
+/* Quantized matrix products on the CPU: y[M, N] = x[M, K] . W^T, W a GGUF weight in the
+   tile layout of cpu_quant.h (kernels/cpu_quant.py `pack`; built and called by
+   kernels/cpu_quant.py, and by cpu_layers.c). x and y are float32; K is a multiple of 32.
 
-   Each weight is dequantized to float32 exactly as core/quant.py does (q * scale, then
-   + offset: two roundings, -ffp-contract=off keeps them apart), then multiplied and summed
-   in float32. q4 decodes a group through a 16-entry table of its values (q * scale +
-   offset for q = 0..15), indexed by the nibbles themselves. The sum for one (m, n) runs
-   the same way whatever M is and whichever tile holds it: one 16-lane accumulator over the
-   32-column steps in order (a step's first 16 columns, then its last 16), then reduced; so
-   a row's result does not depend on the other rows (a verify's rows equal decode's) nor on
-   the thread count. Tiles take NB output rows by R input rows, a step's weights decoded
-   once for all R; NB and R only change speed. The AVX-512 path is compiled where the
-   machine has it (-march=native), plain loops elsewhere. */
+   x is quantized first, row by row, to int16 with one scale a 32-column block (its absmax
+   maps to 32767: about 2^-16 of the block's largest value, far below the weights' own
+   rounding). Then for each weight group the integer dot product runs exactly (AVX-512
+   VNNI's vpdpwssd, or vpmaddwd + vpaddd: 16 output rows a vector, two columns a lane), and
+   the float sum takes it as
+
+       acc = fma((float) isum, scale * x's block scale, acc);  acc = fma(offset, sum of x, acc)
+
+   group after group in order. Every step is the same whatever M is, whichever tile or
+   thread holds the row and whichever path computes it (the scalar loops below follow the
+   same formulas), so a row's result does not depend on the other rows (a verify's rows
+   equal decode's) nor on the thread count. */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_quant.h"
 
-#ifdef __AVX512F__
+#define TINY 1e-30f /* a block scale below which 32767 / amax could overflow */
+
+/* a float16's value (IEEE binary16 bits) */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        const float sub = ldexpf((float)man, -24);
+        memcpy(&bits, &sub, sizeof bits);
+        bits |= sign;
+    } else {
+        bits = sign | (exp == 31 ? 0x7f800000u : (exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* bytes of one tile's integers, of its scales (or offsets), of a chunk of nt tiles (cpu_quant.h) */
+static inline int64_t tile_bytes(const QW *w) { return w->method == QW_Q4 ? TILE * 16 : TILE * w->group; }
+static inline int64_t lane_bytes(const QW *w) { return TILE * (w->half ? 2 : 4); }
+static inline int64_t chunk_bytes(const QW *w, int64_t nt) {
+    return nt * (tile_bytes(w) + lane_bytes(w) * (w->has_offset ? 2 : 1));
+}
+
+/* super-tile s's chunk for group g, nt its tiles */
+static inline const uint8_t *chunk(const QW *w, int64_t s, int64_t nt, int64_t g) {
+    return w->data + s * (w->K / w->group) * chunk_bytes(w, SUPER) + g * chunk_bytes(w, nt);
+}
+
+/* lane values (scales, or offsets with which = 1) of tile tt in a chunk of nt tiles */
+static inline const uint8_t *lanes_at(const QW *w, const uint8_t *c, int64_t nt, int64_t tt, int which) {
+    return c + nt * tile_bytes(w) + (which * nt + tt) * lane_bytes(w);
+}
+
+/* lane i's value at p (lanes_at) */
+static inline float lane_value(const QW *w, const uint8_t *p, int64_t i) {
+    if (w->half) {
+        uint16_t h;
+        memcpy(&h, p + 2 * i, sizeof h);
+        return half_to_float(h);
+    }
+    float f;
+    memcpy(&f, p + 4 * i, sizeof f);
+    return f;
+}
+
+/* the sum of x over group g's columns (group 16 or 32), from the 16-column sums */
+static inline float group_sum(const float *s, int64_t group, int64_t g) {
+    return group == 16 ? s[g] : s[2 * g] + s[2 * g + 1];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-#define UNROLL _Pragma("GCC unroll 8")
+/* q = x * inv rounded to the nearest integer, ties to even (the default rounding mode, as lrintf) */
+static inline void round_block(const float *v, float inv, int16_t *q) {
+    const __m512 s = _mm512_set1_ps(inv);
+    for (int i = 0; i < XBLOCK; i += 16)
+        _mm256_storeu_si256((__m256i *)(q + i), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + i), s))));
+}
+#else
+static inline void round_block(const float *v, float inv, int16_t *q) {
+    for (int i = 0; i < XBLOCK; i++) q[i] = (int16_t)lrintf(v[i] * inv);
+}
+#endif
 
-/* the 32 weights of row n in step s (columns 32 s ..): lo the first 16, hi the last 16 */
-static inline __attribute__((always_inline)) void q4_step(const QW *w, int64_t n, int64_t s, __m512 *lo,
-                                                          __m512 *hi) {
-    const int64_t G = w->K / 32;
-    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    __m512 table = _mm512_mul_ps(iota, _mm512_set1_ps(w->scale[n * G + s]));
-    if (w->offset) table = _mm512_add_ps(table, _mm512_set1_ps(w->offset[n * G + s]));
-    const uint8_t *b = (const uint8_t *)w->data + n * (w->K / 2) + 16 * s;
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    *lo = _mm512_permutexvar_ps(v, table);  /* the index is a lane's low 4 bits: the low nibble */
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+void qx_rows(const float *x, int64_t begin, int64_t end, const QX *qx) {
+    const int64_t K = qx->K;
+    for (int64_t m = begin; m < end; m++) {
+        const float *row = x + m * K;
+        float *s = qx->s + m * (K / 16);
+        for (int64_t c = 0; c < K / 16; c++) {
+            float sum = 0.f;
+            for (int i = 0; i < 16; i++) sum += row[16 * c + i];
+            s[c] = sum;
+        }
+        for (int64_t b = 0; b < K / XBLOCK; b++) {
+            const float *v = row + b * XBLOCK;
+            float amax = 0.f;
+            for (int i = 0; i < XBLOCK; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+            const int some = amax > TINY; /* else the block counts as zeros (its sums still count) */
+            const float inv = some ? 32767.f / amax : 0.f;
+            /* + 0 * the block's sums: NaN when x holds a NaN or an infinity, so the product is too */
+            qx->d[m * (K / XBLOCK) + b] = (some ? amax / 32767.f : 0.f) + 0.f * (s[2 * b] + s[2 * b + 1]);
+            round_block(v, inv, qx->q + m * K + b * XBLOCK);
+        }
+    }
 }
 
-/* the 16 weights of row n at columns c .. c + 15 (inside one group) */
-static inline __attribute__((always_inline)) __m512 q8_chunk(const QW *w, int64_t n, int64_t c) {
-    const int64_t G = w->K / w->group, g = c / w->group;
-    const int8_t *b = (const int8_t *)w->data + n * w->K + c;
-    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
-    q = _mm512_mul_ps(q, _mm512_set1_ps(w->scale[n * G + g]));
-    if (w->offset) q = _mm512_add_ps(q, _mm512_set1_ps(w->offset[n * G + g]));
-    return q;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define UNROLL _Pragma("GCC unroll 16")
+#ifdef __AVX512VNNI__
+#define DP(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#else
+#define DP(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#endif
+
+/* the TILE lane values at p (lanes_at) */
+static inline __m512 lanes(const QW *w, const uint8_t *p) {
+    return w->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
 }
 
-/* y rows m0 .. m0 + R, columns n0 .. n0 + NB */
-static inline __attribute__((always_inline)) void tile(const QW *w, const int q4, const float *x, int64_t m0,
-                                                       const int R, int64_t n0, const int NB, float *y,
-                                                       int accumulate) {
-    const int64_t K = w->K, N = w->N;
-    __m512 a[8][8];
-    UNROLL for (int i = 0; i < NB; i++) UNROLL for (int j = 0; j < R; j++) a[i][j] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < K / 32; s++) {
-        __m512 lo[8], hi[8];
-        UNROLL for (int i = 0; i < NB; i++) {
-            if (q4) {
-                q4_step(w, n0 + i, s, &lo[i], &hi[i]);
-            } else {
-                lo[i] = q8_chunk(w, n0 + i, 32 * s);
-                hi[i] = q8_chunk(w, n0 + i, 32 * s + 16);
+/* the int16 pair at p (columns c, c + 1) in every lane */
+static inline __m512i pair(const int16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* y rows m0 .. m0 + R against tiles tt0 .. tt0 + NT of super-tile s (nt tiles) */
+static inline __attribute__((always_inline)) void tiles(const QW *w, const int q4, const QX *x, int64_t m0,
+                                                        const int R, int64_t s, int64_t nt, int64_t tt0,
+                                                        const int NT, float *y, int accumulate) {
+    const int64_t K = w->K, group = w->group, G = K / group, N = w->N, tb = tile_bytes(w);
+    const __m512i low4 = _mm512_set1_epi16(0x000F);
+    __m512 acc[4][8];
+    UNROLL for (int tt = 0; tt < NT; tt++) UNROLL for (int r = 0; r < R; r++) acc[tt][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t c0 = g * group;
+        const uint8_t *c = chunk(w, s, nt, g);
+        __m512i is[4][8];
+        UNROLL for (int tt = 0; tt < NT; tt++) UNROLL for (int r = 0; r < R; r++) is[tt][r] = _mm512_setzero_si512();
+        if (q4) {
+            UNROLL for (int j = 0; j < 4; j++) {
+                __m512i v[4];
+                UNROLL for (int tt = 0; tt < NT; tt++) v[tt] = _mm512_loadu_si512(c + (tt0 + tt) * tb + 64 * j);
+                UNROLL for (int sh = 0; sh < 4; sh++) {
+                    __m512i xb[8];
+                    UNROLL for (int r = 0; r < R; r++) xb[r] = pair(x->q + (m0 + r) * K + c0 + 8 * j + 2 * sh);
+                    UNROLL for (int tt = 0; tt < NT; tt++) {
+                        const __m512i wv = _mm512_and_si512(_mm512_srli_epi16(v[tt], 4 * sh), low4);
+                        UNROLL for (int r = 0; r < R; r++) is[tt][r] = DP(is[tt][r], wv, xb[r]);
+                    }
+                }
+            }
+        } else {
+            for (int64_t sp = 0; sp < group / 2; sp++) {
+                __m512i xb[8];
+                UNROLL for (int r = 0; r < R; r++) xb[r] = pair(x->q + (m0 + r) * K + c0 + 2 * sp);
+                UNROLL for (int tt = 0; tt < NT; tt++) {
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(c + (tt0 + tt) * tb + 32 * sp));
+                    const __m512i wv = _mm512_cvtepi8_epi16(b);
+                    UNROLL for (int r = 0; r < R; r++) is[tt][r] = DP(is[tt][r], wv, xb[r]);
+                }
             }
         }
-        UNROLL for (int j = 0; j < R; j++) {
-            const float *xr = x + (m0 + j) * K + 32 * s;
-            const __m512 xl = _mm512_loadu_ps(xr), xh = _mm512_loadu_ps(xr + 16);
-            UNROLL for (int i = 0; i < NB; i++) a[i][j] = _mm512_fmadd_ps(hi[i], xh, _mm512_fmadd_ps(lo[i], xl, a[i][j]));
+        UNROLL for (int tt = 0; tt < NT; tt++) {
+            const __m512 scale = lanes(w, lanes_at(w, c, nt, tt0 + tt, 0));
+            UNROLL for (int r = 0; r < R; r++) {
+                const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(x->d[(m0 + r) * (K / XBLOCK) + c0 / XBLOCK]));
+                acc[tt][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[tt][r]), ds, acc[tt][r]);
+            }
+            if (w->has_offset) {
+                const __m512 off = lanes(w, lanes_at(w, c, nt, tt0 + tt, 1));
+                UNROLL for (int r = 0; r < R; r++)
+                    acc[tt][r] = _mm512_fmadd_ps(off, _mm512_set1_ps(group_sum(x->s + (m0 + r) * (K / 16), group, g)),
+                                                 acc[tt][r]);
+            }
         }
     }
-    UNROLL for (int i = 0; i < NB; i++) UNROLL for (int j = 0; j < R; j++) {
-        float *out = y + (m0 + j) * N + n0 + i;
-        const float v = _mm512_reduce_add_ps(a[i][j]);
-        *out = accumulate ? *out + v : v;
+    UNROLL for (int tt = 0; tt < NT; tt++) UNROLL for (int r = 0; r < R; r++) {
+        float *out = y + (m0 + r) * N + (s * SUPER + tt0 + tt) * TILE;
+        _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[tt][r]) : acc[tt][r]);
     }
 }
 
-#define T(R, NB) tile(w, q4, x, m0, R, n, NB, y, accumulate)
-/* input rows m .. m_end against output rows n .. n + NB, in tiles of at most RM rows (the
-   cases past RM are constant-false and compiled away) */
-#define ROWS(NB, RM)                                                                               \
+#define T(R, NT) tiles(w, q4, x, m0, R, s, nt, tt0, NT, y, accumulate)
+/* input rows m .. m_end against tiles tt0 .. tt0 + NT of super-tile s, in steps of at most
+   RM rows (the cases past RM are constant-false and compiled away) */
+#define ROWS(NT, RM)                                                                               \
     for (int64_t m0 = m; m0 < m_end; m0 += RM) {                                                   \
         switch (m_end - m0 < RM ? m_end - m0 : RM) {                                               \
-            case 1: T(1, NB); break;                                                               \
-            case 2: if (RM >= 2) T(2, NB); break;                                                  \
-            case 3: if (RM >= 3) T(3, NB); break;                                                  \
-            case 4: if (RM >= 4) T(4, NB); break;                                                  \
-            case 5: if (RM >= 5) T(5, NB); break;                                                  \
-            case 6: if (RM >= 6) T(6, NB); break;                                                  \
-            case 7: if (RM >= 7) T(7, NB); break;                                                  \
-            default: if (RM >= 8) T(8, NB); break;                                                 \
+            case 1: T(1, NT); break;                                                               \
+            case 2: if (RM >= 2) T(2, NT); break;                                                  \
+            case 3: if (RM >= 3) T(3, NT); break;                                                  \
+            case 4: if (RM >= 4) T(4, NT); break;                                                  \
+            case 5: if (RM >= 5) T(5, NT); break;                                                  \
+            case 6: if (RM >= 6) T(6, NT); break;                                                  \
+            case 7: if (RM >= 7) T(7, NT); break;                                                  \
+            default: if (RM >= 8) T(8, NT); break;                                                 \
         }                                                                                          \
     }
+/* tiles tt0 .. tt0 + width (width <= 4) of super-tile s against rows m .. m_end, RM at a time */
+#define WIDTH(width, RM)                                                                           \
+    switch (width) {                                                                               \
+        case 4: ROWS(4, RM) break;                                                                 \
+        case 3: ROWS(3, RM) break;                                                                 \
+        case 2: ROWS(2, RM) break;                                                                 \
+        default: ROWS(1, RM) break;                                                                \
+    }
 
-/* Rows in chunks of MC (a chunk of x stays in L2 while the weights stream past it); in a
-   chunk, a tile shape by the row count: each loaded x vector meets NB weight rows, each
-   decoded weight vector R input rows, in at most 26 registers. */
+/* Rows in chunks of MC (a chunk of x stays in cache while the weights stream past it); in
+   a chunk, each super-tile is read from memory once and, for more rows, again from the
+   cache: at most 2 rows take all its tiles at once, at most 4 two tiles at a time, more
+   one tile at a time (NT * R integer and NT * R float accumulators in registers). */
 #define MC 64
-static inline __attribute__((always_inline)) void span(const QW *w, const int q4, const float *x, int64_t M,
-                                                       float *y, int accumulate, int64_t n_begin, int64_t n_end) {
+static inline __attribute__((always_inline)) void span(const QW *w, const int q4, const QX *x, int64_t M, float *y,
+                                                       int accumulate, int64_t s_begin, int64_t s_end) {
+    const int64_t tiles_all = w->N / TILE;
     for (int64_t m = 0; m < M; m += MC) {
         const int64_t m_end = M - m < MC ? M : m + MC, rows = m_end - m;
-        int64_t n = n_begin;
-        if (rows == 1) {
-            for (; n + 8 <= n_end; n += 8) ROWS(8, 1)
-        } else if (rows == 2) {
-            for (; n + 6 <= n_end; n += 6) ROWS(6, 2)
-        } else if (rows <= 4) {
-            for (; n + 4 <= n_end; n += 4) ROWS(4, 4)
-        } else {
-            for (; n + 2 <= n_end; n += 2) ROWS(2, 8)
+        for (int64_t s = s_begin; s < s_end; s++) {
+            const int64_t nt = tiles_all - s * SUPER < SUPER ? tiles_all - s * SUPER : SUPER;
+            if (rows <= 2) {
+                const int64_t tt0 = 0;
+                WIDTH(nt, 2)
+            } else if (rows <= 4) {
+                for (int64_t tt0 = 0; tt0 < nt; tt0 += 2) WIDTH(nt - tt0 < 2 ? 1 : 2, 4)
+            } else {
+                for (int64_t tt0 = 0; tt0 < nt; tt0++) ROWS(1, 8)
+            }
         }
-        for (; n < n_end; n++) ROWS(1, 8)
     }
 }
 #undef T
 #undef ROWS
+#undef WIDTH
 
-static void span_q4(const QW *w, const float *x, int64_t M, float *y, int accumulate, int64_t n0, int64_t n1) {
-    span(w, 1, x, M, y, accumulate, n0, n1);
+static void span_q4(const QW *w, const QX *x, int64_t M, float *y, int accumulate, int64_t s0, int64_t s1) {
+    span(w, 1, x, M, y, accumulate, s0, s1);
 }
 
-static void span_q8(const QW *w, const float *x, int64_t M, float *y, int accumulate, int64_t n0, int64_t n1) {
-    span(w, 0, x, M, y, accumulate, n0, n1);
+static void span_q8(const QW *w, const QX *x, int64_t M, float *y, int accumulate, int64_t s0, int64_t s1) {
+    span(w, 0, x, M, y, accumulate, s0, s1);
 }
 #else
-static inline float weight(const QW *w, int64_t n, int64_t k) {
-    const int64_t G = w->K / w->group, g = k / w->group;
-    float q;
+/* weight (n, k)'s integer, read from the layout (cpu_quant.h) */
+static inline int32_t weight_q(const QW *w, const uint8_t *c, int64_t tt, int64_t i, int64_t col) {
+    const uint8_t *t = c + tt * tile_bytes(w);
     if (w->method == QW_Q4) {
-        const uint8_t b = ((const uint8_t *)w->data)[n * (w->K / 2) + 16 * (k / 32) + k % 16];
-        q = (float)(k % 32 < 16 ? b & 15 : b >> 4);
-    } else {
-        q = (float)((const int8_t *)w->data)[n * w->K + k];
+        const int64_t j = col / 8, p = (col % 8) / 2, hi = col % 2;
+        uint32_t word;
+        memcpy(&word, t + 64 * j + 4 * i, sizeof word);
+        return (int32_t)((word >> (16 * hi + 4 * p)) & 15u);
     }
-    q = q * w->scale[n * G + g];
-    return w->offset ? q + w->offset[n * G + g] : q;
+    return ((const int8_t *)t)[32 * (col / 2) + 2 * i + col % 2];
 }
 
-static void span_plain(const QW *w, const float *x, int64_t M, float *y, int accumulate, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t m = 0; m < M; m++) {
-            float a = 0.f;
-            for (int64_t k = 0; k < w->K; k++) a += weight(w, n, k) * x[m * w->K + k];
-            y[m * w->N + n] = accumulate ? y[m * w->N + n] + a : a;
-        }
+static void span_plain(const QW *w, const QX *x, int64_t M, float *y, int accumulate, int64_t s0, int64_t s1) {
+    const int64_t K = w->K, group = w->group, G = K / group, tiles_all = w->N / TILE;
+    for (int64_t s = s0; s < s1; s++) {
+        const int64_t nt = tiles_all - s * SUPER < SUPER ? tiles_all - s * SUPER : SUPER;
+        for (int64_t tt = 0; tt < nt; tt++)
+            for (int64_t i = 0; i < TILE; i++)
+                for (int64_t m = 0; m < M; m++) {
+                    float acc = 0.f;
+                    for (int64_t g = 0; g < G; g++) {
+                        const uint8_t *c = chunk(w, s, nt, g);
+                        int32_t isum = 0;
+                        for (int64_t col = 0; col < group; col++)
+                            isum += weight_q(w, c, tt, i, col) * x->q[m * K + g * group + col];
+                        const float ds = lane_value(w, lanes_at(w, c, nt, tt, 0), i) * x->d[m * (K / XBLOCK) + g * group / XBLOCK];
+                        acc = fmaf((float)isum, ds, acc);
+                        if (w->has_offset)
+                            acc = fmaf(lane_value(w, lanes_at(w, c, nt, tt, 1), i), group_sum(x->s + m * (K / 16), group, g),
+                                       acc);
+                    }
+                    float *out = y + m * w->N + (s * SUPER + tt) * TILE + i;
+                    *out = accumulate ? *out + acc : acc;
+                }
+    }
 }
 #define span_q4 span_plain
 #define span_q8 span_plain
 #endif
 
-void qmm_share(const QW *w, const float *x, int64_t M, float *y, int accumulate) {
+void qmm_share(const QW *w, const QX *x, int64_t M, float *y, int accumulate) {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t units = (w->N + 23) / 24;  /* shares of whole tiles of 8, 6, 4 or 2 rows */
-    const int64_t n0 = 24 * (units * t / threads), n1 = 24 * (units * (t + 1) / threads);
-    const int64_t end = n1 < w->N ? n1 : w->N;
-    if (n0 >= end) return;
+    const int64_t supers = (w->N / TILE + SUPER - 1) / SUPER;
+    const int64_t s0 = supers * t / threads, s1 = supers * (t + 1) / threads;
+    if (s0 >= s1) return;
     if (w->method == QW_Q4)
-        span_q4(w, x, M, y, accumulate, n0, end);
+        span_q4(w, x, M, y, accumulate, s0, s1);
     else
-        span_q8(w, x, M, y, accumulate, n0, end);
+        span_q8(w, x, M, y, accumulate, s0, s1);
 }
 
-/* y = x . W^T on `threads` threads (kernels/cpu_quant.py's entry) */
-int qmm(int64_t method, const float *x, int64_t M, int64_t K, const void *data, const float *scale,
-        const float *offset, int64_t group, int64_t N, float *y, int threads) {
-    const QW w = {method, N, K, group, data, scale, offset};
+/* y = x . W^T on `threads` threads (kernels/cpu_quant.py's entry); qx: room for x's
+   quantized rows (cpu_quant.h) */
+int qmm(int64_t method, const float *x, int64_t M, int64_t K, const uint8_t *data, int64_t group, int64_t half,
+        int64_t has_offset, int64_t N, float *y, int threads, int16_t *xq, float *xd, float *xs) {
+    const QW w = {method, N, K, group, half, has_offset, data};
+    const QX qx = {xq, xd, xs, K};
 #pragma omp parallel num_threads(threads)
-    qmm_share(&w, x, M, y, 0);
+    {
+        const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+        qx_rows(x, M * t / n, M * (t + 1) / n, &qx);
+#pragma omp barrier
+        qmm_share(&w, &qx, M, y, 0);
+    }
     return 0;
 }

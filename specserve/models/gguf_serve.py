@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("specserve")
 
 GGUF, NONE = "gguf", "none"  # --quantization values this file owns
+CPU_LAYOUT_FILE = "blocks-cpu.safetensors"  # beside the blocks: kernels/cpu_quant.py `map_packed`
 
 
 def resolve(flag: str | None, model_dir: Path, device: torch.device, allowed: bool = True) -> bool:
@@ -92,8 +93,19 @@ def apply(model: LlamaForCausalLM, model_dir: Path, device: torch.device) -> int
             model.head_blocks = None if blocks is None else _on_device(blocks, device)
     if device.type == "cpu":
         _map_embedding(model, Path(model_dir))
+        _map_cpu_layouts(model, path)
         model.cpu_stack = CpuStack.build(model)
     return served
+
+
+def _map_cpu_layouts(model: LlamaForCausalLM, blocks_path: Path) -> None:
+    """The CPU kernels' layout of every weight held in blocks, as a file beside the blocks
+    (written by the first process to serve them) that every process maps."""
+    held = {name: m.quantized for name, m in model.named_modules() if isinstance(m, Linear) and m.quantized is not None}
+    if model.head_blocks is not None:
+        held["lm_head"] = model.head_blocks
+    stat = blocks_path.stat()
+    cpu_quant.map_packed(blocks_path.parent / CPU_LAYOUT_FILE, held, f"{stat.st_size}-{stat.st_mtime_ns}")
 
 
 def quantize_random(model: LlamaForCausalLM) -> int:

@@ -51,10 +51,11 @@ def quant_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | No
 def _gguf_cpu_linear(x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """A GGUF's blocks on the CPU: its kernel at any row count, float32 in and out (it keeps
     pace with BLAS on the dequantized weight from a few hundred rows, and a row's sums do
-    not depend on the others); through the dequantized weight where it cannot run."""
+    not depend on the others); through the dequantized weight where it cannot run (no
+    compiler, or a shape its tiles do not cover)."""
     n, k = qw.shape
     rows = x.reshape(-1, k)
-    if cpu_quant.available():
+    if cpu_quant.available() and cpu_quant.servable(qw):
         out = cpu_quant.matmul(rows.float(), qw).to(x.dtype)
         if bias is not None:
             out = out + bias

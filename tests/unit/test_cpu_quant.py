@@ -1,5 +1,6 @@
 """GGUF blocks on the CPU: the repacking (models/gguf_blocks.py) gives gguf's own values
-bit for bit, and the C kernels (kernels/cpu_quant.py) give x @ the dequantized weight."""
+bit for bit, and the C kernels (kernels/cpu_quant.py) give x, rounded to int16 as they
+round it, @ the dequantized weight."""
 from __future__ import annotations
 
 import numpy as np
@@ -47,18 +48,20 @@ needs_kernels = pytest.mark.skipif(not cpu_quant.available(), reason="no C compi
 
 @needs_kernels
 @pytest.mark.parametrize("kind", [T.Q4_1, T.Q4_0, T.Q4_K, T.Q8_0, T.Q6_K, T.Q5_1])
-@pytest.mark.parametrize("shape", [(1, 256), (7, 512), (33, 1536)])
+@pytest.mark.parametrize("shape", [(16, 256), (48, 512), (64, 1536)])
 def test_kernel_equals_the_dequantized_product(kind, shape):
     rows, cols = shape
     r = gguf_blocks.repack(_raw(kind, rows, cols, np.random.default_rng(rows)), kind, rows, cols)
     qw = _qw(r)
-    w = qw.dequantize(torch.float64)
+    exact = qw.dequantize(torch.float64)
     for m in (1, 2, 3, 4, 5, 9, 16, 70):  # every tile shape, and past a 64-row chunk
         x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-        ref = x.double() @ w.t()
         got = cpu_quant.matmul(x, qw)
         assert got.dtype == torch.float32 and got.shape == (m, rows)
+        ref = cpu_quant.reference(x, qw)  # x rounded as the kernel rounds it: float32 sums apart
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        full = x.double() @ exact.t()  # and the rounding of x is far below the weights' own
+        torch.testing.assert_close(got.double(), full, rtol=1e-4, atol=1e-4 * full.abs().max().item())
         for row in {0, m - 1, m // 2}:  # a row's sums do not depend on M nor on where it sits
             assert torch.equal(cpu_quant.matmul(x[row:row + 1], qw)[0], got[row])
 
@@ -68,3 +71,46 @@ def test_threads_change_nothing():
     r = gguf_blocks.repack(_raw(T.Q4_1, 64, 1024, np.random.default_rng(0)), T.Q4_1, 64, 1024)
     x = torch.randn(3, 1024)
     assert torch.equal(cpu_quant.matmul(x, _qw(r), threads=1), cpu_quant.matmul(x, _qw(r), threads=2))
+
+
+@needs_kernels
+def test_zero_tiny_and_non_finite_rows():
+    qw = _qw(gguf_blocks.repack(_raw(T.Q4_1, 16, 256, np.random.default_rng(1)), T.Q4_1, 16, 256))
+    x = torch.randn(4, 256)
+    x[0] = 0.0
+    x[1, :32] = 1e-35  # a block too small to scale: it counts as zeros in the integer sums
+    x[2, 40] = float("nan")
+    x[3, 100] = float("inf")
+    got = cpu_quant.matmul(x, qw)
+    assert torch.equal(got[0], cpu_quant.matmul(torch.zeros(1, 256), qw)[0])
+    torch.testing.assert_close(got[1].double(), cpu_quant.reference(x[1:2], qw)[0], rtol=1e-5, atol=1e-5)
+    assert got[2].isnan().all() and got[3].isnan().all()
+
+
+@needs_kernels
+def test_a_shape_past_the_tiles_runs_dequantized():
+    from specserve.models.quant_linear import quant_linear
+
+    qw = _qw(gguf_blocks.repack(_raw(T.Q8_0, 24, 256, np.random.default_rng(2)), T.Q8_0, 24, 256))
+    assert not cpu_quant.servable(qw)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(quant_linear(x, qw), x @ qw.dequantize(torch.float32).t())
+
+
+@needs_kernels
+def test_the_plain_loops_equal_the_vector_path_bit_for_bit(monkeypatch, tmp_path):
+    """cpu_quant.c's loops for machines without AVX-512 follow the vector path's formulas."""
+    vector = cpu_quant.library()
+    monkeypatch.setattr(cpu_quant, "FLAGS", tuple("-march=x86-64" if f == "-march=native" else f
+                                                  for f in cpu_quant.FLAGS))
+    monkeypatch.setattr(cpu_quant, "_tried", False)
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    plain = cpu_quant.library()
+    assert plain is not None and plain is not vector
+    for kind, rows in ((T.Q4_1, 80), (T.Q8_0, 48), (T.Q6_K, 16), (T.Q4_K, 16)):
+        qw = _qw(gguf_blocks.repack(_raw(kind, rows, 512, np.random.default_rng(rows)), kind, rows, 512))
+        x = torch.randn(5, 512, generator=torch.Generator().manual_seed(rows))
+        monkeypatch.setattr(cpu_quant, "_lib", plain)
+        got = cpu_quant.matmul(x, qw)
+        monkeypatch.setattr(cpu_quant, "_lib", vector)
+        assert torch.equal(got, cpu_quant.matmul(x, qw)), kind

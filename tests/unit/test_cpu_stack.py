@@ -62,11 +62,13 @@ def test_the_c_stack_follows_the_torch_path(models):
              dict(rows=[0], prefix_lens=[len(PROMPT)], tokens=[[7]], mode=ForwardMode.DECODE),
              dict(rows=[0], prefix_lens=[len(PROMPT) + 1], tokens=[[9, 10, 11, 12]], masks=[_tree_mask()],
                   positions=[[11, 12, 12, 13]], mode=ForwardMode.VERIFY)]
+    # a product's x is rounded to int16 (kernels/cpu_quant.py): where the two paths' x differ
+    # in their last float bits, a value may round one step (2^-15 of its block's largest) apart
     for call in calls:
         got, want = (r.forward(**call) for r in runs)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(runs[0].pool.k[1], runs[1].pool.k[1], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(runs[0].pool.v[0], runs[1].pool.v[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(runs[0].pool.k[1], runs[1].pool.k[1], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(runs[0].pool.v[0], runs[1].pool.v[0], rtol=1e-3, atol=1e-4)
 
 
 def test_a_verifys_rows_equal_decodes_bit_for_bit(models):

@@ -10,7 +10,7 @@ from specserve import Engine
 from specserve.core import quant
 from specserve.core.config import ConfigError
 from specserve.kernels import cpu_quant
-from specserve.models import gguf_blocks
+from specserve.models import gguf_blocks, gguf_serve
 from specserve.models.layers import Linear
 from specserve.models.loader import load_model
 from tests.conftest import SMOLLM2
@@ -55,6 +55,7 @@ def test_the_blocks_and_the_embedding_are_the_files_pages_not_copies(smollm2_dir
     assert len(held) == 4 * model.config.num_layers + 1
     for qw in held:  # every process serving the model shares these pages (and the page cache)
         assert all(_file_mapped(t, "blocks.safetensors") for t in (qw.data, qw.scale, qw.zeros) if t is not None)
+        assert _file_mapped(cpu_quant.pack(qw).data, gguf_serve.CPU_LAYOUT_FILE)  # and the kernels' layout
     table = model.model.embed_tokens.weight  # the float embedding, and the head tied to it
     assert model.lm_head.weight is table and _file_mapped(table, "model.safetensors")
     floats = load_model(smollm2_dir, torch.float32, CPU, "none")
