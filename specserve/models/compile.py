@@ -2,12 +2,14 @@
 
 As SGLang does (its `patch_model`), a compiled forward runs the model's torch-native ops
 rather than our fused Triton kernels (`kernels.use_fused` is False while dynamo traces),
-so inductor sees the norms, residual adds, RoPE and SiLU*mul and fuses them itself. Only
-attention stays opaque: it is the custom op `specserve::attention`, which calls the
-forward batch's backend (it writes the new K/V into the pool, so the op has a side effect
-torch does not see; nothing else in the graph reads the pool, and each layer's op depends
-on the previous layer's output, so the order holds). The batch is handed to the op
-through `_current` rather than as an argument: a custom op takes tensors and scalars only.
+so inductor sees the norms, residual adds, RoPE and SiLU*mul and fuses them itself (a
+model whose layers run in one C call on the CPU, models/cpu_stack.py, keeps that call
+as the custom op `specserve::cpu_stack`). Only attention stays opaque otherwise: it is
+the custom op `specserve::attention`, which calls the forward batch's backend (it writes
+the new K/V into the pool, so the op has a side effect torch does not see; nothing else
+in the graph reads the pool, and each layer's op depends on the previous layer's output,
+so the order holds). The batch is handed to the ops through `_current` (`running_batch`)
+rather than as an argument: a custom op takes tensors and scalars only.
 
 Only DECODE and VERIFY batches of at most `--torch-compile-max-bs` requests take the
 compiled forward (SGLang: the CUDA-graph batch sizes up to that bound); prefill and
@@ -32,12 +34,17 @@ CACHE_SIZE_LIMIT = 64
 _current: ForwardBatch | None = None  # the batch whose compiled forward is running
 
 
+def running_batch() -> ForwardBatch:
+    """The batch whose compiled forward is running (for the custom ops inside it)."""
+    assert _current is not None, "a specserve custom op runs only inside a compiled forward"
+    return _current
+
+
 @torch.library.custom_op("specserve::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int,
               scale: float) -> torch.Tensor:
     """The running batch's backend attention (q [T, H, D], k/v [T, kvH, D]) -> [T, H*D]."""
-    fb = _current
-    assert fb is not None, "specserve::attention runs only inside a compiled forward"
+    fb = running_batch()
     return fb.attn_backend.forward(q, k, v, layer_id, fb, scale)
 
 

@@ -3,14 +3,21 @@ call a forward (kernels/cpu_layers.py) instead of some twenty torch ops a layer.
 
 `build` is called by models/gguf_serve.py once the blocks are in place; it returns None
 unless every layer can go (every projection in blocks the C stack reads; no per-head
-q/k norms; float32). `serves` then takes a forward of up to MAX_TOKENS tokens whose
+q/k norms; float32). `serves` then takes every forward of up to MAX_TOKENS tokens whose
 attention metadata is the reference backend's (attention/torch_ref.py) over a float32
-KV cache; anything else (long prefill chunks, where torch's SDPA and BLAS-sized work
-win) runs the model's torch path, whose products still read the blocks
+KV cache, torch.compile's included (there the call is the custom op `specserve::cpu_stack`,
+which takes the running batch as `specserve::attention` does, models/compile.py); only
+longer prefill chunks run the model's torch path, whose products still read the blocks
 (models/quant_linear.py). The final norm and the head stay with the model.
+
+Invariant: a row's result does not depend on the forward it is in. The C stack computes
+each row alone, and the products round their inputs to int16 (kernels/cpu_quant.py), which
+turns a last-bit difference in an input into a step of the rounding: so decode steps,
+verifies and prefill chunks take this one path, not a mix of it and torch's.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
@@ -24,13 +31,16 @@ from specserve.models.layers import RMSNorm
 if TYPE_CHECKING:
     from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 
-MAX_TOKENS = 64  # a verify's tree, a decode batch; longer prefill chunks take the torch path
+MAX_TOKENS = 2048  # more (a long prefill chunk) takes the torch path: its scratch grows with the tokens
 
 
 class CpuStack:
     def __init__(self, stack: cpu_layers.Stack, model: LlamaForCausalLM) -> None:
         self.stack = stack
         self.rope = model.model.rotary
+        self.handle = id(self)  # the custom op's key (`_STACKS`)
+        _STACKS[self.handle] = self
+        weakref.finalize(self, _STACKS.pop, self.handle, None)
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> CpuStack | None:
@@ -56,17 +66,23 @@ class CpuStack:
         return cls(cpu_layers.Stack(weights, shape), model)
 
     def serves(self, fb: ForwardBatch, h: torch.Tensor) -> bool:
-        if torch.compiler.is_compiling():  # traced by torch.compile: the torch path, its products a custom op
-            return False
         backend = fb.attn_backend
         return (h.shape[0] <= MAX_TOKENS and h.dtype == torch.float32 and not h.is_cuda
                 and isinstance(backend, TorchRefBackend) and not backend.float64
                 and fb.kv_pool.k[0].dtype == torch.float32)
 
-    def __call__(self, h: torch.Tensor, fb: ForwardBatch, capture: tuple[int, ...]) -> list[torch.Tensor]:
-        """Every layer over the embedded tokens `h` [T, hidden], in place: the stream
-        leaving the last layer (before the final norm) is `h`; returns the streams
-        entering the layers in `capture`."""
+    def __call__(self, h: torch.Tensor, fb: ForwardBatch, capture: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every layer over the embedded tokens `h` [T, hidden] (in place where eager):
+        (the stream leaving the last layer, before the final norm; the streams entering
+        the layers in `capture`)."""
+        if torch.compiler.is_compiling():
+            out = torch.ops.specserve.cpu_stack(h, self.handle, list(capture))
+            return out[0], list(out[1:].unbind(0))
+        return h, self.run(h, fb, capture)
+
+    def run(self, h: torch.Tensor, fb: ForwardBatch, capture: tuple[int, ...]) -> list[torch.Tensor]:
+        """`__call__` eagerly: h updated in place, the captured streams returned."""
         meta = fb.attn_meta
         assert isinstance(meta, RefMeta), "the reference backend's metadata (serves() checked the backend)"
         assert self.rope.table is not None, "the rotary table is built with the model"
@@ -74,3 +90,23 @@ class CpuStack:
         attn = cpu_layers.Attention(meta.kv_index, meta.q_index, meta.q_valid, meta.mask, fb.out_slots,
                                     fb.positions, self.rope.table)
         return self.stack.forward(h, attn, capture)
+
+
+_STACKS: dict[int, CpuStack] = {}  # CpuStack.handle -> the stack, for the custom op
+
+
+@torch.library.custom_op("specserve::cpu_stack", mutates_args=())
+def _stack_op(h: torch.Tensor, handle: int, capture: list[int]) -> torch.Tensor:
+    """The running compiled batch's layers over a copy of h: [1 + len(capture), T, hidden],
+    the stream leaving the last layer, then the captured ones. Like `specserve::attention`
+    it writes the batch's new keys and values into the pool, which torch does not see."""
+    from specserve.models import compile as compiled
+
+    fb = compiled.running_batch()
+    out = h.clone()
+    return torch.stack([out, *_STACKS[handle].run(out, fb, tuple(capture))])
+
+
+@_stack_op.register_fake
+def _(h: torch.Tensor, handle: int, capture: list[int]) -> torch.Tensor:
+    return h.new_empty(1 + len(capture), *h.shape)

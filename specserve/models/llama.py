@@ -319,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
         """`forward` as written (what torch.compile traces)."""
         h = self.model.embed_tokens(fb.input_ids)
         if self.cpu_stack is not None and self.cpu_stack.serves(fb, h):
-            aux = self.cpu_stack(h, fb, self.aux_layers)  # h becomes the stream leaving the last layer
+            h, aux = self.cpu_stack(h, fb, self.aux_layers)  # the stream leaving the last layer
             return self.model.norm(h), aux
         rope = self.model.rotary.at(fb.positions)
         if self._few_tokens(h, fb):
