@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from specserve.models import gguf_serve
 from specserve.models import quantization as quantization_mod
 from specserve.models.checkpoint import check_complete, load_tensor, loadable_tensors
 from specserve.models.draft_model import DraftModel
@@ -90,10 +91,19 @@ def load_draft(path: Path, target: LlamaForCausalLM, layouts: tuple[str, ...], d
     elif token_map is not None:
         _check_token_map(path, token_map, target.config.vocab_size, "token map")
     draft.share(target, token_map)
+    if quantization is None and _blocks_target(target, device):
+        gguf_serve.quantize_draft(draft, target)
+        wq = quantization_mod.WeightQuant(gguf_serve.GGUF)
     draft.eval().requires_grad_(False)
     logger.info("Loaded draft %s (%s, %d layer(s), feature %s, quantization %s)", path.name, type(draft).__name__,
                 draft.config.num_layers, draft.feature_mode, quantization_mod.describe(draft, wq))
     return draft
+
+
+def _blocks_target(target: LlamaForCausalLM, device: torch.device) -> bool:
+    """Whether the target is served in GGUF blocks on the CPU (its draft then follows)."""
+    wq = getattr(target, "weight_quant", None)
+    return device.type == "cpu" and wq is not None and wq.method == gguf_serve.GGUF
 
 
 def _draft_config(hf: dict, architecture: str, names: list[str], target: LlamaForCausalLM) -> LlamaConfig:

@@ -23,8 +23,10 @@ from torch import nn
 from specserve import kernels
 from specserve.core import parallel
 from specserve.core.forward_batch import ForwardBatch
+from specserve.core.quant import QuantWeight
 from specserve.models.layers import cpu_layout
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
+from specserve.models.quant_linear import quant_linear
 from specserve.models.rope import RotaryEmbedding
 
 
@@ -44,6 +46,7 @@ class DraftModel(nn.Module, ABC):
         # owns_lm_head and builds its own [draft_vocab, H] head (EAGLE-3).
         self.lm_head: nn.Linear | None = None
         self.owns_lm_head = False
+        self.head_blocks: QuantWeight | None = None  # the head in GGUF blocks (models/gguf_serve.py `quantize_draft`)
 
     @abstractmethod
     def forward(self, fb: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +57,8 @@ class DraftModel(nn.Module, ABC):
         """float32 [R, draft_vocab] for h [R, H]: for up to 32 rows on CUDA the half
         logits widened in the GEMV's own launch (not while training: it has no backward)."""
         assert self.lm_head is not None, "the head is the draft's own or attached by `share`"
+        if self.head_blocks is not None and not h.is_cuda:
+            return quant_linear(h, self.head_blocks).float()
         if kernels.use_gemv(h) and not torch.is_grad_enabled():
             return parallel.gather_vocab(kernels.gemv(h, self.lm_head.weight, out_dtype=torch.float32))
         return parallel.gather_vocab(F.linear(h, self.lm_head.weight).float())

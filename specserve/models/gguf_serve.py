@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors import safe_open
@@ -36,6 +36,7 @@ from specserve.models.cpu_stack import CpuStack
 from specserve.models.layers import Linear
 
 if TYPE_CHECKING:
+    from specserve.models.draft_model import DraftModel
     from specserve.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("specserve")
@@ -113,25 +114,47 @@ def quantize_random(model: LlamaForCausalLM) -> int:
     blocks a Q4_1 GGUF file holds: every projection q4, the LM head q8 (core/quant.py's
     `quantize_blocks`; float32 scales on the CPU, whose kernels take those). Returns how
     many layers hold blocks."""
-    on_cpu = model.lm_head.weight.device.type == "cpu"
-
-    def blocks(weight: torch.Tensor, method: str) -> quant.QuantWeight:
-        qw = quant.quantize_blocks(weight, method)
-        if on_cpu:
-            qw = qw._replace(scale=qw.scale.float(), zeros=None if qw.zeros is None else qw.zeros.float())
-        return qw
-
     served = 0
     for module in model.modules():
         if isinstance(module, Linear) and module is not model.lm_head and module.quantized is None:
             weight = module.out_in_weight
             assert isinstance(weight, torch.Tensor)
-            _hold(module, blocks(weight, quant.Q4))
+            _hold(module, _blocks_of(weight, quant.Q4))
             served += 1
-    model.head_blocks = blocks(model.lm_head.weight, quant.Q8)
-    if on_cpu:
+    model.head_blocks = _blocks_of(model.lm_head.weight, quant.Q8)
+    if model.lm_head.weight.device.type == "cpu":
         model.cpu_stack = CpuStack.build(model)
     return served
+
+
+def quantize_draft(draft: DraftModel, target: LlamaForCausalLM) -> int:
+    """An EAGLE-family draft of a target served in GGUF blocks on the CPU, in Q8_0's blocks
+    (the default of `--speculative-draft-model-quantization`, which follows the target's):
+    each projection the CPU kernels take, and its head (`head_blocks`: the target's own
+    blocks where it shares the target's head). The draft only proposes tokens; the
+    target's verify keeps the output exact. Returns how many layers hold blocks."""
+    served = 0
+    for module in draft.modules():
+        weight = module.out_in_weight if isinstance(module, Linear) and module.quantized is None else None
+        if isinstance(weight, torch.Tensor) and weight.shape[1] % 32 == 0:
+            qw = _blocks_of(weight, quant.Q8)
+            if cpu_quant.servable(qw):
+                _hold(cast(Linear, module), qw)
+                served += 1
+    head = draft.lm_head
+    if head is not None:
+        shared = head is target.lm_head and target.head_blocks is not None
+        draft.head_blocks = target.head_blocks if shared else _blocks_of(head.weight, quant.Q8)
+    return served
+
+
+def _blocks_of(weight: torch.Tensor, method: str) -> quant.QuantWeight:
+    """A float weight in GGUF's simplest blocks (core/quant.py `quantize_blocks`), with
+    float32 scales on the CPU, whose kernels take those."""
+    qw = quant.quantize_blocks(weight, method)
+    if weight.device.type == "cpu":
+        qw = qw._replace(scale=qw.scale.float(), zeros=None if qw.zeros is None else qw.zeros.float())
+    return qw
 
 
 def _on_device(qw: quant.QuantWeight, device: torch.device) -> quant.QuantWeight:

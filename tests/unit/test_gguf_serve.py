@@ -111,3 +111,23 @@ def test_flags_that_cannot_apply_fail_at_start_up(smollm2_dir, tmp_path):
     with pytest.raises(ConfigError, match="deterministic"):
         load_model(smollm2_dir, torch.float32, CPU, "gguf", gguf_ok=False)
     assert load_model(smollm2_dir, torch.float32, CPU, None, gguf_ok=False).weight_quant is None
+
+
+@pytest.mark.parametrize("flag", [None, "unquant"])
+def test_an_eagle3_draft_follows_a_blocks_target_unless_kept_unquantized(smollm2_dir, flag):
+    from specserve.models.draft_loader import load_draft
+    from specserve.spec.eagle import LAYOUTS
+    from specserve.spec.eagle.shipped_heads import shipped_head
+
+    target = load_model(smollm2_dir, torch.float32, CPU)
+    draft = load_draft(shipped_head(smollm2_dir, "EAGLE3"), target, LAYOUTS["EAGLE3"], torch.float32, CPU,
+                       quantization=flag)
+    held = [m.quantized for m in draft.modules() if isinstance(m, Linear)]
+    if flag == "unquant":
+        assert draft.head_blocks is None and all(qw is None for qw in held)
+        return
+    assert held and all(qw is not None and qw.method == quant.Q8 for qw in held)
+    assert draft.head_blocks is not None and draft.head_blocks.shape == tuple(draft.lm_head.weight.shape)
+    h = torch.randn(3, draft.config.hidden_size)
+    want = h @ draft.lm_head.weight.t()  # within Q8_0's rounding of the float head
+    torch.testing.assert_close(draft.compute_logits(h), want, rtol=0.0, atol=0.02 * want.abs().max().item())
