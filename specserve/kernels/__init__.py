@@ -335,8 +335,9 @@ class Tempered:
 def filter_floors(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor, per_request: int = 1) -> torch.Tensor:
     """[R] float32: the smallest logit each row of logits [R, V] keeps under its request's
-    top-k, top-p and min-p (-inf: every one), with no sort, in one launch (filters.py;
-    `runner.sampler.filter_floors` is the reference)."""
+    top-k, top-p and min-p (-inf: every one), with no sort, in one launch, or a few where
+    few rows would leave the GPU idle (filters.py; `runner.sampler.filter_floors` is the
+    reference)."""
     from specserve.kernels import filters
 
     if logits.stride(-1) != 1:

@@ -1,17 +1,17 @@
 """Seeded sampling of a decode step as one CUDA graph replay per captured batch size.
 
-At batch 1 a plain decode step is bound by its host work. Sampling on the GPU is two or
-three Triton launches (the filters' floors, kernels/filters.py; the draw's chunk maxima
-and pick, kernels/argmax.py), and each launch costs the host more than the GPU takes to
-run it. Here each captured size g samples rows [0:g] of the decode graph's static logits
+At batch 1 a plain decode step is bound by its host work. Sampling on the GPU is a few
+Triton launches (the filters' floors, kernels/filters.py; the draw's chunk maxima and
+pick, kernels/argmax.py), and each launch costs the host more than the GPU takes to run
+it. Here each captured size g samples rows [0:g] of the decode graph's static logits
 with parameters held in static buffers: a step writes its requests' parameters (two
 copies, none when its requests are the last step's) and replays one graph.
 
 Invariants:
   * the captured body is `runner.sampler.sample` over a SamplingBatch of the static
     buffers, the eager fused path itself, so a replay draws the tokens eager sampling
-    would draw (the filters' floors always run: a row without filters costs a program
-    that stores -inf);
+    would draw (the filters' floors always run: a row without filters costs programs
+    that read its parameters, and one that stores -inf);
   * padding rows [b:g] are greedy with no filters; their tokens are dropped;
   * only logits that are the decode graph's own rows are sampled here (processed logits,
     logprobs and all-greedy batches take the eager path: `covers`);

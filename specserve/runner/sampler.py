@@ -112,8 +112,8 @@ def filter_floors(logits: torch.Tensor, sb: SamplingBatch, per_request: int = 1)
     """[R] float32: the smallest logit each row of logits [R, V] keeps (-inf: all of them),
     row r under request r // per_request's params. The filters keep an upper set of the
     logits (kernels/filters.py says which): top-k and top-p on the whole vocabulary's
-    softmax at the temperature, ties at the edge kept, and min-p. One launch on a GPU;
-    here by sorting, the reference."""
+    softmax at the temperature, ties at the edge kept, and min-p. A few launches on a GPU,
+    nothing sorted; here by sorting, the reference."""
     if kernels.use_fused(logits):  # greedy rows' floors, found at T -> 0, are never read
         return kernels.filter_floors(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, per_request)
     t = temperatures(sb)

@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from specserve.kernels import argmax, filters, gumbel, walk
+from specserve.kernels import argmax, filters, filters_spread, gumbel, walk
 
 HOPPER = GPUTarget("cuda", 90, 32)
 CHUNKS = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i64", "temp_ptr": "*fp32", "greedy_ptr": "*i1",
@@ -20,6 +20,16 @@ CHUNKS = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i64", "temp_ptr": "
           "PER_REQ": "i32"}
 FLOORS = {"x_ptr": "*fp32", "out_ptr": "*fp32", "buf_ptr": "*fp32", "temp_ptr": "*fp32", "topk_ptr": "*i64",
           "topp_ptr": "*fp32", "minp_ptr": "*fp32", "V": "i32", "stride_x": "i32", "PER_REQ": "i32"}
+_SPREAD = {"temp_ptr": "*fp32", "topk_ptr": "*i64", "topp_ptr": "*fp32", "minp_ptr": "*fp32", "V": "i32",
+           "stride_x": "i32", "PER_REQ": "i32", "C": "i32"}
+SPREAD_STATS = {"x_ptr": "*fp32", "stats_ptr": "*fp32", **_SPREAD}
+SPREAD_ROUND = {"x_ptr": "*fp32", **{f"{b}_ptr": "*fp32" for b in ("stats", "state", "cuts", "part", "slot", "slot_n")},
+                **_SPREAD}
+SPREAD_FINAL = {"x_ptr": "*fp32", **{f"{b}_ptr": "*fp32" for b in ("out", "state", "cuts", "part", "slot", "slot_n",
+                                                                    "buf")}, **_SPREAD}
+_S = filters_spread
+_FINAL = {"ROUNDS": _S.ROUNDS, "CUTS": _S.CUTS, "CAP": _S.CAP, "SLOT": _S.SLOT, "BLOCK": filters.BLOCK, "BLOCK_C": 64,
+          "VALUE_PASSES": filters.VALUE_PASSES}
 # (name, kernel, signature of its runtime arguments, its constexprs, text its PTX must hold)
 KERNELS = [
     (f"argmax chunks tempered={t} floored={f} pdl={p}", argmax._chunks_kernel, CHUNKS,
@@ -32,6 +42,18 @@ KERNELS = [
      {"BLOCK": filters.BLOCK, "CAP": filters.CAP, "VALUE_PASSES": filters.VALUE_PASSES, "USE_PDL": True}, ""),
     ("sampling floors, bf16 logits", filters._floors_kernel, {**FLOORS, "x_ptr": "*bf16"},
      {"BLOCK": filters.BLOCK, "CAP": filters.CAP, "VALUE_PASSES": filters.VALUE_PASSES, "USE_PDL": False}, ""),
+    ("spread floors: stats", _S._stats_kernel, SPREAD_STATS, {"CHUNK": _S.CHUNK, "USE_PDL": True}, ""),
+    ("spread floors: stats, bf16 logits", _S._stats_kernel, {**SPREAD_STATS, "x_ptr": "*bf16"},
+     {"CHUNK": _S.CHUNK, "USE_PDL": False}, ""),
+] + [
+    (f"spread floors: round {i}", _S._round_kernel, SPREAD_ROUND,
+     {"ROUND": i, "ROUNDS": _S.ROUNDS, "CHUNK": _S.CHUNK, "SUB": _S.SUB, "CUTS": _S.CUTS, "CAP": _S.CAP,
+      "SLOT": _S.SLOT, "BLOCK_C": 64, "USE_PDL": True}, "")
+    for i in range(_S.ROUNDS)
+] + [
+    ("spread floors: last program", _S._final_kernel, SPREAD_FINAL, {**_FINAL, "USE_PDL": True}, ""),
+    ("spread floors: last program, bf16 logits", _S._final_kernel, {**SPREAD_FINAL, "x_ptr": "*bf16"},
+     {**_FINAL, "USE_PDL": False}, ""),
     ("argmax pick", argmax._pick_kernel, {"val_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64", "R": "i32",
                                           "C": "i32"}, {"BLOCK_R": 16, "BLOCK_C": 16, "USE_PDL": True}, ""),
     ("greedy walk", walk._walk_kernel, {"tok_ptr": "*i64", "par_ptr": "*i64", "valid_ptr": "*i1", "mask_ptr": "*u8",

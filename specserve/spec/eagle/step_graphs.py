@@ -42,10 +42,10 @@ Sampled steps (temperature, top-k, top-p and min-p; no penalties or logprobs) ha
 graphs of their own: the walk runs over `gumbel_targets`, the target logits above each
 node's filter floor plus the Gumbel noise plain sampling would draw at each node's output
 index, so they reproduce seeded plain sampling token for token as the unpipelined step
-does (worker.py `_accept`). On CUDA one launch finds the floors (kernels/filters.py; a
-request without filters costs nothing there) and the walk's argmax kernel forms the
-targets as it reads the logits (kernels/argmax.py), so neither the noise nor the targets
-are stored. The output index is
+does (worker.py `_accept`). On CUDA a few launches find the floors (kernels/filters.py;
+a request without filters costs a parameter read there) and the walk's argmax kernel
+forms the targets as it reads the logits (kernels/argmax.py), so neither the noise nor
+the targets are stored. The output index is
 kv_len minus a per-request offset (kv_len - len(output_ids), fixed for a request's life),
 so the graph derives it from the kv_len it carries.
 
