@@ -18,6 +18,7 @@ from datetime import timedelta
 
 HEARTBEAT_S = 0.5
 STALE_S = 10.0
+CLOSE_WAIT_S = 5.0  # for the watch thread's last store call
 
 
 class NodeWatch:
@@ -29,7 +30,8 @@ class NodeWatch:
         self.store = TCPStore(host, int(port) + 1, nnodes, is_master=node_rank == 0,
                               timeout=timedelta(minutes=30), wait_for_workers=False)
         self._stop = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="node-watch").start()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="node-watch")
+        self._thread.start()
 
     def report(self, what: str) -> None:
         """Tell the other hosts this one is going down because of `what`."""
@@ -39,7 +41,11 @@ class NodeWatch:
             pass
 
     def close(self) -> None:
+        """Stop watching, and wait for a store call in flight: a process that exits while
+        the thread is inside one (node 0's store gone) is aborted by the store's C++ code."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=CLOSE_WAIT_S)
 
     def _run(self) -> None:
         beat, last, seen = 0, dict[int, bytes](), dict[int, float]()
