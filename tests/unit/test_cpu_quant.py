@@ -101,6 +101,7 @@ def test_a_shape_past_the_tiles_runs_dequantized():
 def test_the_plain_loops_equal_the_vector_path_bit_for_bit(monkeypatch, tmp_path):
     """cpu_quant.c's loops for machines without AVX-512 follow the vector path's formulas."""
     vector = cpu_quant.library()
+    monkeypatch.setattr(cpu_quant, "_lib", None)  # the vector library comes back after the test
     monkeypatch.setattr(cpu_quant, "FLAGS", tuple("-march=x86-64" if f == "-march=native" else f
                                                   for f in cpu_quant.FLAGS))
     monkeypatch.setattr(cpu_quant, "_tried", False)
@@ -114,3 +115,12 @@ def test_the_plain_loops_equal_the_vector_path_bit_for_bit(monkeypatch, tmp_path
         got = cpu_quant.matmul(x, qw)
         monkeypatch.setattr(cpu_quant, "_lib", vector)
         assert torch.equal(got, cpu_quant.matmul(x, qw)), kind
+
+
+@needs_kernels
+def test_the_vector_library_is_back_after_the_plain_loops_test():
+    """The test above swaps the library: every later test in the process must get the
+    machine's own build back (the plain loops are many times slower)."""
+    assert "-march=native" in cpu_quant.FLAGS
+    lib = cpu_quant.library()
+    assert lib is not None and lib._name == str(cpu_quant._build())
