@@ -131,25 +131,31 @@ static inline __m512i pair(const int16_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* y rows m0 .. m0 + R against tiles tt0 .. tt0 + NT of super-tile s (nt tiles) */
+#define RM 4 /* rows a pass over a super-tile */
+#define PREFETCH 4096 /* bytes: how far ahead of a chunk `tiles` fetches */
+
+/* y rows m0 .. m0 + R against the NT = nt tiles of super-tile s; `fetch`: prefetch ahead */
 static inline __attribute__((always_inline)) void tiles(const QW *w, const int q4, const QX *x, int64_t m0,
-                                                        const int R, int64_t s, int64_t nt, int64_t tt0,
-                                                        const int NT, float *y, int accumulate) {
+                                                        const int R, int64_t s, int64_t nt, const int NT, float *y,
+                                                        int accumulate, const int fetch) {
     const int64_t K = w->K, group = w->group, G = K / group, N = w->N, tb = tile_bytes(w);
+    const int64_t cb = chunk_bytes(w, nt);
     const __m512i low4 = _mm512_set1_epi16(0x000F);
-    __m512 acc[4][8];
+    __m512 acc[4][RM];
     UNROLL for (int tt = 0; tt < NT; tt++) UNROLL for (int r = 0; r < R; r++) acc[tt][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const int64_t c0 = g * group;
         const uint8_t *c = chunk(w, s, nt, g);
-        __m512i is[4][8];
+        if (fetch) /* the first pass over this chunk: its bytes PREFETCH ahead */
+            for (int64_t b = 0; b < cb; b += 64) _mm_prefetch((const char *)c + PREFETCH + b, _MM_HINT_T1);
+        __m512i is[4][RM];
         UNROLL for (int tt = 0; tt < NT; tt++) UNROLL for (int r = 0; r < R; r++) is[tt][r] = _mm512_setzero_si512();
         if (q4) {
             UNROLL for (int j = 0; j < 4; j++) {
                 __m512i v[4];
-                UNROLL for (int tt = 0; tt < NT; tt++) v[tt] = _mm512_loadu_si512(c + (tt0 + tt) * tb + 64 * j);
+                UNROLL for (int tt = 0; tt < NT; tt++) v[tt] = _mm512_loadu_si512(c + tt * tb + 64 * j);
                 UNROLL for (int sh = 0; sh < 4; sh++) {
-                    __m512i xb[8];
+                    __m512i xb[RM];
                     UNROLL for (int r = 0; r < R; r++) xb[r] = pair(x->q + (m0 + r) * K + c0 + 8 * j + 2 * sh);
                     UNROLL for (int tt = 0; tt < NT; tt++) {
                         const __m512i wv = _mm512_and_si512(_mm512_srli_epi16(v[tt], 4 * sh), low4);
@@ -159,23 +165,23 @@ static inline __attribute__((always_inline)) void tiles(const QW *w, const int q
             }
         } else {
             for (int64_t sp = 0; sp < group / 2; sp++) {
-                __m512i xb[8];
+                __m512i xb[RM];
                 UNROLL for (int r = 0; r < R; r++) xb[r] = pair(x->q + (m0 + r) * K + c0 + 2 * sp);
                 UNROLL for (int tt = 0; tt < NT; tt++) {
-                    const __m256i b = _mm256_loadu_si256((const __m256i *)(c + (tt0 + tt) * tb + 32 * sp));
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(c + tt * tb + 32 * sp));
                     const __m512i wv = _mm512_cvtepi8_epi16(b);
                     UNROLL for (int r = 0; r < R; r++) is[tt][r] = DP(is[tt][r], wv, xb[r]);
                 }
             }
         }
         UNROLL for (int tt = 0; tt < NT; tt++) {
-            const __m512 scale = lanes(w, lanes_at(w, c, nt, tt0 + tt, 0));
+            const __m512 scale = lanes(w, lanes_at(w, c, nt, tt, 0));
             UNROLL for (int r = 0; r < R; r++) {
                 const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(x->d[(m0 + r) * (K / XBLOCK) + c0 / XBLOCK]));
                 acc[tt][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[tt][r]), ds, acc[tt][r]);
             }
             if (w->has_offset) {
-                const __m512 off = lanes(w, lanes_at(w, c, nt, tt0 + tt, 1));
+                const __m512 off = lanes(w, lanes_at(w, c, nt, tt, 1));
                 UNROLL for (int r = 0; r < R; r++)
                     acc[tt][r] = _mm512_fmadd_ps(off, _mm512_set1_ps(group_sum(x->s + (m0 + r) * (K / 16), group, g)),
                                                  acc[tt][r]);
@@ -183,62 +189,47 @@ static inline __attribute__((always_inline)) void tiles(const QW *w, const int q
         }
     }
     UNROLL for (int tt = 0; tt < NT; tt++) UNROLL for (int r = 0; r < R; r++) {
-        float *out = y + (m0 + r) * N + (s * SUPER + tt0 + tt) * TILE;
+        float *out = y + (m0 + r) * N + (s * SUPER + tt) * TILE;
         _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[tt][r]) : acc[tt][r]);
     }
 }
 
-#define T(R, NT) tiles(w, q4, x, m0, R, s, nt, tt0, NT, y, accumulate)
-/* input rows m .. m_end against tiles tt0 .. tt0 + NT of super-tile s, in steps of at most
-   RM rows (the cases past RM are constant-false and compiled away) */
-#define ROWS(NT, RM)                                                                               \
+#define T(R, NT) tiles(w, q4, x, m0, R, s, nt, NT, y, accumulate, m0 == m)
+/* input rows m .. m_end against the nt tiles of super-tile s, RM rows at a time */
+#define ROWS(NT)                                                                                   \
     for (int64_t m0 = m; m0 < m_end; m0 += RM) {                                                   \
         switch (m_end - m0 < RM ? m_end - m0 : RM) {                                               \
             case 1: T(1, NT); break;                                                               \
-            case 2: if (RM >= 2) T(2, NT); break;                                                  \
-            case 3: if (RM >= 3) T(3, NT); break;                                                  \
-            case 4: if (RM >= 4) T(4, NT); break;                                                  \
-            case 5: if (RM >= 5) T(5, NT); break;                                                  \
-            case 6: if (RM >= 6) T(6, NT); break;                                                  \
-            case 7: if (RM >= 7) T(7, NT); break;                                                  \
-            default: if (RM >= 8) T(8, NT); break;                                                 \
+            case 2: T(2, NT); break;                                                               \
+            case 3: T(3, NT); break;                                                               \
+            default: T(4, NT); break;                                                              \
         }                                                                                          \
-    }
-/* tiles tt0 .. tt0 + width (width <= 4) of super-tile s against rows m .. m_end, RM at a time */
-#define WIDTH(width, RM)                                                                           \
-    switch (width) {                                                                               \
-        case 4: ROWS(4, RM) break;                                                                 \
-        case 3: ROWS(3, RM) break;                                                                 \
-        case 2: ROWS(2, RM) break;                                                                 \
-        default: ROWS(1, RM) break;                                                                \
     }
 
 /* Rows in chunks of MC (a chunk of x stays in cache while the weights stream past it); in
-   a chunk, each super-tile is read from memory once and, for more rows, again from the
-   cache: at most 2 rows take all its tiles at once, at most 4 two tiles at a time, more
-   one tile at a time (NT * R integer and NT * R float accumulators in registers). */
+   a chunk, each super-tile is read from memory once, all its tiles together for RM rows at
+   a time, and again from the cache for the next RM rows (reading some of a super-tile's
+   tiles from memory, then the rest, strided, ran a 3-row product at twice a 2-row one's
+   time). The reads are prefetched PREFETCH bytes ahead into L2. */
 #define MC 64
 static inline __attribute__((always_inline)) void span(const QW *w, const int q4, const QX *x, int64_t M, float *y,
                                                        int accumulate, int64_t s_begin, int64_t s_end) {
     const int64_t tiles_all = w->N / TILE;
     for (int64_t m = 0; m < M; m += MC) {
-        const int64_t m_end = M - m < MC ? M : m + MC, rows = m_end - m;
+        const int64_t m_end = M - m < MC ? M : m + MC;
         for (int64_t s = s_begin; s < s_end; s++) {
             const int64_t nt = tiles_all - s * SUPER < SUPER ? tiles_all - s * SUPER : SUPER;
-            if (rows <= 2) {
-                const int64_t tt0 = 0;
-                WIDTH(nt, 2)
-            } else if (rows <= 4) {
-                for (int64_t tt0 = 0; tt0 < nt; tt0 += 2) WIDTH(nt - tt0 < 2 ? 1 : 2, 4)
-            } else {
-                for (int64_t tt0 = 0; tt0 < nt; tt0++) ROWS(1, 8)
+            switch (nt) {
+                case 4: ROWS(4) break;
+                case 3: ROWS(3) break;
+                case 2: ROWS(2) break;
+                default: ROWS(1) break;
             }
         }
     }
 }
 #undef T
 #undef ROWS
-#undef WIDTH
 
 static void span_q4(const QW *w, const QX *x, int64_t M, float *y, int accumulate, int64_t s0, int64_t s1) {
     span(w, 1, x, M, y, accumulate, s0, s1);

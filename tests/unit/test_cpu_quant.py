@@ -54,7 +54,7 @@ def test_kernel_equals_the_dequantized_product(kind, shape):
     r = gguf_blocks.repack(_raw(kind, rows, cols, np.random.default_rng(rows)), kind, rows, cols)
     qw = _qw(r)
     exact = qw.dequantize(torch.float64)
-    for m in (1, 2, 3, 4, 5, 9, 16, 70):  # every tile shape, and past a 64-row chunk
+    for m in (1, 2, 3, 4, 5, 9, 16, 70):  # every row count of a pass, several passes, past a 64-row chunk
         x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
         got = cpu_quant.matmul(x, qw)
         assert got.dtype == torch.float32 and got.shape == (m, rows)
