@@ -11,6 +11,10 @@
    the same way whatever the other rows are (the products' sums run one order; attention
    visits its keys in kv_index order), so a verify's rows equal decode's.
 
+   A layer with norm0 is EAGLE-3's draft layer (models/eagle3.py): its q/k/v product reads
+   the tokens' embeddings normed by norm0 beside the stream normed by norm1, and the stream
+   (the draft's hidden) is the residual.
+
    Attention follows attention/torch_ref.py's metadata: request b's query i is packed row
    q_index[b, i] (if q_valid), its keys are the slots kv_index[b, j] for j < max_kv where
    mask[b, i, j] (no mask: all of them). Scores, softmax and the weighted sum run in float32;
@@ -30,6 +34,7 @@ typedef struct {
     QW qkv, o, gate_up, down;
     const float *norm1, *norm2, *qkv_bias; /* qkv_bias NULL: none */
     float *k_cache, *v_cache;              /* [slots, kv_heads, head_dim] */
+    const float *norm0; /* NULL, or EAGLE-3's midlayer: q/k/v read [norm0(embed), norm1(stream)] */
 } Layer;
 
 typedef struct {
@@ -43,7 +48,8 @@ typedef struct {
     const int64_t *q_index;    /* [B, max_new] */
     const uint8_t *q_valid;    /* [B * max_new] */
     const uint8_t *mask;       /* [B, max_new, max_kv], or NULL */
-    float *xn, *qkv, *attn, *gate_up, *act, *scores; /* scratch; scores [threads, max_kv] */
+    const float *embed;        /* [T, hidden]: the tokens' embeddings, for a layer with norm0 */
+    float *xn, *qkv, *attn, *gate_up, *act, *scores; /* scratch; xn [T, 2 hidden], scores [threads, max_kv] */
     int16_t *xq;               /* [T, max(hidden, heads * head_dim, inter)]: a product's x rounded */
     float *xd, *xs;            /* its scales [T, that / 32] and sums [T, that / 16] (cpu_quant.h) */
 } Batch;
@@ -144,17 +150,32 @@ static void round_rows(const float *x, int64_t K, const Batch *b) {
     qx_rows(x, r0, r1, &qx);
 }
 
+/* out [H] = x / rms(x) * weight */
+static void rms_row(const float *x, const float *weight, float *out, int64_t H, float eps) {
+    const float inv = 1.f / sqrtf(dot_any(x, x, H) / (float)H + eps);
+    for (int64_t i = 0; i < H; i++) out[i] = x[i] * inv * weight[i];
+}
+
 /* xn[t] = stream[t] / rms(stream[t]) * weight, for this thread's rows, rounded for a product */
 static void rms_rows(const float *stream, const float *weight, float *xn, const Batch *b) {
     int64_t r0, r1;
     my_rows(b->T, &r0, &r1);
     const int64_t H = b->hidden;
-    for (int64_t t = r0; t < r1; t++) {
-        const float *x = stream + t * H;
-        const float inv = 1.f / sqrtf(dot_any(x, x, H) / (float)H + b->eps);
-        for (int64_t i = 0; i < H; i++) xn[t * H + i] = x[i] * inv * weight[i];
-    }
+    for (int64_t t = r0; t < r1; t++) rms_row(stream + t * H, weight, xn + t * H, H, b->eps);
     round_rows(xn, H, b);
+}
+
+/* xn[t] = [embed[t] normed by w0, stream[t] normed by w1] (2 hidden wide), this thread's
+   rows, rounded for a product */
+static void rms_pair_rows(const float *stream, const float *w0, const float *w1, float *xn, const Batch *b) {
+    int64_t r0, r1;
+    my_rows(b->T, &r0, &r1);
+    const int64_t H = b->hidden;
+    for (int64_t t = r0; t < r1; t++) {
+        rms_row(b->embed + t * H, w0, xn + t * 2 * H, H, b->eps);
+        rms_row(stream + t * H, w1, xn + t * 2 * H + H, H, b->eps);
+    }
+    round_rows(xn, 2 * H, b);
 }
 
 /* x [D] rotated in place by the table row of `pos`: x * cos + roll(x, D / 2) * signed sin */
@@ -248,9 +269,13 @@ static void act_rows(const Batch *b) {
 static void layer(const Layer *L, const Batch *b, float *stream) {
     const int64_t T = b->T, HD = b->heads * b->head_dim;
     const QX hidden = qx_of(b, b->hidden), heads = qx_of(b, HD), inter = qx_of(b, b->inter);
-    rms_rows(stream, L->norm1, b->xn, b);
+    const QX pair = qx_of(b, 2 * b->hidden);
+    if (L->norm0)
+        rms_pair_rows(stream, L->norm0, L->norm1, b->xn, b);
+    else
+        rms_rows(stream, L->norm1, b->xn, b);
 #pragma omp barrier
-    qmm_share(&L->qkv, &hidden, T, b->qkv, 0);
+    qmm_share(&L->qkv, L->norm0 ? &pair : &hidden, T, b->qkv, 0);
 #pragma omp barrier
     rope_store(L, b);
 #pragma omp barrier

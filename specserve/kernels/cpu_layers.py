@@ -31,15 +31,15 @@ class _QW(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _QW), ("o", _QW), ("gate_up", _QW), ("down", _QW), ("norm1", _P), ("norm2", _P),
-                ("qkv_bias", _P), ("k_cache", _P), ("v_cache", _P)]
+                ("qkv_bias", _P), ("k_cache", _P), ("v_cache", _P), ("norm0", _P)]
 
 
 class _Batch(ctypes.Structure):
     _fields_ = [("T", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
                 ("eps", _F), ("scale", _F), ("rope", _P), ("positions", _P), ("out_slots", _P),
                 ("B", _I), ("max_new", _I), ("max_kv", _I), ("kv_index", _P), ("q_index", _P), ("q_valid", _P),
-                ("mask", _P), ("xn", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P), ("scores", _P),
-                ("xq", _P), ("xd", _P), ("xs", _P)]
+                ("mask", _P), ("embed", _P), ("xn", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P),
+                ("act", _P), ("scores", _P), ("xq", _P), ("xd", _P), ("xs", _P)]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class LayerWeights:
     norm1: torch.Tensor  # float32 [hidden]
     norm2: torch.Tensor
     qkv_bias: torch.Tensor | None
+    norm0: torch.Tensor | None = None  # EAGLE-3's midlayer: q/k/v read [norm0(embed), norm1(stream)]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ class Stack:
         for c, w in zip(self.layers, layers):
             c.qkv, c.o, c.gate_up, c.down = _qw(w.qkv), _qw(w.o), _qw(w.gate_up), _qw(w.down)
             c.norm1, c.norm2, c.qkv_bias = w.norm1.data_ptr(), w.norm2.data_ptr(), _ptr(w.qkv_bias)
+            c.norm0 = _ptr(w.norm0)
+        self.paired = any(w.norm0 is not None for w in layers)  # then forward takes the tokens' embeddings
         self._cache: tuple[int, ...] = ()
 
     def bind_cache(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
@@ -109,18 +112,22 @@ class Stack:
             self._cache = ptrs
 
     def forward(self, stream: torch.Tensor, attn: Attention, capture: tuple[int, ...] = (),
-                threads: int | None = None) -> list[torch.Tensor]:
+                threads: int | None = None, embed: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Run every layer over `stream` [T, hidden] in place; returns the streams entering
-        the layers in `capture` (len(layers): leaving the last)."""
+        the layers in `capture` (len(layers): leaving the last). `embed` [T, hidden] float32:
+        the tokens' embeddings, which a stack with a `norm0` layer takes (EAGLE-3's)."""
         lib = cpu_quant.library()
         assert lib is not None and stream.dtype == torch.float32 and stream.is_contiguous()
+        assert (embed is not None) == self.paired, "cpu_layers: embeddings go with a norm0 layer, only"
+        assert embed is None or (embed.dtype == torch.float32 and embed.is_contiguous() and embed.shape == stream.shape)
         s, t = self.shape, stream.shape[0]
+        xn = 2 * s.hidden if self.paired else s.hidden  # the first norm's width
         nthreads = threads or torch.get_num_threads()
         bsz, max_new = attn.q_index.shape
         max_kv = attn.kv_index.shape[1]
         width = (s.heads + 2 * s.kv_heads) * s.head_dim
-        scratch = torch.empty(t * (s.hidden + width + s.heads * s.head_dim + 3 * s.inter) + nthreads * max_kv)
-        sizes = [t * s.hidden, t * width, t * s.heads * s.head_dim, t * 2 * s.inter, t * s.inter, nthreads * max_kv]
+        scratch = torch.empty(t * (xn + width + s.heads * s.head_dim + 3 * s.inter) + nthreads * max_kv)
+        sizes = [t * xn, t * width, t * s.heads * s.head_dim, t * 2 * s.inter, t * s.inter, nthreads * max_kv]
         parts = torch.split(scratch, sizes)
         mask = None if attn.mask is None else attn.mask.contiguous()
         keep = (attn.kv_index.contiguous(), attn.q_index.contiguous(), attn.q_valid.contiguous(), mask,
@@ -129,12 +136,12 @@ class Stack:
         assert all(x.dtype == torch.int64 for x in ints) and all(x.dtype == torch.bool for x in keep[2:4]
                                                                    if x is not None), "cpu_layers: index dtypes"
         assert attn.rope_table.dtype == torch.float32 and attn.rope_table.shape[1] == 2 * s.head_dim
-        widest = max(s.hidden, s.heads * s.head_dim, s.inter)
+        widest = max(xn, s.heads * s.head_dim, s.inter)
         rounded = (torch.empty(t, widest, dtype=torch.int16), torch.empty(t, widest // cpu_quant.XBLOCK),
                    torch.empty(t, widest // 16))
         batch = _Batch(t, s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.eps, s.scale,
                        attn.rope_table.data_ptr(), keep[5].data_ptr(), keep[4].data_ptr(), bsz, max_new, max_kv,
-                       keep[0].data_ptr(), keep[1].data_ptr(), keep[2].data_ptr(), _ptr(mask),
+                       keep[0].data_ptr(), keep[1].data_ptr(), keep[2].data_ptr(), _ptr(mask), _ptr(embed),
                        *(p.data_ptr() for p in parts), *(r.data_ptr() for r in rounded))
         captured = torch.empty(len(capture), t, s.hidden)
         where = (ctypes.c_int64 * max(1, len(capture)))(*capture)

@@ -10,6 +10,11 @@ which takes the running batch as `specserve::attention` does, models/compile.py)
 longer prefill chunks run the model's torch path, whose products still read the blocks
 (models/quant_linear.py). The final norm and the head stay with the model.
 
+`build_eagle3` makes the same one-call stack of an EAGLE-3 draft's midlayer held in blocks
+(models/gguf_serve.py `quantize_draft`): its q/k/v product reads the normed token
+embeddings beside the normed hidden (kernels/cpu_layers.c's `norm0`). The draft only
+proposes, so its eager forwards take it where `serves` holds and torch elsewhere.
+
 Invariant: a row's result does not depend on the forward it is in. The C stack computes
 each row alone, and the products round their inputs to int16 (kernels/cpu_quant.py), which
 turns a last-bit difference in an input into a step of the rounding: so decode steps,
@@ -29,15 +34,18 @@ from specserve.kernels import cpu_layers
 from specserve.models.layers import RMSNorm
 
 if TYPE_CHECKING:
-    from specserve.models.llama import DecoderLayer, LlamaForCausalLM
+    from specserve.models.eagle3 import LlamaForCausalLMEagle3
+    from specserve.models.llama import Attention as AttentionLayer
+    from specserve.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
+    from specserve.models.rope import RotaryEmbedding
 
 MAX_TOKENS = 2048  # more (a long prefill chunk) takes the torch path: its scratch grows with the tokens
 
 
 class CpuStack:
-    def __init__(self, stack: cpu_layers.Stack, model: LlamaForCausalLM) -> None:
+    def __init__(self, stack: cpu_layers.Stack, rope: RotaryEmbedding) -> None:
         self.stack = stack
-        self.rope = model.model.rotary
+        self.rope = rope
         self.handle = id(self)  # the custom op's key (`_STACKS`)
         _STACKS[self.handle] = self
         weakref.finalize(self, _STACKS.pop, self.handle, None)
@@ -57,13 +65,29 @@ class CpuStack:
             weights.append(cpu_layers.LayerWeights(qkv, o, gate_up, down, norm.weight.detach(),
                                                    layer.post_attention_layernorm.weight.detach(),
                                                    None if bias is None else bias.detach()))
-        cfg = model.config
         if not weights or model.model.norm.weight.dtype != torch.float32:
             return None
-        first = layers[0].self_attn
-        shape = cpu_layers.Shape(cfg.hidden_size, first.heads, first.kv_heads, cfg.head_dim,
-                                 cfg.intermediate_per_rank, cfg.rms_norm_eps, first.scale)
-        return cls(cpu_layers.Stack(weights, shape), model)
+        return cls(cpu_layers.Stack(weights, _shape(model.config, layers[0].self_attn)), model.model.rotary)
+
+    @classmethod
+    def build_eagle3(cls, draft: LlamaForCausalLMEagle3) -> CpuStack | None:
+        """The midlayer of an EAGLE-3 draft in one C call, or None unless its four
+        projections are blocks the C stack reads, in float32, with the residual the
+        incoming hidden (not vLLM's norm_before_residual)."""
+        mid = draft.midlayer
+        attn, mlp = mid.self_attn, mid.mlp
+        found = [p.quantized for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        projections = [p for p in found if p is not None and cpu_layers.servable(p)]
+        norms = (mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm)
+        if (len(projections) < 4 or attn.q_norm is not None or attn.qkv_proj.bias is not None
+                or mid.norm_before_residual or any(n.weight.dtype != torch.float32 for n in norms)
+                or len({n.eps for n in norms}) != 1):
+            return None
+        qkv, o, gate_up, down = projections
+        weights = cpu_layers.LayerWeights(qkv, o, gate_up, down, mid.hidden_norm.weight.detach(),
+                                          mid.post_attention_layernorm.weight.detach(), None,
+                                          norm0=mid.input_layernorm.weight.detach())
+        return cls(cpu_layers.Stack([weights], _shape(draft.config, attn)), draft.rotary)
 
     def serves(self, fb: ForwardBatch, h: torch.Tensor) -> bool:
         backend = fb.attn_backend
@@ -81,15 +105,22 @@ class CpuStack:
             return out[0], list(out[1:].unbind(0))
         return h, self.run(h, fb, capture)
 
-    def run(self, h: torch.Tensor, fb: ForwardBatch, capture: tuple[int, ...]) -> list[torch.Tensor]:
-        """`__call__` eagerly: h updated in place, the captured streams returned."""
+    def run(self, h: torch.Tensor, fb: ForwardBatch, capture: tuple[int, ...],
+            embed: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """`__call__` eagerly: h updated in place, the captured streams returned; `embed`
+        the tokens' embeddings [T, hidden] for an EAGLE-3 midlayer (`build_eagle3`)."""
         meta = fb.attn_meta
         assert isinstance(meta, RefMeta), "the reference backend's metadata (serves() checked the backend)"
         assert self.rope.table is not None, "the rotary table is built with the model"
         self.stack.bind_cache(fb.kv_pool.k, fb.kv_pool.v)
         attn = cpu_layers.Attention(meta.kv_index, meta.q_index, meta.q_valid, meta.mask, fb.out_slots,
                                     fb.positions, self.rope.table)
-        return self.stack.forward(h, attn, capture)
+        return self.stack.forward(h, attn, capture, embed=embed)
+
+
+def _shape(cfg: LlamaConfig, attn: AttentionLayer) -> cpu_layers.Shape:
+    return cpu_layers.Shape(cfg.hidden_size, attn.heads, attn.kv_heads, cfg.head_dim, cfg.intermediate_per_rank,
+                            cfg.rms_norm_eps, attn.scale)
 
 
 _STACKS: dict[int, CpuStack] = {}  # CpuStack.handle -> the stack, for the custom op

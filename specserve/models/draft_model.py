@@ -80,6 +80,10 @@ class DraftModel(nn.Module, ABC):
             cpu_layout(self, dtype)
         self.rotary.build(device, torch.float32 if dtype == torch.float32 else dtype)
 
+    def build_cpu_stack(self) -> None:
+        """Once its projections hold blocks on the CPU (models/gguf_serve.py `quantize_draft`):
+        the draft's layers in one C call where its kind has one (EAGLE-3), else nothing."""
+
     def share(self, target: LlamaForCausalLM, token_map: torch.Tensor | None) -> None:
         """Take the target's embedding (same tensor) and, unless the draft owns a head, its
         lm_head: shared as is, or with a token map a copy truncated to those rows."""

@@ -10,7 +10,8 @@ The first draft step reads the target's aux features (3 residual-stream states, 
 later steps feed the draft's own pre-norm `out` (H). The draft vocabulary maps to target
 ids through `d2t` offsets: token_map = arange(draft_vocab) + d2t (`t2d` is ignored).
 Without `draft_vocab_size` the head is the target's (full vocab). Checkpoint names are
-our parameter names; loading and sharing are `draft_loader.py`'s.
+our parameter names; loading and sharing are `draft_loader.py`'s. Held in GGUF blocks on
+the CPU, the midlayer runs in one C call (`cpu_stack`, models/cpu_stack.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from specserve import kernels
 from specserve.core import parallel
 from specserve.core.forward_batch import ForwardBatch
 from specserve.core.rope import RopeAt
+from specserve.models.cpu_stack import CpuStack
 from specserve.models.draft_model import DraftModel
 from specserve.models.layers import Linear, RMSNorm
 from specserve.models.llama import MLP, Attention, LlamaConfig
@@ -72,6 +74,7 @@ class LlamaForCausalLMEagle3(DraftModel):
         self.fc = Linear(len(aux_layers) * target_hidden_size, h, bias=fc_bias)
         self.midlayer = Eagle3MidLayer(cfg, norm_before_residual)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.cpu_stack: CpuStack | None = None  # the midlayer in one C call (`build_cpu_stack`)
         if draft_vocab_size is not None:
             self.owns_lm_head = True
             self.lm_head = nn.Linear(h, parallel.vocab_per_rank(draft_vocab_size), bias=False)  # vocab-parallel
@@ -87,8 +90,18 @@ class LlamaForCausalLMEagle3(DraftModel):
                 hidden = kernels.gemv(hidden, self.fc.out_in_weight)
             else:
                 hidden = self.fc(hidden)
-        out = self.midlayer(fb.input_ids, self.embed_tokens, hidden, fb, self.rotary.at(fb.positions))
+        stack = self.cpu_stack
+        if (stack is not None and stack.serves(fb, hidden) and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
+            assert self.embed_tokens is not None, "`share` attached the target's embedding"
+            out = hidden.contiguous().clone()  # updated in place; `hidden` may be the roots' state
+            stack.run(out, fb, (), embed=self.embed_tokens(fb.input_ids).float().contiguous())
+        else:
+            out = self.midlayer(fb.input_ids, self.embed_tokens, hidden, fb, self.rotary.at(fb.positions))
         return self.norm(out), out
+
+    def build_cpu_stack(self) -> None:
+        self.cpu_stack = CpuStack.build_eagle3(self)
 
     def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
         super().finalize(device, dtype)

@@ -145,6 +145,7 @@ def quantize_draft(draft: DraftModel, target: LlamaForCausalLM) -> int:
     if head is not None:
         shared = head is target.lm_head and target.head_blocks is not None
         draft.head_blocks = target.head_blocks if shared else _blocks_of(head.weight, quant.Q8)
+    draft.build_cpu_stack()
     return served
 
 

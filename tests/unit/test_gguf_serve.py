@@ -124,10 +124,53 @@ def test_an_eagle3_draft_follows_a_blocks_target_unless_kept_unquantized(smollm2
                        quantization=flag)
     held = [m.quantized for m in draft.modules() if isinstance(m, Linear)]
     if flag == "unquant":
-        assert draft.head_blocks is None and all(qw is None for qw in held)
+        assert draft.head_blocks is None and all(qw is None for qw in held) and draft.cpu_stack is None
         return
     assert held and all(qw is not None and qw.method == quant.Q8 for qw in held)
+    assert draft.cpu_stack is not None  # its midlayer in one C call
     assert draft.head_blocks is not None and draft.head_blocks.shape == tuple(draft.lm_head.weight.shape)
     h = torch.randn(3, draft.config.hidden_size)
     want = h @ draft.lm_head.weight.t()  # within Q8_0's rounding of the float head
     torch.testing.assert_close(draft.compute_logits(h), want, rtol=0.0, atol=0.02 * want.abs().max().item())
+
+
+def _draft_steps(draft, features: torch.Tensor, ids: list[int], c_stack: bool) -> list[torch.Tensor]:
+    """The draft's (h_logits, h_next) of a 6-token extend, then 2 more tokens over its KV,
+    with its midlayer in C or in torch."""
+    from specserve.attention.torch_ref import TorchRefBackend
+    from specserve.cache.kv_pool import KVPool
+    from specserve.cache.req_table import ReqToTokenTable
+    from specserve.core.forward_batch import ForwardBatch, ForwardMode
+
+    cfg, stack = draft.config, draft.cpu_stack
+    pool = KVPool(64, 1, cfg.kv_heads_per_rank, cfg.head_dim, torch.float32, CPU)
+    table, backend, outs = ReqToTokenTable(2, 64, CPU), TorchRefBackend(), []
+    draft.cpu_stack = stack if c_stack else None
+    try:
+        for start, n in ((0, 6), (6, 2)):
+            slots = torch.arange(1 + start, 1 + start + n)
+            table.write(0, start, slots)
+            fb = ForwardBatch(ForwardMode.EXTEND, torch.tensor(ids[start:start + n]), torch.arange(start, start + n),
+                              slots, torch.tensor([0]), [start], [n], table.table, pool, backend,
+                              logit_rows=torch.arange(n))
+            backend.init_forward_metadata(fb)
+            with torch.inference_mode():
+                outs += list(draft(fb, features[start:start + n]))
+    finally:
+        draft.cpu_stack = stack
+    return outs
+
+
+def test_an_eagle3_midlayer_in_c_follows_its_torch_path(smollm2_dir):
+    from specserve.models.draft_loader import load_draft
+    from specserve.spec.eagle import LAYOUTS
+    from specserve.spec.eagle.shipped_heads import shipped_head
+
+    target = load_model(smollm2_dir, torch.float32, CPU)
+    draft = load_draft(shipped_head(smollm2_dir, "EAGLE3"), target, LAYOUTS["EAGLE3"], torch.float32, CPU)
+    features = torch.randn(8, 3 * target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids = [5, 17, 99, 3, 250, 41, 8, 77]
+    got, want = (_draft_steps(draft, features, ids, c) for c in (True, False))
+    # both round each product's x to int16; the norms and attention differ in float32's last bits
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3 * w.abs().max().item())
