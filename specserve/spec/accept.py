@@ -31,6 +31,7 @@ from specserve import kernels
 from specserve.core.h2d import ready_event
 from specserve.runner.sampler import SamplingBatch, filter_floors, filter_logits, filtered, gumbel_noise, temperatures
 from specserve.spec.drafts import Drafts
+from specserve.spec.walk_host import walk_host
 
 
 @dataclass
@@ -112,7 +113,10 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
 
 def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
                    before_read: BeforeRead | None = None) -> tuple[list[list[int]], list[list[int]]]:
-    """(paths, tokens) of the greedy walk for `rows` (None: all), with one read back."""
+    """(paths, tokens) of the greedy walk for `rows` (None: all), with one read back (on
+    the CPU, the walk itself runs on the host: spec/walk_host.py)."""
+    if rows is None and before_read is None and not logits.is_cuda and not kernels.use_fused(logits):
+        return walk_host(drafts, logits)
     packed, walk = walk_greedy(drafts, logits, rows)
     if before_read is None:
         return _parse_walk(packed.tolist(), walk.tokens.shape[1])  # the one sync
