@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.core.h2d import h2d_many
 from specserve.core.request import Req
 from specserve.core.sampling_params import SamplingParams
 from specserve.engine.kv_manager import KVManager
-from specserve.spec.tree.draft import TreeDrafter, row_topk, top_children
+from specserve.spec.tree.draft import TreeDrafter, TreeInputs, row_topk, top_children
 
 V, ROOT_KID = 4096, 4000  # the root's children are tokens 4000 + j
 
@@ -110,3 +111,21 @@ def test_two_stage_topk_is_topk(vocab, k):
     vals, idx = row_topk(tied, k)
     assert torch.equal(vals, torch.ones(2, k)) and torch.equal(tied.gather(1, idx), vals)
     assert all(len(set(row)) == k for row in idx.tolist())
+
+
+@pytest.mark.parametrize("topk,nodes", [(1, 2), (3, 2), (3, 3), (3, 4)])
+def test_one_depth_trees_skip_the_selection_and_equal_it(topk, nodes):
+    """num_steps 1 on the CPU builds the trees from the root's children directly
+    (`_one_depth`): the same trees as the generic pass's selection."""
+    kv = KVManager(512, 64, 128, torch.device("cpu"), enable_prefix_cache=False)
+    reqs = [_req(kv, "a", 9), _req(kv, "b", 15)]
+    drafter = TreeDrafter(kv, lambda frame, states: (None, None), topk, 1, shift=1)
+    first_ids = torch.tensor([[ROOT_KID + j for j in range(topk)], [ROOT_KID + 2 * j for j in range(topk)]])
+    first_logp = torch.tensor([[-0.1 * (j + 1) for j in range(topk)]] * len(reqs))
+    got = drafter.draft(reqs, nodes, (first_logp, first_ids), states=None)
+    roots, rows, start = h2d_many([[r.last_id for r in reqs], [r.row for r in reqs], [r.kv_len for r in reqs]],
+                                  torch.device("cpu"))
+    x = TreeInputs(first_logp, first_ids, None, roots, rows, start, torch.empty(0, len(reqs) * topk, dtype=torch.int64))
+    tokens, parents, mask = drafter.expand(x, drafter.step, nodes)
+    assert torch.equal(got.tokens, tokens) and torch.equal(got.parents, parents)
+    assert torch.equal(got.tree_mask(), mask)

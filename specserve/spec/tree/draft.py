@@ -104,7 +104,7 @@ def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None,
         fused = kernels.topk_logprobs(logits, k, token_map, into)  # one launch instead of ~15
         if fused is not None:
             return fused
-    best, idx = row_topk(logits, k)
+    best, idx = row_topk(logits, k) if logits.is_cuda else logits.topk(k, dim=-1)  # a CPU needs no blocks
     logp = best.float() - logits.float().logsumexp(-1, keepdim=True)  # no [R, V] log_softmax written
     if token_map is not None:  # draft vocabulary (EAGLE-3 d2t, FR-Spec) -> target ids
         idx = token_map[idx]
@@ -184,6 +184,8 @@ class TreeDrafter:
             root_ids, rows_host = [r.last_id for r in reqs], [r.row for r in reqs]
             if self.graphs is not None and self.graphed(bsz):
                 tokens, parents, mask = self.graphs.replay_host(root_ids, rows_host, start, scratch)
+            elif self.num_steps == 1 and first is not None and not kernels.use_fused(first[0]):
+                return _one_depth(root_ids, first[1], self.num_selected(num_nodes))
             else:
                 assert first is not None, "an eager drafting pass needs the root's children"
                 roots, rows, tail_start, slots = h2d_many([root_ids, rows_host, start, scratch], first[0].device)
@@ -285,6 +287,16 @@ def _advance(score: torch.Tensor, logp: torch.Tensor, kid: torch.Tensor, frontie
     assert tail is not None, "a depth with a later forward has a tail"
     tail = torch.cat([tail[src], next_slots[:, None]], dim=1)
     return new_score, new_token, size + pick, states, tail
+
+
+def _one_depth(roots: list[int], ids: torch.Tensor, n_sel: int) -> Drafts:
+    """A one-depth pass's trees without torch's selection ops (CPU tensors): the root and
+    its n_sel best children, which `first` holds in score order, every child's parent the
+    root. `_select` keeps the same children in candidate order, the same order."""
+    bsz = len(roots)
+    tokens = torch.cat([torch.tensor(roots, dtype=torch.int64)[:, None], ids[:, :n_sel].to(torch.int64)], dim=1)
+    parents = torch.tensor([[-1] + [0] * n_sel] * bsz, dtype=torch.int64)
+    return _full_trees(tokens, parents, ancestor_mask(parents))
 
 
 def _full_trees(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor) -> Drafts:
