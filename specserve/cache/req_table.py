@@ -62,6 +62,9 @@ class ReqToTokenTable:
         lens = [len(s) for s in slots]
         if not sum(lens):
             return
+        if len(rows) == 1:  # one row (batch 1): two slice writes, not an index write's tensors
+            self.write(rows[0], starts[0], torch.as_tensor(slots[0], dtype=torch.int64))
+            return
         r, c, flat = self._flat_cells(rows, starts, slots, lens)
         dev_r, dev_c, dev_s = h2d_many([r, c, flat], self.table.device)
         self.table[dev_r, dev_c] = dev_s
