@@ -20,6 +20,7 @@ from specserve.engine.protocol import EngineStart
 from specserve.models.llama import LlamaConfig
 from specserve.models.loader import read_hf_config
 from specserve.models.source import resolve_model_dir
+from specserve.runner.model_runner import pick_device
 from specserve.spec import registry
 from specserve.spec.sources import explicit_draft_dir
 from specserve.tokenizer.tokenizer import Tokenizer, load_tokenizer, read_chat_template
@@ -56,7 +57,8 @@ def resolve_sources(cfg: Config) -> tuple[EngineStart, Tokenizer]:
     if template is not None:
         tokenizer.chat_template = template
     target = LlamaConfig.from_hf(read_hf_config(model_dir))
-    plan = registry.plan(cfg.spec, model_dir, target)
+    on_cpu = pick_device(cfg.model.device).type == "cpu"
+    plan = registry.plan(replace(cfg.spec, on_cpu=on_cpu), model_dir, target)
     if plan is not None:
         cfg = replace(cfg, spec=plan.spec)
     return EngineStart(cfg, model_dir, tokenizer_dir, plan), tokenizer

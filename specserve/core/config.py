@@ -107,6 +107,7 @@ class SpecConfig:
     # The draft's local directory, resolved from the flags and the target before any weights
     # load (spec/registry.py `resolve_spec`): the explicit path, a shipped head or the target itself (MTP)
     draft_dir: str | None = None
+    on_cpu: bool = False  # the target is served on the CPU (preflight): a head's CPU tree applies
 
     @property
     def enabled(self) -> bool:

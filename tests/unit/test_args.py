@@ -93,7 +93,7 @@ def test_every_flag_help_shows_a_default() -> None:
 
 def test_every_config_field_has_a_flag() -> None:
     dests = {a.dest for a in build_parser()._actions}
-    env_fields = {"enable_spec_v2", "ngram_force_greedy_verify", "draft_dir"}  # draft_dir: set at start-up
+    env_fields = {"enable_spec_v2", "ngram_force_greedy_verify", "draft_dir", "on_cpu"}  # the last two: set at start-up
     for section in Config.__dataclass_fields__:
         cls = type(getattr(Config(), section))
         for name in cls.__dataclass_fields__:

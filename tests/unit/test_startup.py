@@ -106,17 +106,26 @@ def test_an_unserved_architecture_is_refused(target, smollm2_dir, tmp_path):
 
 def test_the_shipped_head_and_its_tree_are_settled_at_start_up(smollm2_dir):
     """EAGLE3 on the default model with no tree flags: the shipped head's own tree (5,6,32)
-    and batch tree (3,2,6), before the engine sizes anything by them."""
-    start, _ = preflight.resolve_sources(parse_config(["--speculative-algorithm", "EAGLE3"]))
+    and batch tree (3,2,6) on a GPU, its CPU tree (a chain of 2) and no batch tree on the
+    CPU, before the engine sizes anything by them."""
+    from specserve.models.llama import LlamaConfig
+    from specserve.models.loader import read_hf_config
+    from specserve.spec import registry
+
+    start, _ = preflight.resolve_sources(parse_config(["--speculative-algorithm", "EAGLE3", "--device", "cpu"]))
     spec = start.config.spec
-    assert Path(spec.draft_dir).name == "smollm2-135m-eagle3"
-    assert (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens) == (5, 6, 32)
-    assert spec.batch_tree == "3,2,6"
-    assert start.model_dir == smollm2_dir and start.spec.needs.verify_tokens == 32
+    assert Path(spec.draft_dir).name == "smollm2-135m-eagle3" and start.model_dir == smollm2_dir
+    assert (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, spec.batch_tree) == (2, 1, 3, "off")
+    assert start.spec.needs.verify_tokens == 3
+    target = LlamaConfig.from_hf(read_hf_config(smollm2_dir))  # a target on a GPU: what preflight plans there
+    gpu = registry.plan(parse_config(["--speculative-algorithm", "EAGLE3"]).spec, smollm2_dir, target)
+    assert gpu is not None and not gpu.spec.on_cpu
+    assert (gpu.spec.num_steps, gpu.spec.eagle_topk, gpu.spec.num_draft_tokens) == (5, 6, 32)
+    assert gpu.spec.batch_tree == "3,2,6" and gpu.needs.verify_tokens == 32
 
 
 def test_the_table_is_wide_enough_for_the_shipped_heads_tree(smollm2_dir):
-    """EAGLE3 on the default model (the shipped head's 32-node tree) driven to the end of a
+    """EAGLE3 on the default model (the shipped head's GPU tree of 32 nodes, asked for) driven to the end of a
     short context: every verify writes 32 table columns past kv_len, and the output equals
     plain decoding's, cut by the same context length."""
     from specserve.offline import Engine
@@ -125,7 +134,8 @@ def test_the_table_is_wide_enough_for_the_shipped_heads_tree(smollm2_dir):
     params = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
     flags = {"context_length": 96, "log_level": "warning"}
     want = Engine(**flags).generate(input_ids=prompt, sampling_params=params)
-    spec = Engine(speculative_algorithm="EAGLE3", **flags)
+    spec = Engine(speculative_algorithm="EAGLE3", speculative_num_steps=5, speculative_eagle_topk=6,
+                  speculative_num_draft_tokens=32, **flags)
     assert spec.scheduler.kv.table.table.shape[1] >= 96 + 32
     got = spec.generate(input_ids=prompt, sampling_params=params)
     assert got["output_ids"] == want["output_ids"] and len(want["output_ids"]) >= 30

@@ -86,19 +86,24 @@ def check_layout(algorithm: str, draft: Path) -> None:
 
 def head_default_tree(spec: SpecConfig) -> SpecConfig:
     """With no tree flags (--speculative-num-steps omitted), the tree the head's config names
-    as the one it was tuned with (`specserve_default_tree`: [steps, topk, draft tokens]),
+    as the one it was tuned with (`specserve_default_tree`: [steps, topk, draft tokens]), or
+    for a target on the CPU its `specserve_cpu_tree` where it names one (there each verified
+    row costs the integer products again, so a short chain pays where a wide tree does not),
     ahead of SGLang's choice by architecture; and the batch tree (batch_tree.py) resolved:
-    auto takes the head's `specserve_batch_tree` with the head's own tree, else off."""
+    auto takes the head's `specserve_batch_tree` with the head's own GPU tree, else off."""
     try:
         config = json.loads((spec.draft_path / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    tree, from_head = config.get("specserve_default_tree"), spec.num_steps is None
+    cpu_tree = config.get("specserve_cpu_tree") if spec.on_cpu else None
+    tree, from_head = cpu_tree or config.get("specserve_default_tree"), spec.num_steps is None
     if from_head and tree is not None:
         steps, topk, n = (int(v) for v in tree)
-        logger.info("Draft tree %d,%d,%d (steps, topk, draft tokens): the head's own default", steps, topk, n)
+        where = " on the CPU" if cpu_tree else ""
+        logger.info("Draft tree %d,%d,%d (steps, topk, draft tokens): the head's own default%s", steps, topk, n, where)
         spec = replace(spec, num_steps=steps, eagle_topk=topk, num_draft_tokens=n)
-    batch = batch_tree.resolve(spec.batch_tree, config.get("specserve_batch_tree"), from_head and tree is not None)
+    gpu_tree = from_head and tree is not None and cpu_tree is None
+    batch = batch_tree.resolve(spec.batch_tree, config.get("specserve_batch_tree"), gpu_tree)
     return replace(spec, batch_tree=batch)
 
 
