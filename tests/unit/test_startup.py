@@ -106,7 +106,7 @@ def test_an_unserved_architecture_is_refused(target, smollm2_dir, tmp_path):
 
 def test_the_shipped_head_and_its_tree_are_settled_at_start_up(smollm2_dir):
     """EAGLE3 on the default model with no tree flags: the shipped head's own tree (5,6,32)
-    and batch tree (3,2,6) on a GPU, its CPU tree (a chain of 2) and no batch tree on the
+    and batch tree (3,2,6) on a GPU, its CPU tree (one draft token) and no batch tree on the
     CPU, before the engine sizes anything by them."""
     from specserve.models.llama import LlamaConfig
     from specserve.models.loader import read_hf_config
@@ -115,8 +115,8 @@ def test_the_shipped_head_and_its_tree_are_settled_at_start_up(smollm2_dir):
     start, _ = preflight.resolve_sources(parse_config(["--speculative-algorithm", "EAGLE3", "--device", "cpu"]))
     spec = start.config.spec
     assert Path(spec.draft_dir).name == "smollm2-135m-eagle3" and start.model_dir == smollm2_dir
-    assert (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, spec.batch_tree) == (2, 1, 3, "off")
-    assert start.spec.needs.verify_tokens == 3
+    assert (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, spec.batch_tree) == (1, 1, 2, "off")
+    assert start.spec.needs.verify_tokens == 2
     target = LlamaConfig.from_hf(read_hf_config(smollm2_dir))  # a target on a GPU: what preflight plans there
     gpu = registry.plan(parse_config(["--speculative-algorithm", "EAGLE3"]).spec, smollm2_dir, target)
     assert gpu is not None and not gpu.spec.on_cpu
