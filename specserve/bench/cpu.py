@@ -48,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench cpu")
     p.add_argument("--model", default="smollm2-135m", help="a catalogue name or a .gguf file")
     p.add_argument("--threads", type=int, default=None, help="threads for every engine (default: torch's)")
-    p.add_argument("--prompts", choices=("mtbench", "repetitive"), default="mtbench",
-                   help="MT-bench's first turns, or the repeat-and-edit-this-code set where n-grams match")
+    p.add_argument("--prompts", choices=("mtbench", "mtbench-spread", "repetitive"), default="mtbench",
+                   help="MT-bench's first turns (its first questions, writing ones; or taken evenly over its "
+                        "80 questions, every category), or the repeat-and-edit-this-code set where n-grams match")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--configs", default="float,gguf,gguf+NGRAM,gguf+EAGLE3", help=f"of {', '.join(CONFIGS)}")
@@ -177,6 +178,16 @@ def _gguf_file(model: str, into: Path) -> Path:
     return download_gguf(model, into)
 
 
+def _texts(kind: str, n: int) -> list[str]:
+    """The prompts of `--prompts kind`: n of them."""
+    if kind == "repetitive":
+        return repetitive_prompts(n)
+    if kind == "mtbench":
+        return mt_bench_first_turns(n)
+    every = mt_bench_first_turns()  # mtbench-spread: evenly over the questions, so every category
+    return [every[i * len(every) // n] for i in range(min(n, len(every)))]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.threads:
@@ -187,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = resolve_model_dir(args.model)
     tok = load_tokenizer(model_dir)
-    texts = (mt_bench_first_turns if args.prompts == "mtbench" else repetitive_prompts)(args.num_prompts)
+    texts = _texts(args.prompts, args.num_prompts)
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in texts]
     base = {"bench": "cpu", "model": args.model, "prompts": args.prompts, "threads": threads,
             "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_new_tokens": args.max_new_tokens}

@@ -44,3 +44,12 @@ def test_llama_cpp_rows_come_from_its_pp_and_tg_tests(smollm2_dir, tmp_path, mon
     seconds = llama["prompt_tokens"] / 400.0 + plain["tokens"] / 50.0
     assert llama["tok_s"] == pytest.approx(plain["tokens"] / seconds)
     assert plain["decode_vs_llama_cpp"] == pytest.approx(plain["decode_tok_s"] / 50.0)
+
+
+def test_spread_prompts_cover_every_category():
+    from specserve.bench.cpu import _texts
+    from specserve.bench.prompts import mt_bench_first_turns
+
+    every = mt_bench_first_turns()
+    spread = _texts("mtbench-spread", 8)
+    assert spread == every[::10] and _texts("mtbench", 3) == every[:3]  # MT-bench: 8 categories of 10
