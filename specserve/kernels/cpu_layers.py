@@ -102,14 +102,18 @@ class Stack:
             c.norm0 = _ptr(w.norm0)
         self.paired = any(w.norm0 is not None for w in layers)  # then forward takes the tokens' embeddings
         self._cache: tuple[int, ...] = ()
+        self._bound: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def bind_cache(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         """Point each layer at its float32 K and V cache [slots, kv_heads, head_dim]."""
+        if self._bound is not None and self._bound[0] is k and self._bound[1] is v:
+            return  # the pool's own lists, as bound last time (a pool's tensors are never replaced)
         ptrs = tuple(t.data_ptr() for t in (*k, *v))
         if ptrs != self._cache:
             for i, c in enumerate(self.layers):
                 c.k_cache, c.v_cache = k[i].data_ptr(), v[i].data_ptr()
             self._cache = ptrs
+        self._bound = (k, v)
 
     def forward(self, stream: torch.Tensor, attn: Attention, capture: tuple[int, ...] = (),
                 threads: int | None = None, embed: torch.Tensor | None = None) -> list[torch.Tensor]:
