@@ -7,7 +7,8 @@
 
    The stream [T, hidden] is updated in place. One OpenMP parallel region runs the whole
    stack: products split their output columns over the threads, norms and RoPE split rows,
-   attention splits (row, head) pairs; a barrier separates the steps. Each row is computed
+   attention splits (row, head) pairs; a barrier (cpu_quant.h's `team_wait`) separates the
+   steps. Each row is computed
    the same way whatever the other rows are (the products' sums run one order; attention
    visits its keys in kv_index order), so a verify's rows equal decode's.
 
@@ -240,7 +241,7 @@ static void attend(const Layer *L, const Batch *b) {
     const int64_t D = b->head_dim, H = b->heads, W = (H + 2 * b->kv_heads) * D;
     const int64_t items = b->B * b->max_new * H, group = H / b->kv_heads;
     float *p = b->scores + omp_get_thread_num() * b->max_kv;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t it = 0; it < items; it++) {
         const int64_t h = it % H, bq = it / H, bi = bq / b->max_new, i = bq % b->max_new;
         if (!b->q_valid[bq]) continue;
@@ -266,7 +267,7 @@ static void act_rows(const Batch *b) {
     round_rows(b->act, I, b);
 }
 
-static void layer(const Layer *L, const Batch *b, float *stream) {
+static void layer(const Layer *L, const Batch *b, float *stream, TeamBarrier *bar, int *phase) {
     const int64_t T = b->T, HD = b->heads * b->head_dim;
     const QX hidden = qx_of(b, b->hidden), heads = qx_of(b, HD), inter = qx_of(b, b->inter);
     const QX pair = qx_of(b, 2 * b->hidden);
@@ -274,24 +275,25 @@ static void layer(const Layer *L, const Batch *b, float *stream) {
         rms_pair_rows(stream, L->norm0, L->norm1, b->xn, b);
     else
         rms_rows(stream, L->norm1, b->xn, b);
-#pragma omp barrier
+    team_wait(bar, phase);
     qmm_share(&L->qkv, L->norm0 ? &pair : &hidden, T, b->qkv, 0);
-#pragma omp barrier
+    team_wait(bar, phase);
     rope_store(L, b);
-#pragma omp barrier
-    attend(L, b); /* ends in the omp for's barrier */
+    team_wait(bar, phase);
+    attend(L, b);
+    team_wait(bar, phase);
     round_rows(b->attn, HD, b);
-#pragma omp barrier
+    team_wait(bar, phase);
     qmm_share(&L->o, &heads, T, stream, 1);
-#pragma omp barrier
+    team_wait(bar, phase);
     rms_rows(stream, L->norm2, b->xn, b);
-#pragma omp barrier
+    team_wait(bar, phase);
     qmm_share(&L->gate_up, &hidden, T, b->gate_up, 0);
-#pragma omp barrier
+    team_wait(bar, phase);
     act_rows(b);
-#pragma omp barrier
+    team_wait(bar, phase);
     qmm_share(&L->down, &inter, T, stream, 1);
-#pragma omp barrier
+    team_wait(bar, phase);
 }
 
 /* The stack over `stream` [T, hidden]. captured [n_capture, T, hidden] takes the stream
@@ -300,12 +302,17 @@ int cpu_layers_forward(const Layer *layers, int64_t n_layers, const Batch *b, fl
                        const int64_t *capture, int64_t n_capture, float *captured, int threads) {
     if (b->head_dim > 512) return -1;
     const int64_t size = b->T * b->hidden;
+    TeamBarrier bar = {0, 0};
 #pragma omp parallel num_threads(threads)
-    for (int64_t l = 0; l <= n_layers; l++) {
-#pragma omp single
-        for (int64_t c = 0; c < n_capture; c++)
-            if (capture[c] == l) memcpy(captured + c * size, stream, sizeof(float) * size);
-        if (l < n_layers) layer(&layers[l], b, stream);
+    {
+        int phase = 0;
+        for (int64_t l = 0; l <= n_layers; l++) {
+            if (omp_get_thread_num() == 0)
+                for (int64_t c = 0; c < n_capture; c++)
+                    if (capture[c] == l) memcpy(captured + c * size, stream, sizeof(float) * size);
+            team_wait(&bar, &phase);
+            if (l < n_layers) layer(&layers[l], b, stream, &bar, &phase);
+        }
     }
     return 0;
 }

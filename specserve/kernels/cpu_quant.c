@@ -16,6 +16,8 @@
    equal decode's) nor on the thread count. */
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -279,6 +281,27 @@ static void span_plain(const QW *w, const QX *x, int64_t M, float *y, int accumu
 #define span_q8 span_plain
 #endif
 
+#define TEAM_SPINS 1000 /* spins before a waiter yields its core */
+
+void team_wait(TeamBarrier *b, int *phase) {
+    const int n = omp_get_num_threads(), next = *phase + 1;
+    *phase = next;
+    if (n == 1) return;
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == n - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed); /* published by the release below */
+        atomic_store_explicit(&b->phase, next, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) != next; spins++) {
+        if (spins >= TEAM_SPINS)
+            sched_yield();
+#if defined(__x86_64__) || defined(__i386__)
+        else
+            __builtin_ia32_pause();
+#endif
+    }
+}
+
 void qmm_share(const QW *w, const QX *x, int64_t M, float *y, int accumulate) {
     const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t supers = (w->N / TILE + SUPER - 1) / SUPER;
@@ -296,11 +319,13 @@ int qmm(int64_t method, const float *x, int64_t M, int64_t K, const uint8_t *dat
         int64_t has_offset, int64_t N, float *y, int threads, int16_t *xq, float *xd, float *xs) {
     const QW w = {method, N, K, group, half, has_offset, data};
     const QX qx = {xq, xd, xs, K};
+    TeamBarrier bar = {0, 0};
 #pragma omp parallel num_threads(threads)
     {
         const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+        int phase = 0;
         qx_rows(x, M * t / n, M * (t + 1) / n, &qx);
-#pragma omp barrier
+        team_wait(&bar, &phase);
         qmm_share(&w, &qx, M, y, 0);
     }
     return 0;

@@ -42,6 +42,17 @@ typedef struct {
 /* x's rows [begin, end) into qx (rows of K columns, K a multiple of XBLOCK) */
 void qx_rows(const float *x, int64_t begin, int64_t end, const QX *qx);
 
+/* A barrier for the threads of one OpenMP team, in place of `#pragma omp barrier`: a waiter
+   spins a little, then yields its core (sched_yield) until the last thread arrives. libgomp's
+   barrier spins for far longer, so when another process holds one of the cores, the threads
+   that arrived burn the time slices the late one needs (decode ran 4-8x slower beside one
+   busy process on a 2-core machine). Zero-initialise it before the parallel region; each
+   thread keeps its own `phase`, starting at 0. */
+typedef struct {
+    _Atomic int arrived, phase;
+} TeamBarrier;
+void team_wait(TeamBarrier *b, int *phase);
+
 /* y[m, n] (+)= x[m, :] . W[n, :] for m < M and this thread's share of the tiles (OpenMP's
    thread number and count; call from every thread of a parallel region, or alone).
    accumulate: add to y (a residual) instead of overwriting it. y [M, N] contiguous. */
