@@ -8,9 +8,9 @@
    The stream [T, hidden] is updated in place. One OpenMP parallel region runs the whole
    stack: products split their output columns over the threads, norms and RoPE split rows,
    attention splits (row, head) pairs; a barrier (cpu_quant.h's `team_wait`) separates the
-   steps. Each row is computed
-   the same way whatever the other rows are (the products' sums run one order; attention
-   visits its keys in kv_index order), so a verify's rows equal decode's.
+   steps. Each row is computed the same way whatever the other rows are (the products' sums
+   run one order; attention visits its keys in kv_index order), so a verify's rows equal
+   decode's.
 
    A layer with norm0 is EAGLE-3's draft layer (models/eagle3.py): its q/k/v product reads
    the tokens' embeddings normed by norm0 beside the stream normed by norm1, and the stream

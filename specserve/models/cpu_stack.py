@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from specserve.attention.torch_ref import RefMeta, TorchRefBackend
+from specserve.core import quant
 from specserve.core.forward_batch import ForwardBatch
 from specserve.kernels import cpu_layers
 from specserve.models.layers import RMSNorm
 
 if TYPE_CHECKING:
-    from specserve.models.eagle3 import LlamaForCausalLMEagle3
+    from specserve.models.eagle3 import Eagle3MidLayer, LlamaForCausalLMEagle3
     from specserve.models.llama import Attention as AttentionLayer
     from specserve.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
     from specserve.models.rope import RotaryEmbedding
@@ -55,10 +56,9 @@ class CpuStack:
         weights = []
         layers = list(cast("Iterable[DecoderLayer]", model.model.layers))  # ModuleList is untyped
         for layer in layers:
-            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-            found = [p.quantized for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            projections = [p for p in found if p is not None and cpu_layers.servable(p)]
-            if attn.q_norm is not None or len(projections) < 4 or not isinstance(norm, RMSNorm):
+            attn, norm = layer.self_attn, layer.input_layernorm
+            projections = _projections(layer)
+            if projections is None or not isinstance(norm, RMSNorm):
                 return None  # q/k norms, a float projection, or no input norm (EAGLE-1/2's first layer)
             bias = attn.qkv_proj.bias
             qkv, o, gate_up, down = projections
@@ -75,19 +75,16 @@ class CpuStack:
         projections are blocks the C stack reads, in float32, with the residual the
         incoming hidden (not vLLM's norm_before_residual)."""
         mid = draft.midlayer
-        attn, mlp = mid.self_attn, mid.mlp
-        found = [p.quantized for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        projections = [p for p in found if p is not None and cpu_layers.servable(p)]
+        projections = _projections(mid)
         norms = (mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm)
-        if (len(projections) < 4 or attn.q_norm is not None or attn.qkv_proj.bias is not None
-                or mid.norm_before_residual or any(n.weight.dtype != torch.float32 for n in norms)
-                or len({n.eps for n in norms}) != 1):
+        if (projections is None or mid.self_attn.qkv_proj.bias is not None or mid.norm_before_residual
+                or any(n.weight.dtype != torch.float32 for n in norms) or len({n.eps for n in norms}) != 1):
             return None
         qkv, o, gate_up, down = projections
         weights = cpu_layers.LayerWeights(qkv, o, gate_up, down, mid.hidden_norm.weight.detach(),
                                           mid.post_attention_layernorm.weight.detach(), None,
                                           norm0=mid.input_layernorm.weight.detach())
-        return cls(cpu_layers.Stack([weights], _shape(draft.config, attn)), draft.rotary)
+        return cls(cpu_layers.Stack([weights], _shape(draft.config, mid.self_attn)), draft.rotary)
 
     def serves(self, fb: ForwardBatch, h: torch.Tensor) -> bool:
         backend = fb.attn_backend
@@ -116,6 +113,15 @@ class CpuStack:
         attn = cpu_layers.Attention(meta.kv_index, meta.q_index, meta.q_valid, meta.mask, fb.out_slots,
                                     fb.positions, self.rope.table)
         return self.stack.forward(h, attn, capture, embed=embed)
+
+
+def _projections(layer: DecoderLayer | Eagle3MidLayer) -> list[quant.QuantWeight] | None:
+    """A layer's q/k/v, o, gate/up and down weights when the C stack reads all four (in
+    blocks it serves, no per-head q/k norms), else None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    found = [p.quantized for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    projections = [p for p in found if p is not None and cpu_layers.servable(p)]
+    return projections if len(projections) == 4 and attn.q_norm is None else None
 
 
 def _shape(cfg: LlamaConfig, attn: AttentionLayer) -> cpu_layers.Shape:
