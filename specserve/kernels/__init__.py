@@ -27,7 +27,7 @@ import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -172,12 +172,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: to
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias) with each row's arithmetic independent of M
-    (invariant_mm.py: --enable-deterministic-inference)."""
+                     out_dtype: torch.dtype | None = None, **fused: Any) -> Any:
+    """x [M, K] @ weight [N, K].T (+ bias) with each row's arithmetic independent of M, and
+    the prologues and epilogues `fused` names (invariant_mm.py: --enable-deterministic-inference)."""
     from specserve.kernels import invariant_mm
 
-    return invariant_mm.invariant_matmul(x, weight, bias, out_dtype)
+    return invariant_mm.invariant_matmul(x, weight, bias, out_dtype, **fused)
+
+
+def row_sumsq(x: torch.Tensor) -> torch.Tensor:
+    """Partial sums of squares of x's rows, for an invariant norm prologue (invariant_mm.py)."""
+    from specserve.kernels import invariant_mm
+
+    return invariant_mm.row_sumsq(x)
 
 
 _PACKED = ("int4", "q4", "q8")  # core/quant.py's methods whose few-token kernels fuse no norm or SiLU

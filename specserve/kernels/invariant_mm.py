@@ -12,10 +12,27 @@ cuBLAS chooses its kernel (tile, split-K, stream-K) from M, which is why a verif
 tokens and a decode of one round the same row differently there.
 
 The few-token GEMVs (`matvec.py`, `skinny.py`) pick their tiles and splits from the token
-count too, so the mode does not use them: each linear layer runs here, with its norm,
-SiLU*mul and residual add as separate row-local launches. float32 models get IEEE fp32
-products (no TF32). Weights are [N, K], any strides (unit column stride on GPUs, where a
-stride of 1 compiles as a constant; the CPU's transposed layout under the interpreter).
+count too, so the mode does not use them. Instead this kernel takes the layer's row-local
+neighbours into its epilogue, each a function of the row alone (nothing transforms x
+between its load and the dot: that breaks the loads' pipelining and costs more than the
+launches it saves):
+  * `norm`, a pre-norm (RMSNorm): the caller folds the norm's weight into `weight` once
+    (W diag(w), models/invariant.py); the row's 1/rms arrives as partial sums of squares
+    ([M, S] float32, summed here in index order, so no program passes over the row) and
+    scales the accumulator;
+  * `gated`: the weight is gate_up [2N, K]; a program keeps the gate's and the up's tiles
+    of the same columns and writes silu(gate) * up, rounded as gate_up followed by
+    kernels/activation.py would round them. Where the plain gate_up would take wider
+    tiles than the gate's (`config`: an 8B model's MLP), two tiles a program measured
+    slower than one wide tile plus the SiLU*mul launch, so that shape takes the two
+    launches (docs/benchmarks.md); the choice follows the weight's shape alone;
+  * `residual`: y = residual + x W^T, rounded as torch's `residual + y`; with `sumsq` it
+    also returns each output tile's sum of squares of y, the partial sums the next
+    layer's norm reads.
+`row_sumsq` gives the same partial sums for a stream that no such epilogue wrote (the
+embedding's). float32 models get IEEE fp32 products (no TF32). Weights are [N, K], any
+strides (unit column stride on GPUs, where a stride of 1 compiles as a constant; the CPU's
+transposed layout under the interpreter).
 """
 from __future__ import annotations
 
@@ -24,32 +41,72 @@ import triton
 import triton.language as tl
 
 from specserve.kernels import pdl_flags
+from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.pdl import wait_and_release
 
 BLOCK_M = 16
+SUMSQ_GROUP = 32  # columns per partial sum of squares from `row_sumsq`
+
+
+@triton.jit
+def _w_tile(w_ptr, rows, ks, sw, swk, mask):
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * sw + ks[None, :] * swk, mask=mask, other=0.0)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _invariant_mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, swk, sy, HAS_BIAS: tl.constexpr,
-                         PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+def _invariant_mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, M, N, K, sx, sw, swk, sy, sr, n_ss, eps,
+                         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, S_IN: tl.constexpr, GATED: tl.constexpr,
+                         RES: tl.constexpr, SS_OUT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, nmask = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     wait_and_release(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx + ks[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * sw + ks[None, :] * swk, mask=nmask[:, None] & kmask[None, :],
-                    other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+        wmask = nmask[:, None] & kmask[None, :]
+        acc = tl.dot(x, tl.trans(_w_tile(w_ptr, cols, ks, sw, swk, wmask)), acc, input_precision=PREC)
+        if GATED:
+            acc_up = tl.dot(x, tl.trans(_w_tile(w_ptr, N + cols, ks, sw, swk, wmask)), acc_up, input_precision=PREC)
+    dt = x_ptr.dtype.element_ty
+    if NORM:  # 1/rms of the row from its partial sums of squares, in index order
+        s = tl.arange(0, S_IN)
+        part = tl.load(ss_in + rows[:, None].to(tl.int64) * n_ss + s[None, :],
+                       mask=rmask[:, None] & (s < n_ss)[None, :], other=0.0)
+        rstd = tl.rsqrt(tl.sum(part, axis=1) / K + eps)[:, None]
+        acc, acc_up = acc * rstd, acc_up * rstd
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rows[:, None].to(tl.int64) * sy + cols[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+        if GATED:
+            acc_up += tl.load(b_ptr + N + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # gate_up rounded to x's dtype, then F.silu's rounding, then the product's
+        g = acc.to(dt).to(tl.float32)
+        acc = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
+    mask = rmask[:, None] & nmask[None, :]
+    if RES:  # rounded as torch's `residual + y`, both in the stream's dtype
+        r = tl.load(r_ptr + rows[:, None].to(tl.int64) * sr + cols[None, :], mask=mask, other=0.0)
+        acc = acc.to(dt).to(tl.float32) + r.to(tl.float32)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * sy + cols[None, :], y, mask=mask)
+    if SS_OUT:
+        yf = tl.where(mask, y.to(tl.float32), 0.0)
+        tl.store(ss_out + rows.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), tl.sum(yf * yf, axis=1),
+                 mask=rmask)
+
+
+@triton.jit
+def _row_sumsq_kernel(x_ptr, ss_ptr, N, sx, n_ss, S: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, S)
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(x_ptr + row * sx + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(ss_ptr + row * n_ss + g, tl.sum(x * x, axis=1), mask=g < n_ss)
 
 
 def config(n: int, k: int) -> tuple[int, int, int, int]:
@@ -62,23 +119,57 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, *, norm: tuple[float, torch.Tensor] | None = None,
+                     gated: bool = False, residual: torch.Tensor | None = None,
+                     sumsq: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in `out_dtype` (default x's),
-    each row computed as the module docstring fixes it, whatever M is."""
+    each row computed as the module docstring fixes it, whatever M is. `norm` (eps, the
+    partial sums of squares of x's rows [M, S]): x is RMS-normalised first, the norm's
+    weight already folded into `weight`; `gated`: weight (and bias) is gate_up [2N, K] and
+    the result silu(gate) * up [M, N]; `residual` [M, N] (x's dtype) is added; `sumsq`
+    (with a residual): returns (y, the partial sums of squares of y's rows [M, S])."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert not sumsq or residual is not None, "the partial sums come from the residual epilogue"
+    assert not (gated and residual is not None), "a gated product takes no residual"
+    if gated and config(weight.shape[0], x.shape[1])[0] != config(weight.shape[0] // 2, x.shape[1])[0]:
+        gate_up = invariant_matmul(x, weight, bias, out_dtype, norm=norm)
+        assert isinstance(gate_up, torch.Tensor)  # no sumsq: one tensor
+        return silu_and_mul(gate_up)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    (m, k), n = x.shape, weight.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    if m == 0:
-        return y
+    (m, k), n = x.shape, weight.shape[0] // (2 if gated else 1)
     block_n, block_k, warps, stages = config(n, k)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    ss = torch.empty(m, triton.cdiv(n, block_n), dtype=torch.float32, device=x.device) if sumsq else y
+    if m == 0:
+        return (y, ss) if sumsq else y
+    if residual is not None:
+        assert residual.shape == (m, n) and residual.dtype == x.dtype and residual.stride(-1) == 1, residual.shape
+    eps, ss_in = norm if norm is not None else (0.0, y)
+    assert norm is None or (ss_in.shape[0] == m and ss_in.is_contiguous()), ss_in.shape
+    n_ss = ss_in.shape[1] if norm is not None else 1
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     # row tiles vary fastest: the programs that read one weight tile run together, so at
     # many rows the weight streams from memory about once (the rest hit L2)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
-    _invariant_mm_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0),
-                               weight.stride(0), weight.stride(1), y.stride(0), HAS_BIAS=bias is not None, PREC=prec,
-                               BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-                               **pdl_flags(x.device))
-    return y
+    _invariant_mm_kernel[grid](
+        x, weight, bias if bias is not None else weight, y, residual if residual is not None else y, ss_in, ss,
+        m, n, k, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0),
+        residual.stride(0) if residual is not None else 0, n_ss, eps,
+        HAS_BIAS=bias is not None, NORM=norm is not None, S_IN=triton.next_power_of_2(n_ss), GATED=gated,
+        RES=residual is not None, SS_OUT=sumsq, PREC=prec, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages, **pdl_flags(x.device))
+    return (y, ss) if sumsq else y
+
+
+def row_sumsq(x: torch.Tensor) -> torch.Tensor:
+    """The partial sums of squares of x's rows [M, N] in float32, one per SUMSQ_GROUP
+    columns: [M, ceil(N / SUMSQ_GROUP)], `invariant_matmul`'s `norm`."""
+    assert x.dim() == 2 and x.stride(-1) == 1, x.shape
+    m, n = x.shape
+    n_ss = triton.cdiv(n, SUMSQ_GROUP)
+    ss = torch.empty(m, n_ss, dtype=torch.float32, device=x.device)
+    if m:
+        _row_sumsq_kernel[(m,)](x, ss, n, x.stride(0), n_ss, S=triton.next_power_of_2(n_ss), GROUP=SUMSQ_GROUP,
+                                num_warps=4, **pdl_flags(x.device))
+    return ss

@@ -13,8 +13,16 @@ they only propose, and exact verification makes the output the target's):
     few-token GEMVs (their tiles follow the token count): `Linear.invariant`, and
     `LlamaForCausalLM` leaves its few-token path; the logits come out in fp32 from the
     kernel's accumulator on every path (no rounding to the model's dtype first);
-  * norms, RoPE, SiLU*mul and the residual adds are row-local already (one program per
-    row, or elementwise);
+  * on the GPU the norms, SiLU*mul and the residual adds ride on those kernels'
+    epilogues (`forward_layers`): a layer is qkv (x normalised: the input norm's weight
+    folded into the weight at start-up, `fold_norms`, and 1/rms applied to the
+    accumulator), RoPE + KV write, attention, o_proj (+ residual, and the stream's partial
+    sums of squares the next norm reads), gate_up (normalised likewise; silu(gate) * up
+    from its epilogue, or from a SiLU*mul launch where kernels/invariant_mm.py measured
+    that faster), down_proj (+ residual); the stream is one tensor between layers, as in the
+    few-token path. Layers with q/k norms (Qwen3) keep separate row-local launches for
+    norms, SiLU*mul and adds (`LlamaForCausalLM.forward_eager`); either way every forward
+    of a model takes the same path;
   * attention walks each query's keys in position order with splits fixed by its own
     length (`attention/triton_invariant.py`, chosen by the runner's `make_backend`).
 On a CPU (no Triton), the same contract in torch (`layers.invariant_linear`, `RMSNorm`,
@@ -26,9 +34,20 @@ close to a rounding boundary. Exact by construction on the GPU; on the CPU, by t
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
+import torch
 from torch import nn
 
+from specserve import kernels
 from specserve.models.layers import Linear, RMSNorm
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from specserve.core.forward_batch import ForwardBatch
+    from specserve.core.rope import RopeAt
+    from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 def enable_layers(model: nn.Module) -> None:
@@ -44,3 +63,63 @@ def enable_layers(model: nn.Module) -> None:
                 module.weight64 = module.weight_t.detach().double()
         elif isinstance(module, RMSNorm):
             module.invariant = True
+
+
+def fold_norms(model: LlamaForCausalLM) -> bool:
+    """Fold each layer's norm weights into the projections after them (qkv: the input
+    norm's, gate_up: the post-attention norm's; W diag(w), rounded once to the weight's
+    dtype) when `forward_layers` will serve the model: pre-norm layers without q/k norms
+    (Qwen3 has them) whose weights the fused kernels take. Returns whether it folded; a folded
+    model runs `forward_layers` only."""
+    layers = cast("list[DecoderLayer]", list(model.model.layers))
+    if not layers or not kernels.use_fused(_weight(layers[0].self_attn.qkv_proj)):
+        return False
+    if not all(isinstance(layer.input_layernorm, RMSNorm) and layer.self_attn.q_norm is None for layer in layers):
+        return False
+    with torch.no_grad():
+        for layer in layers:
+            for proj, norm in ((layer.self_attn.qkv_proj, layer.input_layernorm),
+                               (layer.mlp.gate_up_proj, layer.post_attention_layernorm)):
+                assert isinstance(norm, RMSNorm)  # checked above
+                weight = _weight(proj)
+                weight.copy_(weight.float() * norm.weight.float())
+    return True
+
+
+def forward_layers(model: LlamaForCausalLM, h: torch.Tensor, fb: ForwardBatch,
+                   rope: RopeAt) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The stream h [T, hidden] through every (folded) layer on the invariant kernels with
+    norms, SiLU*mul and residual adds in their epilogues (module docstring), then the final
+    norm: (normed hidden, the aux states `model.aux_layers` asks for: the stream itself)."""
+    if not (kernels.use_fused(h) and fb.attn_backend.pooled_kv):
+        raise RuntimeError("a model with folded norms runs on the fused kernels and a pooled KV cache only")
+    captured: dict[int, torch.Tensor] = {}
+    sumsq = kernels.row_sumsq(h)
+    for i, layer in enumerate(cast("Iterable[DecoderLayer]", model.model.layers)):
+        if i in model.aux_layers:
+            captured[i] = h
+        h, sumsq = _layer(layer, h, sumsq, fb, rope)
+    captured[model.config.num_layers] = h
+    return model.model.norm(h), [captured[i] for i in model.aux_layers]
+
+
+def _layer(layer: DecoderLayer, h: torch.Tensor, sumsq: torch.Tensor, fb: ForwardBatch,
+           rope: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
+    attn, mlp, pool = layer.self_attn, layer.mlp, fb.kv_pool
+    eps = cast(RMSNorm, layer.input_layernorm).eps
+    qkv = kernels.invariant_matmul(h, _weight(attn.qkv_proj), attn.qkv_proj.bias, norm=(eps, sumsq))
+    q = kernels.rope_store_kv(qkv.view(-1, attn.heads + 2 * attn.kv_heads, attn.head_dim), attn.heads,
+                              *rope.tables(), pool.k[attn.layer_id], pool.v[attn.layer_id], fb.out_slots,
+                              k_scale=pool.k_scale, v_scale=pool.v_scale)
+    out = fb.attn_backend.forward(q, None, None, attn.layer_id, fb, attn.scale).reshape(h.shape[0], -1)
+    h, sumsq = kernels.invariant_matmul(out, _weight(attn.o_proj), residual=h, sumsq=True)
+    eps = layer.post_attention_layernorm.eps
+    act = kernels.invariant_matmul(h, _weight(mlp.gate_up_proj), norm=(eps, sumsq), gated=True)
+    return kernels.invariant_matmul(act, _weight(mlp.down_proj), residual=h, sumsq=True)
+
+
+def _weight(proj: Linear) -> torch.Tensor:
+    """A projection's float weight [out, in] (the mode refuses quantized layers: `enable_layers`)."""
+    weight = proj.out_in_weight
+    assert isinstance(weight, torch.Tensor), "invariant layers are not quantized"
+    return weight

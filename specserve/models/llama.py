@@ -304,6 +304,7 @@ class LlamaForCausalLM(nn.Module):
         # --enable-deterministic-inference (models/invariant.py): the head's rows one way on any
         # batch; on a CPU, multiplied by this float64 [hidden, vocab] copy
         self.invariant = False
+        self.folded_norms = False  # invariant, the norms folded into the projections: `invariant.forward_layers`
         self.head_blocks: QuantWeight | None = None  # the LM head as a GGUF's blocks (models/gguf_serve.py)
         self.cpu_stack: CpuStack | None = None  # the layers in one C call on a CPU (models/cpu_stack.py)
         self.head64: torch.Tensor | None = None
@@ -324,6 +325,8 @@ class LlamaForCausalLM(nn.Module):
         rope = self.model.rotary.at(fb.positions)
         if self._few_tokens(h, fb):
             return self._forward_few_tokens(h, fb, rope)
+        if self.folded_norms:  # --enable-deterministic-inference on the GPU (models/invariant.py)
+            return invariant.forward_layers(self, h, fb, rope)
         captured: dict[int, torch.Tensor] = {}
         residual: torch.Tensor | None = None  # the stream is h + residual (see the module docstring)
         for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.model.layers)):  # ModuleList is untyped
@@ -375,6 +378,7 @@ class LlamaForCausalLM(nn.Module):
         and the forward's path one way for any batch."""
         invariant.enable_layers(self)
         self.invariant = True
+        self.folded_norms = invariant.fold_norms(self)
         if not self.lm_head.weight.is_cuda:
             self.head64 = self.lm_head.weight.detach().t().double().contiguous()
 

@@ -24,6 +24,7 @@ from specserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from specserve.attention.triton_backend import InvariantTritonBackend  # noqa: E402
 from specserve.cache.kv_pool import KVPool  # noqa: E402
 from specserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from specserve.models import invariant  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
 
@@ -52,6 +53,44 @@ def test_linear_rows_do_not_depend_on_the_row_count(n, k, bias, rows):
     got = kernels.invariant_matmul(x, w, b, out_dtype=torch.float32)
     ref = x.float() @ w.float().T + (b.float() if bias else 0)
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("n, k", [(40, 48), (70, 200)])
+def test_the_fused_epilogues_keep_rows_alone_and_their_values(n, k):
+    """The norm (weight folded in, 1/rms from partial sums of squares), silu(gate) * up and
+    residual (+ sums of squares) epilogues: rows equal one-row calls; SiLU*mul and the
+    residual add equal their separate launches bit for bit; the norm (another arithmetic:
+    the weight folded, the scale after the products) and the partial sums closely."""
+    g = torch.Generator().manual_seed(k)
+    w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(DEV, BF16)
+    x, r = torch.randn(max(ROWS), k, generator=g).to(DEV, BF16), torch.randn(max(ROWS), n, generator=g).to(DEV, BF16)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEV, BF16)
+    folded = (w[:n].float() * nw.float()).to(BF16)
+    ss = kernels.row_sumsq(x)
+    assert ss.shape == (max(ROWS), -(-k // 32))
+    torch.testing.assert_close(ss.sum(1), x.float().square().sum(1))
+
+    def normed(idx):
+        return kernels.invariant_matmul(x[idx], folded, norm=(1e-5, kernels.row_sumsq(x[idx])))
+
+    def gated(idx):
+        return kernels.invariant_matmul(x[idx], w, gated=True)
+
+    def added(idx):
+        return torch.cat([t.float() for t in kernels.invariant_matmul(x[idx], w[:n], residual=r[idx], sumsq=True)], 1)
+    for m in ROWS:
+        for fn in (normed, gated, added):
+            _rows_alone(fn, m)
+    torch.testing.assert_close(normed(slice(None)), kernels.invariant_matmul(kernels.rms_norm(x, nw, 1e-5), w[:n]),
+                               rtol=2e-2, atol=2e-2)
+    assert torch.equal(gated(slice(None)), kernels.silu_and_mul(kernels.invariant_matmul(x, w)))
+    wide = torch.randn(2 * 8192, k, generator=g).to(DEV, BF16) / k ** 0.5  # plain tiles wider than the gate's
+    assert torch.equal(kernels.invariant_matmul(x[:2], wide, gated=True),
+                       kernels.silu_and_mul(kernels.invariant_matmul(x[:2], wide)))
+    y, ss_y = kernels.invariant_matmul(x, w[:n], residual=r, sumsq=True)
+    assert torch.equal(y, kernels.fused_add_rms_norm(kernels.invariant_matmul(x, w[:n]), r, r[0], 1e-5)[1])
+    assert ss_y.shape == (max(ROWS), -(-n // 32))
+    torch.testing.assert_close(ss_y.sum(1), y.float().square().sum(1))
 
 
 def test_row_local_kernels_do_not_depend_on_the_row_count():
@@ -181,14 +220,16 @@ def test_a_draft_tail_equals_the_decode(world):
     assert torch.equal(out[0], world.decode([P + depth - 1])[0])
 
 
-def test_a_tiny_models_logits_are_the_same_prefilled_decoded_or_verified(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # fused layers (with q/k/v bias), and not (q/k norms)
+def test_a_tiny_models_logits_are_the_same_prefilled_decoded_or_verified(tmp_path, kind):
     """The invariant model on the Triton kernels (the GPU's path): one sequence prefilled
     whole; prefilled in part and decoded a token at a time; and prefilled in part and
     verified as the chain of a tree with a sibling. Same logits, bit for bit."""
-    model = load_model(save_tiny_hf("llama", tmp_path / "tiny"), BF16, DEV)
-    model.make_invariant()
+    model = load_model(save_tiny_hf(kind, tmp_path / "tiny"), BF16, DEV)
     ids = [5, 17, 99, 3, 250, 7, 1, 42, 8]
     with kernels.fused_kernels(True):
+        model.make_invariant()
+        assert model.folded_norms == (kind != "qwen3")
         r = BareRunner(model)
         r.backend = InvariantTritonBackend(DEV)
         whole = r.forward([0], [0], [ids])
@@ -202,3 +243,33 @@ def test_a_tiny_models_logits_are_the_same_prefilled_decoded_or_verified(tmp_pat
     assert whole.dtype == torch.float32
     assert torch.equal(decoded, whole[5:8])
     assert torch.equal(verified[[0, 1, 3]], whole[5:8])
+
+
+def test_the_fused_layers_compute_what_the_separate_launches_do(tmp_path, monkeypatch):
+    """models/invariant.py's fused layers (norms folded) against the same invariant model on
+    separate norm, SiLU*mul and add launches: the same logits up to the norms' arithmetic,
+    and the aux states (EAGLE-3's) are the stream entering the layers asked for."""
+    path = save_tiny_hf("llama", tmp_path / "tiny")
+    outs = []
+    with kernels.fused_kernels(True):
+        for fold in (True, False):
+            model = load_model(path, BF16, DEV)
+            monkeypatch.setattr(invariant, "fold_norms", invariant.fold_norms if fold else lambda m: False)
+            model.make_invariant()
+            assert model.folded_norms == fold
+            model.aux_layers = (0, 1, model.config.num_layers)
+            forward = model.forward_eager
+
+            def keep_aux(fb, forward=forward):
+                hidden, aux = forward(fb)
+                outs[-1].append(aux)
+                return hidden, aux
+            monkeypatch.setattr(model, "forward_eager", keep_aux)
+            r = BareRunner(model)
+            r.backend = InvariantTritonBackend(DEV)
+            outs.append([])
+            outs[-1].insert(0, r.forward([0], [0], [[5, 17, 99, 3, 250, 7, 1, 42, 8]]))
+    (fused_logits, fused_aux), (plain_logits, plain_aux) = outs
+    torch.testing.assert_close(fused_logits, plain_logits, rtol=0, atol=2e-2)  # logits up to ~0.65 here
+    for a, b in zip(fused_aux, plain_aux, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2)
