@@ -297,9 +297,12 @@ static void layer(const Layer *L, const Batch *b, float *stream, TeamBarrier *ba
 }
 
 /* The stack over `stream` [T, hidden]. captured [n_capture, T, hidden] takes the stream
-   entering layer capture[c] (n_layers: leaving the last). */
+   entering layer capture[c] (n_layers: leaving the last). With final_norm [hidden] (else
+   NULL), normed [T, hidden] takes the stream leaving the last layer, normed by it: the
+   model's own final norm, which would cost a torch op on cold caches after this call. */
 int cpu_layers_forward(const Layer *layers, int64_t n_layers, const Batch *b, float *stream,
-                       const int64_t *capture, int64_t n_capture, float *captured, int threads) {
+                       const int64_t *capture, int64_t n_capture, float *captured, int threads,
+                       const float *final_norm, float *normed) {
     if (b->head_dim > 512) return -1;
     const int64_t size = b->T * b->hidden;
     TeamBarrier bar = {0, 0};
@@ -312,6 +315,12 @@ int cpu_layers_forward(const Layer *layers, int64_t n_layers, const Batch *b, fl
                     if (capture[c] == l) memcpy(captured + c * size, stream, sizeof(float) * size);
             team_wait(&bar, &phase);
             if (l < n_layers) layer(&layers[l], b, stream, &bar, &phase);
+        }
+        if (final_norm) {
+            int64_t r0, r1;
+            my_rows(b->T, &r0, &r1);
+            for (int64_t t = r0; t < r1; t++)
+                rms_row(stream + t * b->hidden, final_norm, normed + t * b->hidden, b->hidden, b->eps);
         }
     }
     return 0;

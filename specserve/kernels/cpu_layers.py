@@ -116,10 +116,13 @@ class Stack:
         self._bound = (k, v)
 
     def forward(self, stream: torch.Tensor, attn: Attention, capture: tuple[int, ...] = (),
-                threads: int | None = None, embed: torch.Tensor | None = None) -> list[torch.Tensor]:
+                threads: int | None = None, embed: torch.Tensor | None = None,
+                final: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Run every layer over `stream` [T, hidden] in place; returns the streams entering
         the layers in `capture` (len(layers): leaving the last). `embed` [T, hidden] float32:
-        the tokens' embeddings, which a stack with a `norm0` layer takes (EAGLE-3's)."""
+        the tokens' embeddings, which a stack with a `norm0` layer takes (EAGLE-3's).
+        `final` (weight [hidden], out [T, hidden], float32): out takes the stream leaving
+        the last layer normed (RMSNorm, the layers' eps) by weight."""
         lib = cpu_quant.library()
         assert lib is not None and stream.dtype == torch.float32 and stream.is_contiguous()
         assert (embed is not None) == self.paired, "cpu_layers: embeddings go with a norm0 layer, only"
@@ -149,8 +152,11 @@ class Stack:
                        *(p.data_ptr() for p in parts), *(r.data_ptr() for r in rounded))
         captured = torch.empty(len(capture), t, s.hidden)
         where = (ctypes.c_int64 * max(1, len(capture)))(*capture)
+        if final is not None:
+            assert all(x.dtype == torch.float32 and x.is_contiguous() for x in final) and final[1].shape == stream.shape
         rc = lib.cpu_layers_forward(self.layers, len(self.layers), ctypes.byref(batch), stream.data_ptr(), where,
-                                    len(capture), captured.data_ptr(), nthreads)
+                                    len(capture), captured.data_ptr(), nthreads,
+                                    *((None, None) if final is None else (final[0].data_ptr(), final[1].data_ptr())))
         if rc != 0:
             raise ValueError(f"cpu_layers: head_dim {s.head_dim} is past the C stack's limit")
         return list(captured.unbind(0))

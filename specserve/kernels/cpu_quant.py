@@ -267,6 +267,6 @@ def _cpu_id() -> str:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.qmm.argtypes = [_I, _P, _I, _I, _P, _I, _I, _I, _I, _P, ctypes.c_int, _P, _P, _P]
-    lib.cpu_layers_forward.argtypes = [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int]
+    lib.cpu_layers_forward.argtypes = [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int, _P, _P]
     lib.qmm.restype = lib.cpu_layers_forward.restype = ctypes.c_int
     return lib

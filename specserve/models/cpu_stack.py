@@ -8,7 +8,8 @@ attention metadata is the reference backend's (attention/torch_ref.py) over a fl
 KV cache, torch.compile's included (there the call is the custom op `specserve::cpu_stack`,
 which takes the running batch as `specserve::attention` does, models/compile.py); only
 longer prefill chunks run the model's torch path, whose products still read the blocks
-(models/quant_linear.py). The final norm and the head stay with the model.
+(models/quant_linear.py). The call also applies the model's final norm (a torch op after
+it would run on caches the layers' weights have just flushed); the head stays with the model.
 
 `build_eagle3` makes the same one-call stack of an EAGLE-3 draft's midlayer held in blocks
 (models/gguf_serve.py `quantize_draft`): its q/k/v product reads the normed token
@@ -44,9 +45,10 @@ MAX_TOKENS = 2048  # more (a long prefill chunk) takes the torch path: its scrat
 
 
 class CpuStack:
-    def __init__(self, stack: cpu_layers.Stack, rope: RotaryEmbedding) -> None:
+    def __init__(self, stack: cpu_layers.Stack, rope: RotaryEmbedding, final_norm: torch.Tensor) -> None:
         self.stack = stack
         self.rope = rope
+        self.final_norm = final_norm  # float32 [hidden], the model's norm after the last layer
         self.handle = id(self)  # the custom op's key (`_STACKS`)
         _STACKS[self.handle] = self
         weakref.finalize(self, _STACKS.pop, self.handle, None)
@@ -65,9 +67,11 @@ class CpuStack:
             weights.append(cpu_layers.LayerWeights(qkv, o, gate_up, down, norm.weight.detach(),
                                                    layer.post_attention_layernorm.weight.detach(),
                                                    None if bias is None else bias.detach()))
-        if not weights or model.model.norm.weight.dtype != torch.float32:
+        final = model.model.norm
+        if not weights or final.weight.dtype != torch.float32 or final.eps != model.config.rms_norm_eps:
             return None
-        return cls(cpu_layers.Stack(weights, _shape(model.config, layers[0].self_attn)), model.model.rotary)
+        return cls(cpu_layers.Stack(weights, _shape(model.config, layers[0].self_attn)), model.model.rotary,
+                   final.weight.detach())
 
     @classmethod
     def build_eagle3(cls, draft: LlamaForCausalLMEagle3) -> CpuStack | None:
@@ -76,7 +80,7 @@ class CpuStack:
         incoming hidden (not vLLM's norm_before_residual)."""
         mid = draft.midlayer
         projections = _projections(mid)
-        norms = (mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm)
+        norms = (mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm, draft.norm)
         if (projections is None or mid.self_attn.qkv_proj.bias is not None or mid.norm_before_residual
                 or any(n.weight.dtype != torch.float32 for n in norms) or len({n.eps for n in norms}) != 1):
             return None
@@ -84,7 +88,8 @@ class CpuStack:
         weights = cpu_layers.LayerWeights(qkv, o, gate_up, down, mid.hidden_norm.weight.detach(),
                                           mid.post_attention_layernorm.weight.detach(), None,
                                           norm0=mid.input_layernorm.weight.detach())
-        return cls(cpu_layers.Stack([weights], _shape(draft.config, mid.self_attn)), draft.rotary)
+        return cls(cpu_layers.Stack([weights], _shape(draft.config, mid.self_attn)), draft.rotary,
+                   draft.norm.weight.detach())
 
     def serves(self, fb: ForwardBatch, h: torch.Tensor) -> bool:
         backend = fb.attn_backend
@@ -94,25 +99,27 @@ class CpuStack:
 
     def __call__(self, h: torch.Tensor, fb: ForwardBatch, capture: tuple[int, ...]
                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Every layer over the embedded tokens `h` [T, hidden] (in place where eager):
-        (the stream leaving the last layer, before the final norm; the streams entering
+        """Every layer over the embedded tokens `h` [T, hidden] (in place where eager), then
+        the final norm: (the normed stream leaving the last layer; the streams entering
         the layers in `capture`)."""
         if torch.compiler.is_compiling():
             out = torch.ops.specserve.cpu_stack(h, self.handle, list(capture))
             return out[0], list(out[1:].unbind(0))
-        return h, self.run(h, fb, capture)
+        return self.run(h, fb, capture)
 
     def run(self, h: torch.Tensor, fb: ForwardBatch, capture: tuple[int, ...],
-            embed: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """`__call__` eagerly: h updated in place, the captured streams returned; `embed`
-        the tokens' embeddings [T, hidden] for an EAGLE-3 midlayer (`build_eagle3`)."""
+            embed: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`__call__` eagerly: h updated in place (the stream leaving the last layer), and
+        returned: (its final-normed copy, the captured streams); `embed` the tokens'
+        embeddings [T, hidden] for an EAGLE-3 midlayer (`build_eagle3`)."""
         meta = fb.attn_meta
         assert isinstance(meta, RefMeta), "the reference backend's metadata (serves() checked the backend)"
         assert self.rope.table is not None, "the rotary table is built with the model"
         self.stack.bind_cache(fb.kv_pool.k, fb.kv_pool.v)
         attn = cpu_layers.Attention(meta.kv_index, meta.q_index, meta.q_valid, meta.mask, fb.out_slots,
                                     fb.positions, self.rope.table)
-        return self.stack.forward(h, attn, capture, embed=embed)
+        normed = torch.empty_like(h)
+        return normed, self.stack.forward(h, attn, capture, embed=embed, final=(self.final_norm, normed))
 
 
 def _projections(layer: DecoderLayer | Eagle3MidLayer) -> list[quant.QuantWeight] | None:
@@ -135,13 +142,14 @@ _STACKS: dict[int, CpuStack] = {}  # CpuStack.handle -> the stack, for the custo
 @torch.library.custom_op("specserve::cpu_stack", mutates_args=())
 def _stack_op(h: torch.Tensor, handle: int, capture: list[int]) -> torch.Tensor:
     """The running compiled batch's layers over a copy of h: [1 + len(capture), T, hidden],
-    the stream leaving the last layer, then the captured ones. Like `specserve::attention`
-    it writes the batch's new keys and values into the pool, which torch does not see."""
+    the normed stream leaving the last layer, then the captured ones. Like
+    `specserve::attention` it writes the batch's new keys and values into the pool, which
+    torch does not see."""
     from specserve.models import compile as compiled
 
     fb = compiled.running_batch()
-    out = h.clone()
-    return torch.stack([out, *_STACKS[handle].run(out, fb, tuple(capture))])
+    normed, captured = _STACKS[handle].run(h.clone(), fb, tuple(capture))
+    return torch.stack([normed, *captured])
 
 
 @_stack_op.register_fake

