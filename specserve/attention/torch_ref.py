@@ -42,7 +42,28 @@ class TorchRefBackend(AttentionBackend):
         fb.settle_prefix()
         if fb.draft_tail is not None:
             fb.attn_meta = self._tail_meta(fb)
-            return
+        elif fb.batch_size == 1 and (fb.custom_masks is None or fb.custom_masks[0].shape[0] == fb.extend_lens[0]):
+            fb.attn_meta = self._one_meta(fb)
+        else:
+            fb.attn_meta = self._batch_meta(fb)
+
+    @staticmethod
+    def _one_meta(fb: ForwardBatch) -> RefMeta:
+        """`_batch_meta` of one request, in a few ops (on a CPU each op after a forward runs
+        on cold caches): no padding, so the queries are rows 0..n-1, all real, and the mask
+        is None for one token, else the prefix then the causal or custom block."""
+        dev, n, p = fb.input_ids.device, fb.extend_lens[0], fb.prefix_lens[0]
+        kv_index = fb.req_to_token[fb.req_rows, :p + n].contiguous()
+        q_index = torch.arange(n, device=dev)[None]
+        mask = None
+        if n > 1:
+            mask = torch.ones(n, p + n, dtype=torch.bool, device=dev)
+            custom = fb.custom_masks[0].to(dev) if fb.custom_masks is not None else None
+            mask[:, p:] = custom if custom is not None else torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+            mask = mask[None, None]
+        return RefMeta(kv_index, q_index, torch.ones(n, dtype=torch.bool, device=dev), mask)
+
+    def _batch_meta(self, fb: ForwardBatch) -> RefMeta:
         dev = fb.input_ids.device
         prefix = torch.tensor(fb.prefix_lens, device=dev)
         new = torch.tensor(fb.extend_lens, device=dev)
@@ -56,7 +77,7 @@ class TorchRefBackend(AttentionBackend):
         uniform_decode = max_new == 1 and min(fb.seq_lens) == max_kv
         if not uniform_decode:
             mask = self._build_mask(fb, prefix, new, q_valid, max_new, max_kv)
-        fb.attn_meta = RefMeta(kv_index, q_index, q_valid.reshape(-1), mask)
+        return RefMeta(kv_index, q_index, q_valid.reshape(-1), mask)
 
     def init_tail_metadata(self, fb: ForwardBatch, tail_start: torch.Tensor) -> None:
         """The reference reads the lengths back (a sync): it never runs inside a graph."""

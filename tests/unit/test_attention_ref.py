@@ -50,3 +50,24 @@ def test_batched_decode_with_ragged_lengths(tmp_path):
     for b, s in enumerate(seqs):
         ref = BareRunner(model).forward([0], [0], [s])[-1]
         torch.testing.assert_close(step[b], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_one_requests_metadata_is_the_batch_paths():
+    """`_one_meta` (a batch of one, few ops) builds what `_batch_meta` builds, tensor for
+    tensor: a decode, a one-token and a causal extend, and a verify with a tree mask."""
+    from specserve.attention.torch_ref import TorchRefBackend
+    from specserve.cache.req_table import ReqToTokenTable
+    from specserve.core.forward_batch import ForwardBatch
+
+    table = ReqToTokenTable(4, 64, torch.device("cpu"))
+    table.write(2, 0, torch.arange(100, 140))
+    cases = [(ForwardMode.DECODE, 30, 1, None), (ForwardMode.EXTEND, 0, 1, None), (ForwardMode.EXTEND, 0, 12, None),
+             (ForwardMode.EXTEND, 9, 7, None), (ForwardMode.VERIFY, 20, 6, [_tree_mask([-1, 0, 0, 1, 3, 2])])]
+    for mode, prefix, n, masks in cases:
+        fb = ForwardBatch(mode, torch.arange(n), torch.arange(prefix, prefix + n), torch.arange(n), torch.tensor([2]),
+                          [prefix], [n], table.table, None, TorchRefBackend(), custom_masks=masks)
+        fb.settle_prefix()
+        one, batch = TorchRefBackend._one_meta(fb), TorchRefBackend()._batch_meta(fb)
+        for a, b in zip((one.kv_index, one.q_index, one.q_valid, one.mask), (batch.kv_index, batch.q_index,
+                                                                             batch.q_valid, batch.mask), strict=True):
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), (mode, prefix, n)
