@@ -9,11 +9,12 @@ block repeating its block's scale), the last group ragged where K is not a multi
 |---|---|---|
 | fp8 | float8_e4m3fn [N, K] | data[n, k] * scale[n, g] |
 | int4 | uint8 [N, K / 2]: q(n, k) in byte k // 2, even k low | (q(n, k) - zeros[n, g]) * scale[n, g] |
-| q4 | uint8 [N, K / 2]: 32 columns in 16 bytes, byte j: column j low, j + 16 high | q * scale + zeros[n, g] |
+| q4 | uint8 [N, K / 2]: blocks of 32 columns in 16 bytes, byte j: column j low, j + 16 high | q * scale + zeros[n, g] |
 | q8 | int8 [N, K] | q(n, k) * scale[n, g] (+ zeros[n, g] if any) |
 
 int4 weights come from AWQ and GPTQ checkpoints (models/quant_int4.py converts their
-layouts); their zero points are uint8 [N, groups]. q4 and q8 are GGUF's blocks repacked at
+layouts); their zero points are uint8 [N, groups]. On a GPU they are held as q4 blocks of
+the same values (`int4_to_q4`, offsets -zero * scale). q4 and q8 are GGUF's blocks repacked at
 conversion (models/gguf_blocks.py): Q4_0, Q4_1 and Q4_K become q4 (group 32), Q8_0, Q6_K
 (group 16) and Q5_0/Q5_1/Q5_K become q8; their `zeros` are float32 offsets [N, groups]
 (GGUF's mins), None where the format has none. The CPU multiplies them as they are
@@ -128,6 +129,35 @@ def quantize_blocks(weight: torch.Tensor, method: str) -> QuantWeight:
     q = torch.round((g - lo[:, :, None]) / torch.where(scale > 0, scale, 1.0)[:, :, None]).clamp(0, 15).to(torch.uint8)
     data = q[:, :, :16] | (q[:, :, 16:] << 4)  # byte j of a group: column j low, j + 16 high
     return QuantWeight(data.reshape(n, k // 2), scale.half(), 32, Q4, lo.half())
+
+
+def int4_to_q4(qw: QuantWeight) -> QuantWeight:
+    """An int4 weight whose rows are whole groups of a multiple of 32 columns as q4 of the
+    same values: the nibbles regrouped as q4's blocks of 32 hold them, offset -zero * scale
+    (float32); the groups kept where they span Q4_SHARED_BLOCKS blocks or fewer (a power of
+    two: AWQ/GPTQ's 32, 64, 128), else one scale and offset a block (a whole-row group). A
+    value q * scale + offset differs from int4's (q - zero) * scale by at most fp32
+    rounding. Where the kernels serve int4 (models/layers.py `gpu_layout`), this is the
+    form they stream fastest."""
+    n, k = qw.shape
+    assert qw.method == INT4 and qw.zeros is not None and qw.group % 32 == 0 and k % qw.group == 0, (qw.method, k)
+    q = unpack_nibbles(qw.data).view(n, k // 32, 32)
+    data = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2)  # byte j of a block: column j low, j + 16 high
+    blocks = qw.group // 32
+    scale, zeros, group = qw.scale.float(), qw.zeros.float(), qw.group
+    if blocks > Q4_SHARED_BLOCKS or blocks & (blocks - 1):
+        scale, zeros, group = scale.repeat_interleave(blocks, dim=1), zeros.repeat_interleave(blocks, dim=1), 32
+    return QuantWeight(data.contiguous(), narrow_exact(scale), group, Q4, narrow_exact(-zeros * scale))
+
+
+Q4_SHARED_BLOCKS = 8  # the most q4 blocks one scale may cover (kernels/blocks.py's one-token tiles hold 8 or more)
+
+
+def narrow_exact(t: torch.Tensor) -> torch.Tensor:
+    """Float scales or offsets in float16 where every one of them is exact in it (fewer
+    bytes a weight, no value changed), else as they are."""
+    half = t.half()
+    return half if torch.equal(half.float(), t.float()) else t
 
 
 def expand_block_scale(scale: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:

@@ -3,10 +3,12 @@
 The weight is a q4 or q8 `QuantWeight` (core/quant.py; models/gguf_blocks.py repacks
 GGUF's Q4_0/Q4_1/Q4_K into q4 and Q8_0/Q6_K/Q5_x into q8): per `group` input columns of a
 row, one scale and, where the format has one, one offset (GGUF's min), value q * scale +
-offset. q4 packs a group's 32 columns in 16 bytes, byte j holding column j in its low
-nibble and column j + 16 in its high one; q8 holds one int8 a column. Scales and offsets
-may be float32 or float16 (models/gguf_serve.py narrows them where that is exact); they
-are widened to fp32 in registers either way.
+offset. q4 packs a block of 32 columns in 16 bytes, byte j holding column j in its low
+nibble and column j + 16 in its high one; q8 holds one int8 a column. A q4 scale may cover
+several blocks (`group` a multiple of 32: AWQ/GPTQ weights held as q4, core/quant.py
+`int4_to_q4`); below, "group" means a block. Scales and offsets may be float32 or float16
+(models/gguf_serve.py narrows them where that is exact); they are widened to fp32 in
+registers either way.
 
 Each program owns BLOCK_N rows and walks K a tile of GROUPS whole groups at a time. No
 value is converted by a conversion instruction, which runs at a fraction of the rate of
@@ -34,7 +36,7 @@ order of the fp32 sums, the value of a weight may differ from the reference's fp
 q * scale + offset by fp32 rounding (a fused multiply-add of the unit float), and at one
 token it is not rounded to x's dtype (the CPU's kernel does not round it either).
 Requirements: K a multiple of `group` (GGUF's rows are whole blocks), group 16 or 32 for q8
-and 32 for q4. Callers reach this module through `kernels/__init__.py`.
+and a multiple of 32 for q4. Callers reach this module through `kernels/__init__.py`.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def _unit_floats(v, SHIFT: tl.constexpr, Q4_: tl.constexpr):
 
 
 @triton.jit
-def _halves(q_ptr, s_ptr, o_ptr, rows, rmask, g, gmask, j, sq, ss, so, GROUP: tl.constexpr,
+def _halves(q_ptr, s_ptr, o_ptr, rows, rmask, g, gmask, j, sq, ss, so, EVERY: tl.constexpr, GROUP: tl.constexpr,
             Q4_: tl.constexpr, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
     """The two halves [BLOCK_N, GROUPS, H] of groups g of rows, dequantized and rounded to
     DTYPE: q4's low and high nibbles, q8's first and last H columns. A value is one fused
@@ -77,7 +79,7 @@ def _halves(q_ptr, s_ptr, o_ptr, rows, rmask, g, gmask, j, sq, ss, so, GROUP: tl
     H: tl.constexpr = GROUP // 2
     m = rmask[:, None, None] & gmask[None, :, None]
     at = q_ptr + rows[:, None, None].to(tl.int64) * sq + g[None, :, None] * (H if Q4_ else GROUP) + j[None, None, :]
-    sg = rows[:, None] * ss + g[None, :]
+    sg = rows[:, None] * ss + g[None, :] // EVERY
     sm = rmask[:, None] & gmask[None, :]
     s = tl.load(s_ptr + sg, mask=sm, other=0.0).to(tl.float32)
     o = tl.zeros_like(s)
@@ -97,24 +99,25 @@ def _halves(q_ptr, s_ptr, o_ptr, rows, rmask, g, gmask, j, sq, ss, so, GROUP: tl
 
 
 @triton.jit
-def _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, g, gmask, ss, so, WPG: tl.constexpr, OFFSET: tl.constexpr):
-    """Groups g of rows: their int32 words [BLOCK_N, GROUPS, WPG], scales and offsets
-    [BLOCK_N, GROUPS] in fp32 (offsets 0 without OFFSET)."""
+def _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, g, gmask, gs, gsmask, ss, so, WPG: tl.constexpr,
+               OFFSET: tl.constexpr):
+    """Groups g of rows: their int32 words [BLOCK_N, GROUPS, WPG]; the scales and offsets
+    gs of those groups [BLOCK_N, GROUPS / EVERY] in fp32 (offsets 0 without OFFSET)."""
     wi = tl.arange(0, WPG)
     words = tl.load(w_rows + g[None, :, None] * WPG + wi[None, None, :],
                     mask=rmask[:, None, None] & gmask[None, :, None], other=0)
-    sm = rmask[:, None] & gmask[None, :]
-    s = tl.load(s_ptr + rows[:, None] * ss + g[None, :], mask=sm, other=0.0).to(tl.float32)
+    sm = rmask[:, None] & gsmask[None, :]
+    s = tl.load(s_ptr + rows[:, None] * ss + gs[None, :], mask=sm, other=0.0).to(tl.float32)
     o = tl.zeros_like(s)
     if OFFSET:
-        o = tl.load(o_ptr + rows[:, None] * so + g[None, :], mask=sm, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + rows[:, None] * so + gs[None, :], mask=sm, other=0.0).to(tl.float32)
     return words, s, o
 
 
 @triton.jit
 def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw, ss, so,
-                        GROUP: tl.constexpr, Q4_: tl.constexpr, OFFSET: tl.constexpr, RES: tl.constexpr,
-                        BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_PDL: tl.constexpr):
+                        GROUP: tl.constexpr, EVERY: tl.constexpr, Q4_: tl.constexpr, OFFSET: tl.constexpr,
+                        RES: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: y = W x over int32 words of the blocks, [BLOCK_N, GROUPS, words a group]
     a tile, their four bytes taken in turn. Per group it sums x times each value's unit
     float (`_unit_floats`) and x alone, and recovers sum(x q) from the two: q4
@@ -124,19 +127,22 @@ def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw,
     PDL wait (no earlier kernel writes the weights)."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     WPG: tl.constexpr = 4 if Q4_ else GROUP // 4  # int32 words a group
+    SG: tl.constexpr = GROUPS // EVERY  # scales a tile
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     gi = tl.arange(0, GROUPS)
+    si = tl.arange(0, SG)
     wi = tl.arange(0, WPG)
     w_rows = w_ptr + rows[:, None, None].to(tl.int64) * sw
-    words, s, o = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, gi, gi < NG, ss, so, WPG, OFFSET)
+    words, s, o = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, gi, gi < NG, si, si < NG // EVERY, ss, so, WPG, OFFSET)
     wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
-    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, SG], dtype=tl.float32)
     for g0 in range(0, NG, GROUPS):
         g = g0 + gi
         gmask = g < NG
-        words_n, s_n, o_n = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, g + GROUPS, g + GROUPS < NG, ss, so,
-                                       WPG, OFFSET)
+        gs = g0 // EVERY + SG + si
+        words_n, s_n, o_n = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, g + GROUPS, g + GROUPS < NG, gs,
+                                       gs < NG // EVERY, ss, so, WPG, OFFSET)
         col0 = g[:, None] * GROUP + wi[None, :] * 4  # [GROUPS, WPG]: the column of each word's first byte
         xm = gmask[:, None] & (wi < WPG)[None, :]
         part = tl.zeros([BLOCK_N, GROUPS, WPG], dtype=tl.float32)
@@ -157,6 +163,9 @@ def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw,
             xq = 16.0 * (xf - x_sum)
         else:
             xq = 256.0 * (xf - x_sum) - 128.0 * x_sum
+        if EVERY > 1:  # the sums of the blocks that share a scale
+            xq = tl.sum(tl.reshape(xq, [BLOCK_N, SG, EVERY]), axis=2)
+            x_sum = tl.sum(tl.reshape(x_sum, [1, SG, EVERY]), axis=2)
         acc += s * xq + o * x_sum
         words, s, o = words_n, s_n, o_n
     y = tl.sum(acc, axis=1).to(DTYPE).to(tl.float32)  # F.linear's output, rounded to x's dtype
@@ -167,9 +176,9 @@ def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw,
 
 @triton.jit
 def _blocks_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N, K, GPS, sx, sq, ss, so, sout, sr,
-                   GROUP: tl.constexpr, Q4_: tl.constexpr, OFFSET: tl.constexpr, RES: tl.constexpr,
-                   SPLIT: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_N: tl.constexpr,
-                   GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
+                   GROUP: tl.constexpr, EVERY: tl.constexpr, Q4_: tl.constexpr, OFFSET: tl.constexpr,
+                   RES: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr,
+                   BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
     """Two tokens or more: the dequantized halves (`_halves`) times x's through tl.dot.
     Program (n, t, p) takes GPS groups from group p * GPS on; with SPLIT > 1 it writes
     its fp32 sums to part[p] for `_sum_splits`, else the finished rows."""
@@ -188,7 +197,8 @@ def _blocks_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N,
     for g0 in range(first, n_groups, GROUPS):
         g = g0 + gi
         gmask = g < n_groups
-        w_lo, w_hi = _halves(q_ptr, s_ptr, o_ptr, rows, rmask, g, gmask, j, sq, ss, so, GROUP, Q4_, OFFSET, DTYPE)
+        w_lo, w_hi = _halves(q_ptr, s_ptr, o_ptr, rows, rmask, g, gmask, j, sq, ss, so, EVERY, GROUP, Q4_, OFFSET,
+                             DTYPE)
         # x's two halves as [GROUPS * H, BLOCK_T]: the low half's columns, and + H
         cols = tl.reshape(g[:, None] * GROUP + j[None, :], [GROUPS * H])
         xm = tl.reshape(gmask[:, None] & (j < H)[None, :], [GROUPS * H])[:, None] & tmask[None, :]
@@ -252,14 +262,16 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     assert qw.method in (Q4, Q8), qw.method
     t, k = x.shape
     n, kw = qw.shape
-    group = qw.group
-    assert kw == k and k % group == 0 and group in ((32,) if qw.method == Q4 else (16, 32)), (qw.shape, x.shape, group)
-    assert qw.scale.shape == (n, k // group), qw.scale.shape
+    group = 32 if qw.method == Q4 else qw.group  # columns a block holds; a scale covers `every` blocks
+    every = qw.group // group
+    assert kw == k and k % qw.group == 0 and qw.group % group == 0 and group in (16, 32), (qw.shape, x.shape, qw.group)
+    assert qw.scale.shape == (n, k // qw.group), qw.scale.shape
     assert qw.zeros is None or qw.zeros.shape == qw.scale.shape, qw.zeros.shape
     x, data, out, residual = operands(x, qw, n, residual, out_dtype)
     if t == 0:
         return out
     block_n, groups, warps = launch or config(n, k, group, t, qw.method)
+    assert t > 1 or groups % every == 0, (groups, every)  # a one-token tile holds whole scale groups
     scale = qw.scale if qw.scale.stride(1) == 1 else qw.scale.contiguous()
     offset = qw.zeros if qw.zeros is not None else scale
     res = residual if residual is not None else out
@@ -267,7 +279,7 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
         words = data.view(torch.int32)
         _gemv_blocks_kernel[(triton.cdiv(n, block_n),)](
             x, words, scale, offset, out, res, n, k // group, words.stride(0), scale.stride(0), offset.stride(0),
-            GROUP=group, Q4_=qw.method == Q4, OFFSET=qw.zeros is not None, RES=residual is not None,
+            GROUP=group, EVERY=every, Q4_=qw.method == Q4, OFFSET=qw.zeros is not None, RES=residual is not None,
             BLOCK_N=block_n, GROUPS=groups, num_warps=warps, **pdl_flags(x.device))
         return out
     block_t = 16 if t <= 16 else MAX_TOKENS
@@ -282,7 +294,8 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
         x, data, scale, offset, out, res, part, t, n, k, gps,
         x.stride(0), data.stride(0), scale.stride(0), offset.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0,
-        GROUP=group, Q4_=qw.method == Q4, OFFSET=qw.zeros is not None, RES=residual is not None, SPLIT=split,
+        GROUP=group, EVERY=every, Q4_=qw.method == Q4, OFFSET=qw.zeros is not None, RES=residual is not None,
+        SPLIT=split,
         IEEE=x.dtype == torch.float32, WIDEN=x.device.type != "cuda",
         BLOCK_N=block_n, GROUPS=groups, BLOCK_T=block_t, num_warps=warps, **flags)
     if split > 1:

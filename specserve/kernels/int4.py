@@ -1,5 +1,11 @@
 """Few-token linear layers on int4 weights: y = x W^T with W dequantized in registers.
 
+On a GPU a model's int4 layers whose groups are whole blocks of 32 (every AWQ/GPTQ group
+size in use: 32, 64, 128, a whole row) are held as q4 blocks of the same values
+(models/layers.py `gpu_layout`), which kernels/blocks.py streams about twice as fast
+as this kernel streams the int4 layout; this kernel serves the other group sizes and the
+tests' direct calls.
+
 The weight is our int4 layout (models/quant_int4.py): data uint8 [N, K / 2], two 4-bit
 values a byte along K (even k in the low nibble), float32 scales and uint8 zero points
 [N, groups], value (q - zero) * scale. At 1 to 32 tokens a linear layer is bound by

@@ -24,7 +24,7 @@ from specserve import kernels
 from specserve.core import parallel
 from specserve.core.forward_batch import ForwardBatch
 from specserve.core.quant import QuantWeight
-from specserve.models.layers import cpu_layout
+from specserve.models.layers import cpu_layout, gpu_layout
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 from specserve.models.quant_linear import quant_linear
 from specserve.models.rope import RotaryEmbedding
@@ -78,6 +78,8 @@ class DraftModel(nn.Module, ABC):
         """After weights are loaded, before `share`: GEMV layout on CPU, RoPE tables."""
         if device.type == "cpu":
             cpu_layout(self, dtype)
+        else:
+            gpu_layout(self)
         self.rotary.build(device, torch.float32 if dtype == torch.float32 else dtype)
 
     def build_cpu_stack(self) -> None:

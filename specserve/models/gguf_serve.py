@@ -86,7 +86,7 @@ def apply(model: LlamaForCausalLM, model_dir: Path, device: torch.device) -> int
             if isinstance(module, Linear) and parts:
                 qw = _joined(f, [name for _, name in parts], methods)
                 if qw is not None and qw.shape == _float_shape(module):
-                    _hold(module, _on_device(qw, device))
+                    module.hold(_on_device(qw, device))
                     served += 1
         head = "lm_head.weight" if "lm_head.weight" in methods else "model.embed_tokens.weight"
         if head in methods and (head == "lm_head.weight" or cfg.tie_word_embeddings):
@@ -119,7 +119,7 @@ def quantize_random(model: LlamaForCausalLM) -> int:
         if isinstance(module, Linear) and module is not model.lm_head and module.quantized is None:
             weight = module.out_in_weight
             assert isinstance(weight, torch.Tensor)
-            _hold(module, _blocks_of(weight, quant.Q4))
+            module.hold(_blocks_of(weight, quant.Q4))
             served += 1
     model.head_blocks = _blocks_of(model.lm_head.weight, quant.Q8)
     if model.lm_head.weight.device.type == "cpu":
@@ -139,7 +139,7 @@ def quantize_draft(draft: DraftModel, target: LlamaForCausalLM) -> int:
         if isinstance(weight, torch.Tensor) and weight.shape[1] % 32 == 0:
             qw = _blocks_of(weight, quant.Q8)
             if cpu_quant.servable(qw):
-                _hold(cast(Linear, module), qw)
+                cast(Linear, module).hold(qw)
                 served += 1
     head = draft.lm_head
     if head is not None:
@@ -165,13 +165,8 @@ def _on_device(qw: quant.QuantWeight, device: torch.device) -> quant.QuantWeight
     cuts the bytes a weight by a sixth to a quarter and changes no value."""
     if device.type == "cpu":
         return qw
-
-    def narrowed(t: torch.Tensor) -> torch.Tensor:
-        half = t.half()
-        return (half if torch.equal(half.float(), t) else t).to(device)
-
-    return quant.QuantWeight(qw.data.to(device), narrowed(qw.scale), qw.group, qw.method,
-                             None if qw.zeros is None else narrowed(qw.zeros))
+    return quant.QuantWeight(qw.data.to(device), quant.narrow_exact(qw.scale).to(device), qw.group, qw.method,
+                             None if qw.zeros is None else quant.narrow_exact(qw.zeros).to(device))
 
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -221,11 +216,3 @@ def _joined(f, names: list[str], methods: dict[str, tuple[str, int]]) -> quant.Q
 def _float_shape(module: Linear) -> tuple[int, int]:
     w = module.weight_t.t() if module.weight_t is not None else module.weight
     return int(w.shape[0]), int(w.shape[1])
-
-
-def _hold(module: Linear, qw: quant.QuantWeight) -> None:
-    module.weight = nn.Parameter(qw.data, requires_grad=False)
-    module.weight_t = None
-    module.weight_scale = nn.Parameter(qw.scale, requires_grad=False)
-    module.weight_zeros = None if qw.zeros is None else nn.Parameter(qw.zeros, requires_grad=False)
-    module.group, module.method = qw.group, qw.method

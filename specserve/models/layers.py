@@ -18,6 +18,8 @@ instead (`dequantize_storage`).
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,6 +96,14 @@ class Linear(nn.Module):
             return None
         return quant.QuantWeight(self.weight, self.weight_scale, self.group, self.method, self.weight_zeros)
 
+    def hold(self, qw: quant.QuantWeight) -> None:
+        """Take `qw` as the layer's weight (a loaded weight in another form: GGUF's blocks)."""
+        self.weight = nn.Parameter(qw.data, requires_grad=False)
+        self.weight_t = None
+        self.weight_scale = nn.Parameter(qw.scale, requires_grad=False)
+        self.weight_zeros = None if qw.zeros is None else nn.Parameter(qw.zeros, requires_grad=False)
+        self.group, self.method = qw.group, qw.method
+
     def dequantize_storage(self, dtype: torch.dtype) -> None:
         """Replace the quantized weight by its values in `dtype` (the CPU's form: it has no
         fp8 or int4 kernels)."""
@@ -168,6 +178,17 @@ def cpu_layout(model: nn.Module, dtype: torch.dtype) -> None:
         if isinstance(module, Linear):
             module.dequantize_storage(dtype)
             module.use_gemv_layout()
+
+
+def gpu_layout(model: nn.Module) -> None:
+    """Every int4 `Linear` (AWQ, GPTQ) of a loaded model on a GPU as q4 blocks of the same
+    values (core/quant.py `int4_to_q4`), where its rows are whole groups of whole blocks: the
+    few-token kernel of GGUF's blocks (kernels/blocks.py) streams them faster than
+    kernels/int4.py streams the int4 layout."""
+    for module in model.modules():
+        qw = module.quantized if isinstance(module, Linear) else None
+        if qw is not None and qw.method == quant.INT4 and qw.group % 32 == 0 and qw.shape[1] % qw.group == 0:
+            cast(Linear, module).hold(quant.int4_to_q4(qw))
 
 
 class Embedding(nn.Embedding):

@@ -263,3 +263,38 @@ def test_kernel_reads_a_converted_checkpoint(int4_matmul):
     awq = _on_dev(convert_int4(pack_awq(qw), Int4Config("awq", G)))
     x = torch.randn(2, K, device=DEV)
     _check(int4_matmul(x, awq), linear_int4(x, _on_dev(qw)), x, awq, None)
+
+
+# -- served on a GPU as q4 blocks -----------------------------------------------------------
+
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_int4_as_q4_blocks_holds_the_same_values(group, scale_dtype):
+    from specserve.core.quant import Q4, dequantize_gguf, int4_to_q4
+
+    qw = quantize_int4(_weight(k=512, seed=group % 7), group, scale_dtype=scale_dtype)
+    blocks = int4_to_q4(qw)
+    assert blocks.method == Q4 and blocks.data.shape == qw.data.shape
+    assert blocks.group == (32 if group == -1 else group)  # a whole row (16 blocks): a scale a block
+    assert blocks.scale.dtype == (torch.float16 if scale_dtype == torch.float16 else torch.float32)
+    ref = dequantize_int4(qw)
+    torch.testing.assert_close(dequantize_gguf(blocks), ref, rtol=2**-22, atol=2**-22 * float(ref.abs().max()))
+
+
+def test_gpu_layout_serves_int4_layers_as_q4_blocks():
+    from specserve.core.quant import Q4, dequantize_gguf
+    from specserve.models.layers import Linear, gpu_layout
+
+    layers = torch.nn.ModuleList([Linear(256, 48), Linear(200, 24)])  # the second: K not whole blocks
+    for layer in layers:
+        n, k = layer.weight.shape
+        qw = quantize_int4(_weight(n=n, k=k), 64 if k % 64 == 0 else 40)
+        layer.quantize_storage(qw.group, INT4)
+        with torch.no_grad():
+            for dest, src in ((layer.weight, qw.data), (layer.weight_scale, qw.scale), (layer.weight_zeros, qw.zeros)):
+                dest.copy_(src)
+    before = [layer.quantized for layer in layers]
+    gpu_layout(layers)
+    assert layers[0].method == Q4 and layers[1].method == INT4
+    torch.testing.assert_close(dequantize_gguf(layers[0].quantized), dequantize_int4(before[0]),
+                               rtol=2**-22, atol=1e-7)
