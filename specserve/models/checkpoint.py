@@ -70,7 +70,7 @@ def load_tensor(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str,
         return [name]
     target, offset = fused_target(name, cfg)
     if isinstance(tensor, quant.QuantWeight):  # an AWQ/GPTQ layer, converted (models/quantization.py)
-        pieces = quant_load.int4_pieces(params, name, target, offset, tensor)
+        pieces = quant_load.int4_pieces(params, cfg, name, target, offset, tensor)
     elif quant_load.is_scale(name):
         pieces = [quant_load.scale_piece(params, cfg, name, target, offset, tensor)]
     elif target not in params:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from specserve.core import quant
-from specserve.models.tp_shard import shard, shard_scale
+from specserve.models.tp_shard import shard, shard_nibbles, shard_scale
 
 if TYPE_CHECKING:
     from specserve.models.llama import LlamaConfig
@@ -78,16 +78,21 @@ def quantize_pieces(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str
             Piece(key, offset, shard_scale(name, scale, group or k, k, *heads), tuple(scale.shape))]
 
 
-def int4_pieces(params: dict[str, torch.Tensor], name: str, target: str, offset: int,
+def int4_pieces(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str, target: str, offset: int,
                 qw: quant.QuantWeight) -> list[Piece]:
-    """An AWQ/GPTQ layer converted to int4 (core/quant.py): its data, scales and zero points."""
+    """An AWQ/GPTQ layer converted to int4 (core/quant.py): this rank's slices of its data,
+    scales and zero points (`tp_shard.py`; a row-parallel layer's columns on group edges)."""
     base = target.removesuffix(".weight")
     if target not in params or params[target].dtype != torch.uint8:
         raise ValueError(f"{name}: a 4-bit layer where the model holds no 4-bit weight")
     assert qw.zeros is not None
-    return [Piece(target, offset, qw.data, tuple(qw.data.shape)),
-            Piece(f"{base}.weight_scale", offset, qw.scale, tuple(qw.scale.shape)),
-            Piece(f"{base}.weight_zeros", offset, qw.zeros, tuple(qw.zeros.shape))]
+    heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    k = qw.shape[1]
+    return [Piece(target, offset, shard_nibbles(name, qw.data, k, *heads), tuple(qw.data.shape)),
+            Piece(f"{base}.weight_scale", offset, shard_scale(name, qw.scale, qw.group, k, *heads),
+                  tuple(qw.scale.shape)),
+            Piece(f"{base}.weight_zeros", offset, shard_scale(name, qw.zeros, qw.group, k, *heads),
+                  tuple(qw.zeros.shape))]
 
 
 def _full_rows(weight: str, cfg: LlamaConfig, rows: int) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.core import parallel, quant
+from specserve.core import quant
 from specserve.core.config import ConfigError
 from specserve.models.layers import Linear
 from specserve.models.quant_int4 import Int4Config, convert_int4, int4_config, quantize_int4
@@ -97,8 +97,6 @@ def prepare(model: nn.Module, wq: WeightQuant | None) -> None:
     """Every `Linear` of `model` to quantized storage, unloaded (before its checkpoint loads)."""
     if wq is None:
         return
-    if wq.int4 is not None and parallel.tp_size() > 1:
-        raise ValueError(f"{wq.method} checkpoints under --tp-size > 1 are not supported yet")
     group, method = wq.storage
     for module in model.modules():
         if isinstance(module, Linear):

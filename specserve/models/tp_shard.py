@@ -12,6 +12,10 @@ and a rank keeps only its slice on the device:
 | `embed_tokens`, `lm_head` | rows, by vocabulary | vocab-parallel |
 | everything else (norms, EAGLE `fc`, MTP projections, `d2t`) | kept whole | replicated |
 
+Quantized layers are cut the same way: fp8 and 4-bit data like the weight (4-bit columns
+as bytes, two a byte: `shard_nibbles`), their scales and zero points by rows and, for a
+row-parallel layer, by groups (`shard_scale`: a rank's columns must not split a group).
+
 Heads go in whole GQA groups, as evenly as the groups allow (core/parallel.py
 `head_shard`); with fewer KV heads than ranks, each rank keeps the one KV head its query
 heads read. At tp 1 every tensor is returned as is.
@@ -79,3 +83,14 @@ def shard_scale(name: str, scale: torch.Tensor, group: int, k: int, heads: int, 
         raise ValueError(f"{name}: this rank's columns [{start}, {start + width}) split a quantization group "
                          f"of {group}; choose a --tp-size that keeps whole groups")
     return scale.narrow(1, start // group, -(-width // group))
+
+
+def shard_nibbles(name: str, data: torch.Tensor, k: int, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """This rank's slice of a 4-bit weight `name` ([N, k] as bytes [N, k / 2], two columns
+    a byte): rows as a float weight's; a row-parallel weight's columns as byte columns (its
+    scales, cut by `shard_scale`, keep its columns on a group's edge, hence even)."""
+    cols = column_slice(name, k, heads, kv_heads, head_dim)
+    if cols is None:
+        return shard(name, data, heads, kv_heads, head_dim)
+    start, width = cols
+    return data.narrow(1, start // 2, -(-width // 2))

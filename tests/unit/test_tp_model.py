@@ -143,6 +143,32 @@ def test_fp8_shards_hold_the_single_process_values(tiny_dirs, tmp_path, scheme):
         torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_shards_hold_the_single_process_values(tiny_dirs, tmp_path, method):
+    """An AWQ/GPTQ layer is cut like a float one: rows, or a row-parallel layer's byte
+    columns with its scales' and zero points' groups."""
+    from tests.unit.test_int4_model import write_int4
+
+    path = tmp_path / method
+    write_int4(tiny_dirs["llama"], path, method, group=32)
+    want = _logits(str(path))
+    got = run_on_ranks(_logits, 2, str(path), on_gpu=False)
+    for r in range(2):
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_groups_that_a_rank_would_split_are_refused(tiny_dirs, tmp_path):
+    """Groups of 48 columns against o_proj's 32 a rank at TP 2 (a whole-row group would be
+    cut fine: its one scale and zero point serve every column)."""
+    from tests.unit.test_int4_model import write_int4
+
+    path = tmp_path / "awq48"
+    write_int4(tiny_dirs["llama"], path, "awq", group=48)
+    parallel.set_tp(parallel.TPGroup(2, 1))
+    with pytest.raises(ValueError, match="split a quantization group of 48"):
+        load_model(path, torch.float32, torch.device("cpu"))
+
+
 def test_smollm2_at_tp2_computes_its_logits(smollm2_dir):
     # float weights at both sizes (TP 1 would serve the GGUF's blocks on the CPU, TP 2 cannot)
     want = _logits(str(smollm2_dir), "none")
