@@ -13,7 +13,7 @@ from gguf.quants import quantize
 from specserve.core import quant
 from specserve.core.forward_batch import ForwardMode
 from specserve.kernels import cpu_quant
-from specserve.models import gguf_blocks, gguf_serve
+from specserve.models import gguf_blocks
 from specserve.models.cpu_stack import CpuStack
 from specserve.models.layers import Linear
 from specserve.models.loader import load_model
@@ -36,7 +36,7 @@ def _blocked(kind: str, path) -> torch.nn.Module:
     model = load_model(save_tiny_hf(kind, path), torch.float32, torch.device("cpu"), "none")
     for name, layer in model.named_modules():
         if isinstance(layer, Linear):
-            gguf_serve._hold(layer, _blocks(layer.out_in_weight, T.Q8_0 if "down_proj" in name else T.Q4_1))
+            layer.hold(_blocks(layer.out_in_weight, T.Q8_0 if "down_proj" in name else T.Q4_1))
     model.head_blocks = _blocks(model.lm_head.weight, T.Q8_0)
     return model
 
