@@ -91,6 +91,10 @@ def dequantize_gguf(qw: QuantWeight) -> torch.Tensor:
         q = torch.cat((blocks & 0xF, blocks >> 4), dim=2).reshape(n, -1).float()
     else:
         q = qw.data.float()
+    k = q.shape[1]
+    if k % qw.group:  # a ragged last group (an int4 weight held as q4: int4_to_q4)
+        w = q * qw.scale.float().repeat_interleave(qw.group, dim=1)[:, :k]
+        return w if qw.zeros is None else w + qw.zeros.float().repeat_interleave(qw.group, dim=1)[:, :k]
     w = q.view(n, -1, qw.group) * qw.scale[:, :, None]
     if qw.zeros is not None:
         w = w + qw.zeros[:, :, None]
@@ -131,22 +135,24 @@ def quantize_blocks(weight: torch.Tensor, method: str) -> QuantWeight:
     return QuantWeight(data.reshape(n, k // 2), scale.half(), 32, Q4, lo.half())
 
 
-def int4_to_q4(qw: QuantWeight) -> QuantWeight:
-    """An int4 weight whose rows are whole groups of a multiple of 32 columns as q4 of the
-    same values: the nibbles regrouped as q4's blocks of 32 hold them, offset -zero * scale
-    (float32); the groups kept where they span Q4_SHARED_BLOCKS blocks or fewer (a power of
-    two: AWQ/GPTQ's 32, 64, 128), else one scale and offset a block (a whole-row group). A
-    value q * scale + offset differs from int4's (q - zero) * scale by at most fp32
-    rounding. Where the kernels serve int4 (models/layers.py `gpu_layout`), this is the
-    form they stream fastest."""
+def int4_to_q4(qw: QuantWeight, shared: int | None = None) -> QuantWeight:
+    """An int4 weight whose groups and rows are whole blocks of 32 columns as q4 of the same
+    values: the nibbles regrouped as q4's blocks of 32 hold them, offset -zero * scale
+    (float32); the groups kept where they span `shared` (default Q4_SHARED_BLOCKS) blocks or
+    fewer, a power of two (AWQ/GPTQ's 32, 64, 128; the last one may be ragged), else one
+    scale and offset a block. A value q * scale + offset differs from int4's (q - zero) *
+    scale by at most fp32 rounding. Where the kernels serve int4 (models/layers.py
+    `gpu_layout`, `cpu_layout`: one block a scale, as the CPU's kernels take them), this is
+    the form they stream fastest."""
     n, k = qw.shape
-    assert qw.method == INT4 and qw.zeros is not None and qw.group % 32 == 0 and k % qw.group == 0, (qw.method, k)
+    assert qw.method == INT4 and qw.zeros is not None and qw.group % 32 == 0 and k % 32 == 0, (qw.method, k)
     q = unpack_nibbles(qw.data).view(n, k // 32, 32)
     data = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2)  # byte j of a block: column j low, j + 16 high
     blocks = qw.group // 32
     scale, zeros, group = qw.scale.float(), qw.zeros.float(), qw.group
-    if blocks > Q4_SHARED_BLOCKS or blocks & (blocks - 1):
-        scale, zeros, group = scale.repeat_interleave(blocks, dim=1), zeros.repeat_interleave(blocks, dim=1), 32
+    if blocks > (Q4_SHARED_BLOCKS if shared is None else shared) or blocks & (blocks - 1):
+        scale = scale.repeat_interleave(blocks, dim=1)[:, :k // 32].contiguous()
+        zeros, group = zeros.repeat_interleave(blocks, dim=1)[:, :k // 32], 32
     return QuantWeight(data.contiguous(), narrow_exact(scale), group, Q4, narrow_exact(-zeros * scale))
 
 

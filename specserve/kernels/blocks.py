@@ -35,8 +35,9 @@ Rounding contract: the reference is F.linear(x, qw.dequantize(x.dtype)), then
 order of the fp32 sums, the value of a weight may differ from the reference's fp32
 q * scale + offset by fp32 rounding (a fused multiply-add of the unit float), and at one
 token it is not rounded to x's dtype (the CPU's kernel does not round it either).
-Requirements: K a multiple of `group` (GGUF's rows are whole blocks), group 16 or 32 for q8
-and a multiple of 32 for q4. Callers reach this module through `kernels/__init__.py`.
+Requirements: K a multiple of the block (GGUF's rows are whole blocks), group 16 or 32 for
+q8 and a multiple of 32 for q4 (its last scale may then cover fewer blocks). Callers reach
+this module through `kernels/__init__.py`.
 """
 from __future__ import annotations
 
@@ -134,7 +135,8 @@ def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw,
     si = tl.arange(0, SG)
     wi = tl.arange(0, WPG)
     w_rows = w_ptr + rows[:, None, None].to(tl.int64) * sw
-    words, s, o = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, gi, gi < NG, si, si < NG // EVERY, ss, so, WPG, OFFSET)
+    NS = (NG + EVERY - 1) // EVERY  # scales a row (the last may cover fewer blocks)
+    words, s, o = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, gi, gi < NG, si, si < NS, ss, so, WPG, OFFSET)
     wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
     acc = tl.zeros([BLOCK_N, SG], dtype=tl.float32)
     for g0 in range(0, NG, GROUPS):
@@ -142,7 +144,7 @@ def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw,
         gmask = g < NG
         gs = g0 // EVERY + SG + si
         words_n, s_n, o_n = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, g + GROUPS, g + GROUPS < NG, gs,
-                                       gs < NG // EVERY, ss, so, WPG, OFFSET)
+                                       gs < NS, ss, so, WPG, OFFSET)
         col0 = g[:, None] * GROUP + wi[None, :] * 4  # [GROUPS, WPG]: the column of each word's first byte
         xm = gmask[:, None] & (wi < WPG)[None, :]
         part = tl.zeros([BLOCK_N, GROUPS, WPG], dtype=tl.float32)
@@ -264,8 +266,8 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     n, kw = qw.shape
     group = 32 if qw.method == Q4 else qw.group  # columns a block holds; a scale covers `every` blocks
     every = qw.group // group
-    assert kw == k and k % qw.group == 0 and qw.group % group == 0 and group in (16, 32), (qw.shape, x.shape, qw.group)
-    assert qw.scale.shape == (n, k // qw.group), qw.scale.shape
+    assert kw == k and k % group == 0 and qw.group % group == 0 and group in (16, 32), (qw.shape, x.shape, qw.group)
+    assert qw.scale.shape == (n, -(-k // qw.group)), qw.scale.shape  # q4's last scale may cover fewer blocks
     assert qw.zeros is None or qw.zeros.shape == qw.scale.shape, qw.zeros.shape
     x, data, out, residual = operands(x, qw, n, residual, out_dtype)
     if t == 0:

@@ -26,6 +26,7 @@ from torch import nn
 
 from specserve import kernels
 from specserve.core import parallel, quant
+from specserve.kernels import cpu_quant
 from specserve.models.quant_linear import quant_linear
 
 
@@ -172,22 +173,38 @@ def activation_dtype(model: nn.Module) -> torch.dtype:
 
 
 def cpu_layout(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every `Linear` of a loaded model in the CPU's form: fp8 weights' values in `dtype`
-    (the CPU has no fp8 kernels), then the GEMV layout."""
+    """Every `Linear` of a loaded model in the CPU's form: an int4 one (AWQ, GPTQ) as q4
+    blocks of the same values, one scale a block, where the CPU's quantized kernels take it
+    (kernels/cpu_quant.py: whole tiles, a compiler at hand; one process, as for a GGUF's
+    blocks: their activations' scales span a row); any other quantized one as its
+    values in `dtype` (the CPU has no fp8 kernels); then the float ones in the GEMV layout."""
     for module in model.modules():
-        if isinstance(module, Linear):
-            module.dequantize_storage(dtype)
-            module.use_gemv_layout()
+        if not isinstance(module, Linear):
+            continue
+        qw = module.quantized
+        if qw is not None and _int4_as_blocks(qw) and parallel.tp_size() == 1:
+            blocks = quant.int4_to_q4(qw, shared=1)
+            assert blocks.zeros is not None
+            if cpu_quant.servable(blocks) and cpu_quant.available():  # float32 scales: what the CPU takes
+                module.hold(blocks._replace(scale=blocks.scale.float(), zeros=blocks.zeros.float()))
+                continue
+        module.dequantize_storage(dtype)
+        module.use_gemv_layout()
+
+
+def _int4_as_blocks(qw: quant.QuantWeight) -> bool:
+    """Whether an int4 weight's groups and rows are whole q4 blocks (`int4_to_q4`)."""
+    return qw.method == quant.INT4 and qw.group % 32 == 0 and qw.shape[1] % 32 == 0
 
 
 def gpu_layout(model: nn.Module) -> None:
     """Every int4 `Linear` (AWQ, GPTQ) of a loaded model on a GPU as q4 blocks of the same
-    values (core/quant.py `int4_to_q4`), where its rows are whole groups of whole blocks: the
+    values (core/quant.py `int4_to_q4`), where its groups and rows are whole blocks: the
     few-token kernel of GGUF's blocks (kernels/blocks.py) streams them faster than
     kernels/int4.py streams the int4 layout."""
     for module in model.modules():
         qw = module.quantized if isinstance(module, Linear) else None
-        if qw is not None and qw.method == quant.INT4 and qw.group % 32 == 0 and qw.shape[1] % qw.group == 0:
+        if qw is not None and _int4_as_blocks(qw):
             cast(Linear, module).hold(quant.int4_to_q4(qw))
 
 

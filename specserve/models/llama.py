@@ -43,12 +43,12 @@ from specserve.models import invariant
 from specserve.models.checkpoint import check_complete, load_tensor, loadable_tensors
 from specserve.models.compile import CompiledForward
 from specserve.models.compile import attention as compiled_attention
+from specserve.models.cpu_stack import CpuStack
 from specserve.models.layers import Embedding, Linear, RMSNorm, cpu_layout, gpu_layout, invariant_linear
 from specserve.models.quant_linear import quant_linear
 from specserve.models.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
-    from specserve.models.cpu_stack import CpuStack
     from specserve.models.quantization import WeightQuant
 
 logger = logging.getLogger("specserve")
@@ -387,6 +387,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         if device.type == "cpu":
             cpu_layout(self, dtype)
+            self.cpu_stack = CpuStack.build(self)  # where every projection holds blocks (AWQ/GPTQ's as q4)
         else:
             gpu_layout(self)
         self.model.rotary.build(device, torch.float32 if dtype == torch.float32 else dtype)

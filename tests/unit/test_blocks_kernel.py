@@ -94,12 +94,14 @@ def test_an_int4_weight_held_as_q4_blocks():
     from specserve.models.quant_int4 import quantize_int4
 
     torch.manual_seed(11)
-    int4 = quantize_int4(torch.randn(24, 512) * 0.05, 128, scale_dtype=torch.float16)
-    qw = int4_to_q4(int4)
-    qw = qw._replace(data=qw.data.to(DEV), scale=qw.scale.to(DEV), zeros=qw.zeros.to(DEV))
-    for tokens in (1, 5, 40):
-        x = torch.randn(tokens, 512, device=DEV).bfloat16()
-        _check(blocks_matmul(x, qw), x, qw)
+    for k in (512, 576):  # 576: SmolLM2's width, 4.5 groups (the last scale covers 2 blocks)
+        int4 = quantize_int4(torch.randn(24, k) * 0.05, 128, scale_dtype=torch.float16)
+        qw = int4_to_q4(int4)
+        assert qw.group == 128
+        qw = qw._replace(data=qw.data.to(DEV), scale=qw.scale.to(DEV), zeros=qw.zeros.to(DEV))
+        for tokens in (1, 5, 40):
+            x = torch.randn(tokens, k, device=DEV).bfloat16()
+            _check(blocks_matmul(x, qw), x, qw)
 
 
 def test_float16_scales_and_float32_out():

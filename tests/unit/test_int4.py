@@ -267,12 +267,13 @@ def test_kernel_reads_a_converted_checkpoint(int4_matmul):
 
 # -- served on a GPU as q4 blocks -----------------------------------------------------------
 
-@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("group, k", [(32, 512), (64, 512), (128, 512), (-1, 512), (128, 320)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
-def test_int4_as_q4_blocks_holds_the_same_values(group, scale_dtype):
+def test_int4_as_q4_blocks_holds_the_same_values(group, k, scale_dtype):
+    """Groups kept up to 8 blocks, also where the last is ragged (320 = 2.5 x 128)."""
     from specserve.core.quant import Q4, dequantize_gguf, int4_to_q4
 
-    qw = quantize_int4(_weight(k=512, seed=group % 7), group, scale_dtype=scale_dtype)
+    qw = quantize_int4(_weight(k=k, seed=group % 7), group, scale_dtype=scale_dtype)
     blocks = int4_to_q4(qw)
     assert blocks.method == Q4 and blocks.data.shape == qw.data.shape
     assert blocks.group == (32 if group == -1 else group)  # a whole row (16 blocks): a scale a block

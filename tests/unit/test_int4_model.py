@@ -1,7 +1,8 @@
 """AWQ and GPTQ checkpoints served: a model's layers land on the checkpoint's values, and
 speculative decoding over a 4-bit target is lossless with respect to that target (greedy
-token-identical). On the CPU the 4-bit values are held dequantized (models/layers.py);
-tests/unit/test_int4.py proves the GPU kernel equals that product."""
+token-identical). On the CPU the 4-bit layers are held as q4 blocks for the CPU's kernels
+(models/layers.py cpu_layout); tests/unit/test_int4.py and test_blocks_kernel.py prove the
+GPU kernels equal the dequantized product."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import Engine
+from specserve.core import quant
 from specserve.core.quant import QuantWeight
+from specserve.kernels import cpu_quant
 from specserve.models import quantization
+from specserve.models.layers import Linear
 from specserve.models.loader import load_model
 from specserve.models.quant_int4 import dequantize_int4, pack_awq, pack_gptq, quantize_int4
 from tests.unit.model_utils import EXACT_ON_GPU, save_tiny_hf
@@ -55,11 +59,16 @@ def test_int4_checkpoints_load_to_their_values(tmp_path, method):
     expected = write_int4(src, tmp_path / method, method, group=32)
     model = load_model(tmp_path / method, torch.float32, torch.device("cpu"))
     assert model.weight_quant is not None and model.weight_quant.method == method
-    got = _weights(model)
-    for name, qw in expected.items():
-        torch.testing.assert_close(got[name], dequantize_int4(qw), atol=0, rtol=0, msg=name)
     info = quantization.info(model)
     assert info["method"] == method and info["from_checkpoint"]
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    if cpu_quant.available():  # the CPU holds them as q4 blocks for its kernels (models/layers.py cpu_layout)
+        assert all(m.method == quant.Q4 for m in layers)
+    for m in layers:
+        m.dequantize_storage(torch.float32)
+    got = _weights(model)
+    for name, qw in expected.items():  # the blocks' q * scale + offset: (q - zero) * scale up to fp32 rounding
+        torch.testing.assert_close(got[name], dequantize_int4(qw), atol=1e-7, rtol=2**-22, msg=name)
 
 
 def test_int4_flag_needs_such_a_checkpoint(tmp_path):

@@ -144,13 +144,16 @@ def test_fp8_shards_hold_the_single_process_values(tiny_dirs, tmp_path, scheme):
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_int4_shards_hold_the_single_process_values(tiny_dirs, tmp_path, method):
+def test_int4_shards_hold_the_single_process_values(tiny_dirs, tmp_path, method, monkeypatch):
     """An AWQ/GPTQ layer is cut like a float one: rows, or a row-parallel layer's byte
-    columns with its scales' and zero points' groups."""
+    columns with its scales' and zero points' groups. Both sides hold the dequantized values
+    (one process would take the CPU's q4 kernels: models/layers.py cpu_layout)."""
+    from specserve.kernels import cpu_quant
     from tests.unit.test_int4_model import write_int4
 
     path = tmp_path / method
     write_int4(tiny_dirs["llama"], path, method, group=32)
+    monkeypatch.setattr(cpu_quant, "available", lambda: False)
     want = _logits(str(path))
     got = run_on_ranks(_logits, 2, str(path), on_gpu=False)
     for r in range(2):
