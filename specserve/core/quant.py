@@ -13,12 +13,12 @@ block repeating its block's scale), the last group ragged where K is not a multi
 | q8 | int8 [N, K] | q(n, k) * scale[n, g] (+ zeros[n, g] if any) |
 
 int4 weights come from AWQ and GPTQ checkpoints (models/quant_int4.py converts their
-layouts); their zero points are uint8 [N, groups]. On a GPU they are held as q4 blocks of
-the same values (`int4_to_q4`, offsets -zero * scale). q4 and q8 are GGUF's blocks repacked at
-conversion (models/gguf_blocks.py): Q4_0, Q4_1 and Q4_K become q4 (group 32), Q8_0, Q6_K
-(group 16) and Q5_0/Q5_1/Q5_K become q8; their `zeros` are float32 offsets [N, groups]
-(GGUF's mins), None where the format has none. The CPU multiplies them as they are
-(kernels/cpu_quant.py).
+layouts); their zero points are uint8 [N, groups]. Once loaded they are held as q4 blocks of
+the same values where the blocks' kernels serve them (`int4_to_q4`, offsets -zero * scale).
+q4 and q8 are GGUF's blocks repacked at conversion (models/gguf_blocks.py): Q4_0, Q4_1 and
+Q4_K become q4 (group 32), Q8_0, Q6_K (group 16) and Q5_0/Q5_1/Q5_K become q8; their
+`zeros` are float32 offsets [N, groups] (GGUF's mins), None where the format has none. The
+CPU multiplies them as they are (kernels/cpu_quant.py).
 
 `dequantize` is the reference every kernel is tested against: the value in float32, then
 rounded once to the activations' dtype. `quantize_fp8` makes per-row (or per-group) scales

@@ -6,8 +6,9 @@ weight once, and MKL streams `x @ W` markedly faster than `x @ W.T` at that shap
 tokens are the same either way). GPUs keep `F.linear`. Quantized (`--quantization fp8`,
 or an AWQ/GPTQ checkpoint's int4) it holds the stored weight, float32 scales and, for int4,
 zero points (`quantize_storage`, core/quant.py): the few-token kernels read them as they
-are, longer inputs go through `quant_linear.py`, and the CPU holds the dequantized values
-instead (`dequantize_storage`).
+are, longer inputs go through `quant_linear.py`. Once loaded, int4 layers are held as q4
+blocks of the same values where the blocks' kernels serve them (`gpu_layout`,
+`cpu_layout`); otherwise the CPU holds the dequantized values (`dequantize_storage`).
 
 `invariant` (set by `models/invariant.py` under --enable-deterministic-inference) puts a
 `Linear` on `invariant_linear` and a CPU `RMSNorm` in float64: every row computed one way.
