@@ -1,8 +1,8 @@
 """Few-token linear layers on int4 weights: y = x W^T with W dequantized in registers.
 
-On a GPU a model's int4 layers whose groups are whole blocks of 32 (every AWQ/GPTQ group
-size in use: 32, 64, 128, a whole row) are held as q4 blocks of the same values
-(models/layers.py `gpu_layout`), which kernels/blocks.py streams about twice as fast
+On a GPU a model's int4 layers whose groups and rows are whole blocks of 32 (every
+AWQ/GPTQ group size in use: 32, 64, 128, a whole row) are held as q4 blocks of the same
+values (models/layers.py `gpu_layout`), which kernels/blocks.py streams about twice as fast
 as this kernel streams the int4 layout; this kernel serves the other group sizes and the
 tests' direct calls.
 

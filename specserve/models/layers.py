@@ -19,8 +19,6 @@ blocks of the same values where the blocks' kernels serve them (`gpu_layout`,
 """
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -205,8 +203,8 @@ def gpu_layout(model: nn.Module) -> None:
     kernels/int4.py streams the int4 layout."""
     for module in model.modules():
         qw = module.quantized if isinstance(module, Linear) else None
-        if qw is not None and _int4_as_blocks(qw):
-            cast(Linear, module).hold(quant.int4_to_q4(qw))
+        if isinstance(module, Linear) and qw is not None and _int4_as_blocks(qw):
+            module.hold(quant.int4_to_q4(qw))
 
 
 class Embedding(nn.Embedding):
