@@ -9,16 +9,16 @@ by one program's latency and many times slower than a decode step's split attent
 
 Here a program owns (request b, row block, kv head, split): the request's rows are its
 n_b new tokens times the GROUP query heads that share the kv head (row r = token
-r // GROUP, head r % GROUP), cut into blocks of at most MAX_ROWS, so each K/V block is
-loaded once per (kv head, row block), and the keys
-[0, prefix_b + n_b) are cut into NUM_SPLITS chunks (flash-decoding) whose partial outputs
-and log-sum-exps `triton_decode._reduce_kernel` merges. Key j < prefix_b is visible to
-every row; new key j = prefix_b + m to row (token i) iff mask[i, m] (the request's tree
-mask, from one flat uint8 buffer at mask_indptr[b]) or, without a mask, m <= i (causal).
-K/V are read through req_to_token (the new tokens' slots are already in the table).
-The split count depends only on (batch size, kv heads) and the row-block count only on
-max_extend, so capture and replay launch the same grid. Without a custom mask (causal) a
-row block stops at its last token's key: the keys after it are visible to none of its rows.
+r // GROUP, head r % GROUP), cut into blocks of at most MAX_ROWS (32 in float32: `tiles`),
+so each K/V block is loaded once per (kv head, row block), and the keys [0, prefix_b + n_b)
+are cut into NUM_SPLITS chunks (flash-decoding) whose partial outputs and log-sum-exps
+`triton_decode._reduce_kernel` merges. Key j < prefix_b is visible to every row; new key
+j = prefix_b + m to row (token i) iff mask[i, m] (the request's tree mask, from one flat
+uint8 buffer at mask_indptr[b]) or, without a mask, m <= i (causal). K/V are read through
+req_to_token (the new tokens' slots are already in the table). The split count depends
+only on (batch size, kv heads) and the row-block count only on max_extend and the dtype,
+so capture and replay launch the same grid. Without a custom mask (causal) a row block
+stops at its last token's key: the keys after it are visible to none of its rows.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
 
 MAX_ROWS = 64  # rows (new tokens * GROUP) per program
+FP32_ROWS = 32  # float32's: its tiles take twice the registers (`tiles`)
 MAX_TOTAL_ROWS = 256  # per (request, kv head): a 64-node tree at GROUP 4; longer extends use the extend kernel
 
 
@@ -50,11 +51,22 @@ def fits(max_extend: int, group: int) -> bool:
     return max_extend * group <= MAX_TOTAL_ROWS
 
 
-def row_blocks(max_extend: int, group: int) -> tuple[int, int]:
+def row_blocks(max_extend: int, group: int, max_rows: int = MAX_ROWS) -> tuple[int, int]:
     """(rows per program, row blocks per request) for extends of up to `max_extend` tokens."""
     rows = max_extend * group
-    block = min(MAX_ROWS, max(16, triton.next_power_of_2(rows)))
+    block = min(max_rows, max(16, triton.next_power_of_2(rows)))
     return block, triton.cdiv(rows, block)
+
+
+def tiles(dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(most rows a program, keys a block, warps) for products in `dtype`. Half tiles hold
+    64 rows and 64 keys (32 past 256 bytes a key row). float32's IEEE products run on FMA
+    units and hold every tile in fp32: at 64 x 64 the compiler keeps a few registers and
+    spills the rest of the tiles to local memory, many times slower than the half
+    kernel, so float32 takes 32 x 32 tiles, on 8 warps past 64 dims, which fit."""
+    if dtype == torch.float32:
+        return FP32_ROWS, 32, 4 if block_d(dim) <= 64 else 8
+    return MAX_ROWS, 64 if dim * dtype.itemsize <= 256 else 32, 4
 
 
 @triton.jit
@@ -177,16 +189,17 @@ def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     custom = mask is not None
     if not custom:  # never dereferenced: the CUSTOM_MASK branches are compiled out
         mask, mask_indptr = extend_lens, extend_lens
-    block_r, num_rb = row_blocks(max_extend, group)
     cdt = compute_dtype(q, k_pool)
+    max_rows, block_n, warps = tiles(dim, cdt)
+    block_r, num_rb = row_blocks(max_extend, group, max_rows)
     _short_kernel[(len(req_rows) * num_rb, k_pool.shape[1], num_splits)](
         q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, q_starts, mask, mask_indptr,
         dst, lse, scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         req_to_token.stride(0), *dst_strides, *lse_strides,
         GROUP=group, HEAD_DIM=dim, BLOCK_R=block_r,
-        BLOCK_N=64 if dim * cdt.itemsize <= 256 else 32, BLOCK_D=bd, NUM_SPLITS=num_splits, NUM_RB=num_rb,
+        BLOCK_N=block_n, BLOCK_D=bd, NUM_SPLITS=num_splits, NUM_RB=num_rb,
         STORE_LSE=num_splits > 1, CUSTOM_MASK=custom, PREC=dot_precision(cdt), KV_FP8=is_fp8(k_pool.dtype),
-        num_warps=4, num_stages=2, **pdl_flags(q.device))
+        num_warps=warps, num_stages=2, **pdl_flags(q.device))
     if num_splits > 1:
         reduce_splits(dst, lse, out, num_splits)

@@ -135,8 +135,8 @@ def test_verify_tree_masks(heads, kv_heads, dim, dtype):
                                                       (8, 2, 16, 2)])
 def test_short_verify_split_over_keys(heads, kv_heads, dim, splits, dtype):
     """Trees of up to 64 nodes take the short-extend kernel (new tokens x query heads of a
-    kv head in blocks of 64 rows, keys split): ragged trees (the largest over two or three
-    row blocks), prefixes of 0, < and > a key block."""
+    kv head in blocks of 64 rows, 32 in float32, keys split): ragged trees (the largest over
+    two or more row blocks), prefixes of 0, < and > a key block."""
     from specserve.attention.triton_verify import fits, row_blocks
     drafts = Drafts.from_lists([[1, 2, 3, 4, 5, 6], [1, 2, 3], [7]], [[-1, 0, 0, 1, 3, 2], [-1, 0, 0], [-1]])
     sizes = [6, 3, 1]
