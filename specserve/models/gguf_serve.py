@@ -6,12 +6,14 @@ a GPU when `--quantization gguf` asks for it (its float weights stay the default
 never where the caller cannot take quantized layers (`--enable-deterministic-inference`;
 tensor parallelism, whose shards the blocks are not cut into yet). `--quantization gguf`
 on anything else is an error. The CPU multiplies the blocks with kernels/cpu_quant.py, a GPU with the Triton
-kernel kernels/blocks.py (models/quant_linear.py picks). `apply` runs after the float
-weights have loaded: each `Linear` whose rows are all repacked blocks (q, k and v of one
-method and group for the fused qkv; gate and up for gate_up) takes them as its storage and
-drops its float weight; the LM head's blocks become the model's `head_blocks`, read by
-`compute_logits` (the float head stays for drafts that share it). Layers whose GGUF type
-is not repacked stay float. On the CPU the blocks are the checkpoint file's mapped pages,
+kernel kernels/blocks.py (models/quant_linear.py picks). Loading (models/loader.py) runs
+in three steps. `plan`, on the meta model: each `Linear` whose rows are all repacked blocks
+(q, k and v of one method and group for the fused qkv; gate and up for gate_up) will hold
+them. `reserve`: such a layer's float weight has no rows, so the checkpoint's float values
+of it are never read nor allocated. `apply`, once the rest has loaded: each planned layer
+takes its blocks as its storage, and the LM head's blocks become the model's
+`head_blocks`, read by `compute_logits` (the float head stays for drafts that share it).
+Layers whose GGUF type is not repacked stay float. On the CPU the blocks are the checkpoint file's mapped pages,
 as are the float embedding table and a head tied to it, and when every layer holds blocks
 the model's few-token forwards run in one C call (models/cpu_stack.py). On a GPU the
 blocks are copied to the device, their scales and offsets in float16 where that is exact.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 from safetensors import safe_open
@@ -69,9 +71,16 @@ def resolve(flag: str | None, model_dir: Path, device: torch.device, allowed: bo
     return True
 
 
-def apply(model: LlamaForCausalLM, model_dir: Path, device: torch.device) -> int:
-    """Swap the repacked blocks of `model_dir` into `model` (loaded on `device`, in its
-    layout there); returns how many layers now hold blocks."""
+class Blocks(NamedTuple):
+    """What a GGUF's blocks file gives a model (`plan`): each `Linear`'s blocks by module
+    name, as the file maps them, and the LM head's (None: it stays float)."""
+    layers: dict[str, quant.QuantWeight]
+    head: quant.QuantWeight | None
+
+
+def plan(model: LlamaForCausalLM, model_dir: Path) -> Blocks:
+    """The blocks of `model_dir` that `model` (on the meta device: only shapes are read)
+    will hold: a `Linear` whose rows are all repacked blocks of one form and its shape."""
     path = Path(model_dir) / gguf_blocks.BLOCKS_FILE
     methods = gguf_blocks.methods(path)
     cfg = model.config
@@ -79,24 +88,44 @@ def apply(model: LlamaForCausalLM, model_dir: Path, device: torch.device) -> int
     for name in methods:
         target, offset = fused_target(name, cfg)
         pieces.setdefault(target, []).append((offset, name))
-    served = 0
+    layers: dict[str, quant.QuantWeight] = {}
+    head = None
     with safe_open(str(path), framework="pt") as f:
         for module_name, module in model.named_modules():
             parts = sorted(pieces.get(f"{module_name}.weight", []))
             if isinstance(module, Linear) and parts:
                 qw = _joined(f, [name for _, name in parts], methods)
-                if qw is not None and qw.shape == _float_shape(module):
-                    module.hold(_on_device(qw, device))
-                    served += 1
-        head = "lm_head.weight" if "lm_head.weight" in methods else "model.embed_tokens.weight"
-        if head in methods and (head == "lm_head.weight" or cfg.tie_word_embeddings):
-            blocks = _joined(f, [head], methods)
-            model.head_blocks = None if blocks is None else _on_device(blocks, device)
+                if qw is not None and qw.shape == tuple(module.weight.shape):
+                    layers[module_name] = qw
+        name = "lm_head.weight" if "lm_head.weight" in methods else "model.embed_tokens.weight"
+        if name in methods and (name == "lm_head.weight" or cfg.tie_word_embeddings):
+            head = _joined(f, [name], methods)
+    return Blocks(layers, head)
+
+
+def reserve(model: LlamaForCausalLM, blocks: Blocks) -> set[str]:
+    """Before `model` (on the meta device) is materialised: each `Linear` that will hold
+    blocks gets a float weight of no rows, so its float values are never allocated nor
+    read (a 4-bit file's float model is about 7x its size, on the device or in memory).
+    Returns the weight names the checkpoint need not fill."""
+    for name in blocks.layers:
+        module = cast(Linear, model.get_submodule(name))
+        module.weight = nn.Parameter(torch.empty(0, module.weight.shape[1], device="meta"), requires_grad=False)
+    return {f"{name}.weight" for name in blocks.layers}
+
+
+def apply(model: LlamaForCausalLM, blocks: Blocks, model_dir: Path, device: torch.device) -> int:
+    """Swap `blocks` into `model` (loaded and finalised on `device`, the layers `reserve`d);
+    returns how many layers now hold blocks."""
+    for name, qw in blocks.layers.items():
+        cast(Linear, model.get_submodule(name)).hold(_on_device(qw, device))
+    if blocks.head is not None:
+        model.head_blocks = _on_device(blocks.head, device)
     if device.type == "cpu":
         _map_embedding(model, Path(model_dir))
-        _map_cpu_layouts(model, path)
+        _map_cpu_layouts(model, Path(model_dir) / gguf_blocks.BLOCKS_FILE)
         model.cpu_stack = CpuStack.build(model)
-    return served
+    return len(blocks.layers)
 
 
 def _map_cpu_layouts(model: LlamaForCausalLM, blocks_path: Path) -> None:
@@ -211,8 +240,3 @@ def _joined(f, names: list[str], methods: dict[str, tuple[str, int]]) -> quant.Q
         return torch.cat([f.get_tensor(f"{n}.{part}") for n in names]).contiguous()
 
     return quant.QuantWeight(cat("q"), cat("scale"), group, method, cat("offset") if offsets[0] else None)
-
-
-def _float_shape(module: Linear) -> tuple[int, int]:
-    w = module.weight_t.t() if module.weight_t is not None else module.weight
-    return int(w.shape[0]), int(w.shape[1])

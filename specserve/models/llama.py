@@ -26,7 +26,7 @@ after each, the embedding and LM head vocab-parallel (logits gathered to every r
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -392,9 +392,11 @@ class LlamaForCausalLM(nn.Module):
             gpu_layout(self)
         self.model.rotary.build(device, torch.float32 if dtype == torch.float32 else dtype)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]],
+                     held: Collection[str] = frozenset()) -> None:
         """Load HF-named tensors, stacking q/k/v and gate/up into the fused projections (an
-        AWQ/GPTQ layer comes converted whole: models/quantization.py `checkpoint_tensors`)."""
+        AWQ/GPTQ layer comes converted whole: models/quantization.py `checkpoint_tensors`).
+        `held`: our weights that come in another form (a GGUF's blocks) and are not expected."""
         params = loadable_tensors(self)
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -407,7 +409,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected tensor {name} in checkpoint")
             loaded.update(keys)
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        check_complete(self, self.config, loaded, skip)
+        check_complete(self, self.config, loaded, skip | set(held))
 
     def _is_mtp_tensor(self, name: str) -> bool:
         """The draft's tensors stored in the trunk's checkpoint (see the module docstring)."""

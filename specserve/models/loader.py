@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from tqdm import tqdm
 from specserve.core import parallel
 from specserve.models import gguf_serve
 from specserve.models import quantization as quantization_mod
+from specserve.models.checkpoint import fused_target
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 
 logger = logging.getLogger("specserve")
@@ -42,14 +44,17 @@ def pick_dtype(name: str, device: torch.device, hf_config: dict) -> torch.dtype:
     return torch.float16 if saved == "float16" else torch.bfloat16
 
 
-def iter_safetensors(model_dir: Path, desc: str = "Loading weights"):
+def iter_safetensors(model_dir: Path, desc: str = "Loading weights",
+                     skip: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the directory's *.safetensors files but those
+    `skip` names, each read from its file only when its turn comes."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir} has no *.safetensors files")
     names = []
     for f in files:
         with safe_open(f, framework="pt") as sf:
-            names += [(f, n) for n in sf.keys()]
+            names += [(f, n) for n in sf.keys() if not skip(n)]
     handles = {}
     try:
         for f, name in tqdm(names, desc=desc, unit="tensor", leave=False, disable=parallel.tp_rank() > 0):
@@ -67,17 +72,20 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     are where models/gguf_serve.py says so (`gguf_ok` False: float layers only)."""
     hf = read_hf_config(model_dir)
     cfg = LlamaConfig.from_hf(hf)
-    blocks = gguf_serve.resolve(quantization, model_dir, device, gguf_ok)
+    in_blocks = gguf_serve.resolve(quantization, model_dir, device, gguf_ok)
     wq = quantization_mod.resolve(quantization, hf)
     quantization_mod.check_device(wq, device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
+    blocks = gguf_serve.plan(model, model_dir) if in_blocks else None
+    held = gguf_serve.reserve(model, blocks) if blocks is not None else set()
     model = model.to_empty(device=device).to(dtype)
     quantization_mod.prepare(model, wq)
-    model.load_weights(quantization_mod.checkpoint_tensors(iter_safetensors(model_dir), wq))
+    tensors = iter_safetensors(model_dir, skip=lambda name: fused_target(name, cfg)[0] in held)
+    model.load_weights(quantization_mod.checkpoint_tensors(tensors, wq), held)
     model.finalize(device, dtype)
-    if blocks:
-        gguf_serve.apply(model, model_dir, device)
+    if blocks is not None:
+        gguf_serve.apply(model, blocks, model_dir, device)
         wq = quantization_mod.WeightQuant(gguf_serve.GGUF, from_checkpoint=True)
     model.eval().requires_grad_(False)
     model.weight_quant = wq

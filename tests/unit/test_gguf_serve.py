@@ -10,7 +10,7 @@ from specserve import Engine
 from specserve.core import quant
 from specserve.core.config import ConfigError
 from specserve.kernels import cpu_quant
-from specserve.models import gguf_blocks, gguf_serve
+from specserve.models import gguf_blocks, gguf_serve, loader
 from specserve.models.layers import Linear
 from specserve.models.loader import load_model
 from tests.conftest import SMOLLM2
@@ -37,6 +37,32 @@ def test_the_blocks_hold_the_float_conversions_weights_exactly(smollm2_dir):
             served += 1
     assert served == 4 * blocks.config.num_layers
     assert torch.equal(blocks.head_blocks.dequantize(torch.float32), floats.lm_head.weight)  # tied: token_embd
+
+
+def test_layers_in_blocks_never_read_nor_allocate_float_weights(smollm2_dir, monkeypatch):
+    """A 4-bit file's float model is about 7x its size: the loader reads no float tensor of
+    a layer its blocks serve (only the norms and the embedding), and such a layer's float
+    weight has no rows until it takes its blocks."""
+    read: list[str] = []
+    real_iter, real_apply = loader.iter_safetensors, gguf_serve.apply
+
+    def reading(*args, **kwargs):
+        for name, tensor in real_iter(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+
+    def applying(model, blocks, *args):
+        assert len(blocks.layers) == 4 * model.config.num_layers
+        for name in blocks.layers:
+            assert model.get_submodule(name).out_in_weight.numel() == 0, name
+        return real_apply(model, blocks, *args)
+
+    monkeypatch.setattr(loader, "iter_safetensors", reading)
+    monkeypatch.setattr(gguf_serve, "apply", applying)
+    model = load_model(smollm2_dir, torch.float32, CPU)
+    assert model.weight_quant.method == "gguf"
+    assert "model.embed_tokens.weight" in read and all(
+        name == "model.embed_tokens.weight" or name.endswith("norm.weight") for name in read), read
 
 
 def _file_mapped(t: torch.Tensor, name: str) -> bool:
