@@ -2,14 +2,15 @@
 call a forward (kernels/cpu_layers.py) instead of some twenty torch ops a layer.
 
 `build` is called by models/gguf_serve.py once the blocks are in place; it returns None
-unless every layer can go (every projection in blocks the C stack reads; no per-head
-q/k norms; float32). `serves` then takes every forward of up to MAX_TOKENS tokens whose
-attention metadata is the reference backend's (attention/torch_ref.py) over a float32
-KV cache, torch.compile's included (there the call is the custom op `specserve::cpu_stack`,
-which takes the running batch as `specserve::attention` does, models/compile.py); only
-longer prefill chunks run the model's torch path, whose products still read the blocks
-(models/quant_linear.py). The call also applies the model's final norm (a torch op after
-it would run on caches the layers' weights have just flushed); the head stays with the model.
+unless every layer can go (every projection in blocks the C stack reads; no per-head q/k
+norms; float32; one tensor-parallel rank: the C call has no all-reduce). `serves` then takes
+every forward of up to MAX_TOKENS tokens whose attention metadata is the reference backend's
+(attention/torch_ref.py) over a float32 KV cache, torch.compile's included (there the call
+is the custom op `specserve::cpu_stack`, which takes the running batch as
+`specserve::attention` does, models/compile.py); only longer prefill chunks run the model's
+torch path, whose products still read the blocks (models/quant_linear.py). The call also
+applies the model's final norm (a torch op after it would run on caches the layers' weights
+have just flushed); the head stays with the model.
 
 `build_eagle3` makes the same one-call stack of an EAGLE-3 draft's midlayer held in blocks
 (models/gguf_serve.py `quantize_draft`): its q/k/v product reads the normed token
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from specserve.attention.torch_ref import RefMeta, TorchRefBackend
-from specserve.core import quant
+from specserve.core import parallel, quant
 from specserve.core.forward_batch import ForwardBatch
 from specserve.kernels import cpu_layers
 from specserve.models.layers import RMSNorm
@@ -55,6 +56,8 @@ class CpuStack:
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> CpuStack | None:
+        if parallel.tp_size() > 1:
+            return None
         weights = []
         layers = list(cast("Iterable[DecoderLayer]", model.model.layers))  # ModuleList is untyped
         for layer in layers:
@@ -79,7 +82,7 @@ class CpuStack:
         projections are blocks the C stack reads, in float32, with the residual the
         incoming hidden (not vLLM's norm_before_residual)."""
         mid = draft.midlayer
-        projections = _projections(mid)
+        projections = _projections(mid) if parallel.tp_size() == 1 else None
         norms = (mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm, draft.norm)
         if (projections is None or mid.self_attn.qkv_proj.bias is not None or mid.norm_before_residual
                 or any(n.weight.dtype != torch.float32 for n in norms) or len({n.eps for n in norms}) != 1):

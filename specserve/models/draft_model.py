@@ -58,7 +58,7 @@ class DraftModel(nn.Module, ABC):
         logits widened in the GEMV's own launch (not while training: it has no backward)."""
         assert self.lm_head is not None, "the head is the draft's own or attached by `share`"
         if self.head_blocks is not None and not h.is_cuda:
-            return quant_linear(h, self.head_blocks).float()
+            return parallel.gather_vocab(quant_linear(h, self.head_blocks).float())
         if kernels.use_gemv(h) and not torch.is_grad_enabled():
             return parallel.gather_vocab(kernels.gemv(h, self.lm_head.weight, out_dtype=torch.float32))
         return parallel.gather_vocab(F.linear(h, self.lm_head.weight).float())

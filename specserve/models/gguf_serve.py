@@ -3,8 +3,9 @@
 `resolve` decides: a converted GGUF directory that carries its blocks (models/gguf_blocks.py)
 is served quantized on the CPU unless `--quantization none` asks for float weights, and on
 a GPU when `--quantization gguf` asks for it (its float weights stay the default there);
-never where the caller cannot take quantized layers (`--enable-deterministic-inference`;
-tensor parallelism, whose shards the blocks are not cut into yet). `--quantization gguf`
+never where the caller cannot take quantized layers (`--enable-deterministic-inference`).
+Under tensor parallelism each rank keeps its slice of the blocks, cut as the float
+weights are (`_rank_slice`, models/tp_shard.py). `--quantization gguf`
 on anything else is an error. The CPU multiplies the blocks with kernels/cpu_quant.py, a GPU with the Triton
 kernel kernels/blocks.py (models/quant_linear.py picks). Loading (models/loader.py) runs
 in three steps. `plan`, on the meta model: each `Linear` whose rows are all repacked blocks
@@ -32,14 +33,14 @@ from specserve import kernels
 from specserve.core import parallel, quant
 from specserve.core.config import ConfigError
 from specserve.kernels import cpu_quant
-from specserve.models import gguf_blocks
+from specserve.models import gguf_blocks, tp_shard
 from specserve.models.checkpoint import fused_target
 from specserve.models.cpu_stack import CpuStack
 from specserve.models.layers import Linear
 
 if TYPE_CHECKING:
     from specserve.models.draft_model import DraftModel
-    from specserve.models.llama import LlamaForCausalLM
+    from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 
 logger = logging.getLogger("specserve")
 
@@ -56,9 +57,7 @@ def resolve(flag: str | None, model_dir: Path, device: torch.device, allowed: bo
             raise ConfigError(f"--quantization gguf needs a GGUF model; {model_dir} was not converted from one")
         if not allowed:
             raise ConfigError("--quantization gguf with --enable-deterministic-inference is not supported yet")
-        if parallel.tp_size() > 1:
-            raise ConfigError("--quantization gguf with --tp-size > 1 is not supported yet")
-    if not (flag in (None, GGUF) and has_blocks and allowed and parallel.tp_size() == 1):
+    if not (flag in (None, GGUF) and has_blocks and allowed):
         return False
     if device.type == "cuda":  # asked for only: the float weights stay the GPU's default
         if flag == GGUF and not kernels.triton_available():
@@ -95,12 +94,41 @@ def plan(model: LlamaForCausalLM, model_dir: Path) -> Blocks:
             parts = sorted(pieces.get(f"{module_name}.weight", []))
             if isinstance(module, Linear) and parts:
                 qw = _joined(f, [name for _, name in parts], methods)
+                qw = None if qw is None else _rank_slice(f"{module_name}.weight", qw, cfg)
                 if qw is not None and qw.shape == tuple(module.weight.shape):
                     layers[module_name] = qw
         name = "lm_head.weight" if "lm_head.weight" in methods else "model.embed_tokens.weight"
         if name in methods and (name == "lm_head.weight" or cfg.tie_word_embeddings):
             head = _joined(f, [name], methods)
+            head = None if head is None else _rank_slice(name, head, cfg)
     return Blocks(layers, head)
+
+
+def _rank_slice(name: str, qw: quant.QuantWeight, cfg: LlamaConfig) -> quant.QuantWeight:
+    """This tensor-parallel rank's slice of the blocks of our weight `name` (models/tp_shard.py):
+    a fused qkv or gate_up is cut as its HF parts are, each part's rows apart."""
+    if parallel.tp_size() == 1:
+        return qw
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if ".qkv_proj." in name:
+        parts = [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)]
+        old = "qkv_proj"
+    elif ".gate_up_proj." in name:
+        inter = qw.shape[0] // 2
+        parts, old = [("gate_proj", 0, inter), ("up_proj", inter, inter)], "gate_up_proj"
+    else:
+        return tp_shard.shard_quant(name, qw, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    pieces = [tp_shard.shard_quant(name.replace(old, hf), _rows(qw, start, rows), cfg.num_heads,
+                                   cfg.num_kv_heads, cfg.head_dim) for hf, start, rows in parts]
+    zeros = None if qw.zeros is None else torch.cat([cast(torch.Tensor, p.zeros) for p in pieces])
+    return pieces[0]._replace(data=torch.cat([p.data for p in pieces]), scale=torch.cat([p.scale for p in pieces]),
+                              zeros=zeros)
+
+
+def _rows(qw: quant.QuantWeight, start: int, rows: int) -> quant.QuantWeight:
+    """Rows [start, start + rows) of `qw`."""
+    return qw._replace(data=qw.data.narrow(0, start, rows), scale=qw.scale.narrow(0, start, rows),
+                       zeros=None if qw.zeros is None else qw.zeros.narrow(0, start, rows))
 
 
 def reserve(model: LlamaForCausalLM, blocks: Blocks) -> set[str]:
@@ -135,7 +163,13 @@ def _map_cpu_layouts(model: LlamaForCausalLM, blocks_path: Path) -> None:
     if model.head_blocks is not None:
         held["lm_head"] = model.head_blocks
     stat = blocks_path.stat()
-    cpu_quant.map_packed(blocks_path.parent / CPU_LAYOUT_FILE, held, f"{stat.st_size}-{stat.st_mtime_ns}")
+    cpu_quant.map_packed(blocks_path.parent / cpu_layout_file(), held, f"{stat.st_size}-{stat.st_mtime_ns}")
+
+
+def cpu_layout_file() -> str:
+    """The CPU layout's file name: one a tensor-parallel rank, whose slices differ."""
+    tp = parallel.tp_size()
+    return CPU_LAYOUT_FILE if tp == 1 else CPU_LAYOUT_FILE.replace(".", f"-tp{tp}-rank{parallel.tp_rank()}.", 1)
 
 
 def quantize_random(model: LlamaForCausalLM) -> int:

@@ -174,9 +174,10 @@ def activation_dtype(model: nn.Module) -> torch.dtype:
 def cpu_layout(model: nn.Module, dtype: torch.dtype) -> None:
     """Every `Linear` of a loaded model in the CPU's form: an int4 one (AWQ, GPTQ) as q4
     blocks of the same values, one scale a block, where the CPU's quantized kernels take it
-    (kernels/cpu_quant.py: whole tiles, a compiler at hand; one process, as for a GGUF's
-    blocks: their activations' scales span a row); any other quantized one as its
-    values in `dtype` (the CPU has no fp8 kernels); then the float ones in the GEMV layout."""
+    (kernels/cpu_quant.py: whole tiles, a compiler at hand; one process: under tensor
+    parallelism int4 layers keep their dequantized values); any other quantized one as its
+    values in `dtype` (the CPU has no fp8 kernels); then the float ones in the GEMV layout.
+    A GGUF's blocks (q4, q8) are not yet held here: models/gguf_serve.py swaps them in after."""
     for module in model.modules():
         if not isinstance(module, Linear):
             continue

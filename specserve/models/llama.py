@@ -366,7 +366,7 @@ class LlamaForCausalLM(nn.Module):
         if self.invariant:
             return invariant_linear(hidden, self.lm_head.weight, self.head64, None, torch.float32)
         if self.head_blocks is not None:  # a GGUF's head in its blocks (models/gguf_serve.py)
-            return quant_linear(hidden, self.head_blocks).float()
+            return parallel.gather_vocab(quant_linear(hidden, self.head_blocks).float())
         if kernels.use_gemv(hidden, lm_head=True):  # the float32 logits of the half ones, in the GEMV's launch
             return parallel.gather_vocab(kernels.gemv(hidden, self.lm_head.weight, out_dtype=torch.float32))
         logits = parallel.gather_vocab(self.lm_head(hidden))

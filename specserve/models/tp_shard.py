@@ -14,7 +14,8 @@ and a rank keeps only its slice on the device:
 
 Quantized layers are cut the same way: fp8 and 4-bit data like the weight (4-bit columns
 as bytes, two a byte: `shard_nibbles`), their scales and zero points by rows and, for a
-row-parallel layer, by groups (`shard_scale`: a rank's columns must not split a group).
+row-parallel layer, by groups (`shard_scale`: a rank's columns must not split a group);
+a GGUF's blocks (q4, q8) likewise, one HF-named weight at a time (`shard_quant`).
 
 Heads go in whole GQA groups, as evenly as the groups allow (core/parallel.py
 `head_shard`); with fewer KV heads than ranks, each rank keeps the one KV head its query
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.core import parallel
+from specserve.core import parallel, quant
 
 _COLUMN = (".gate_proj.", ".up_proj.")
 _ROW = (".down_proj.weight",)
@@ -94,3 +95,20 @@ def shard_nibbles(name: str, data: torch.Tensor, k: int, heads: int, kv_heads: i
         return shard(name, data, heads, kv_heads, head_dim)
     start, width = cols
     return data.narrow(1, start // 2, -(-width // 2))
+
+
+def shard_quant(name: str, qw: quant.QuantWeight, heads: int, kv_heads: int, head_dim: int) -> quant.QuantWeight:
+    """This rank's slice of the quantized weight `name` (a GGUF's q4 or q8 blocks, or
+    int4): its data as `shard_nibbles` or `shard` cut it, its scales and offsets (or zero
+    points) as `shard_scale` does, all contiguous."""
+    _, k = qw.shape
+    packed = qw.method in (quant.INT4, quant.Q4)
+    data = (shard_nibbles(name, qw.data, k, heads, kv_heads, head_dim) if packed
+            else shard(name, qw.data, heads, kv_heads, head_dim))
+
+    def groups(t: torch.Tensor) -> torch.Tensor:
+        return shard_scale(name, t, qw.group, k, heads, kv_heads, head_dim).contiguous()
+
+    return qw._replace(data=data.contiguous(), scale=groups(qw.scale),
+                       zeros=None if qw.zeros is None else groups(qw.zeros))
+

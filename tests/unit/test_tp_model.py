@@ -16,6 +16,7 @@ import torch
 from specserve.bench.ranks import run_on_ranks
 from specserve.core import parallel
 from specserve.core.forward_batch import ForwardMode
+from specserve.models.layers import Linear
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 from specserve.models.loader import iter_safetensors, load_model, read_hf_config
 from tests.unit.model_utils import BareRunner, save_tiny_hf
@@ -109,7 +110,18 @@ def test_gathered_shards_equal_the_full_tensors(tiny_dirs, name, tp):
 
 def _logits(path: str, quantization: str | None = None) -> torch.Tensor:
     """Prefill two prompts, decode one token each, verify a 3-node tree: every logit row."""
-    model = load_model(Path(path), torch.float32, torch.device("cpu"), quantization)
+    return _rows(load_model(Path(path), torch.float32, torch.device("cpu"), quantization))
+
+
+def _block_logits(path: str) -> torch.Tensor:
+    """`_logits` of a GGUF model served in its blocks, every projection and the head."""
+    model = load_model(Path(path), torch.float32, torch.device("cpu"))
+    held = [m.quantized for m in model.modules() if isinstance(m, Linear)]
+    assert model.head_blocks is not None and all(qw is not None and qw.method in ("q4", "q8") for qw in held)
+    return _rows(model)
+
+
+def _rows(model: LlamaForCausalLM) -> torch.Tensor:
     run = BareRunner(model)
     rows = [run.forward([0, 1], [0, 0], [[5, 9, 2, 7], [3, 3, 8]])]
     rows.append(run.forward([0, 1], [4, 3], [[11], [12]], mode=ForwardMode.DECODE))
@@ -173,9 +185,45 @@ def test_int4_groups_that_a_rank_would_split_are_refused(tiny_dirs, tmp_path):
 
 
 def test_smollm2_at_tp2_computes_its_logits(smollm2_dir):
-    # float weights at both sizes (TP 1 would serve the GGUF's blocks on the CPU, TP 2 cannot)
+    # float weights at both sizes (the blocks: the next test)
     want = _logits(str(smollm2_dir), "none")
     got = run_on_ranks(_logits, 2, str(smollm2_dir), "none", on_gpu=False)
     # 30 layers whose partial sums add in another order: logits of magnitude ~20 agree to ~1e-4
     torch.testing.assert_close(got[0], want, rtol=1e-3, atol=5e-3)
     assert torch.equal(got[0].argmax(-1), want.argmax(-1))
+
+
+def test_smollm2_in_its_gguf_blocks_at_tp2_computes_its_logits(smollm2_dir):
+    """Each rank keeps its slice of the GGUF's q4 and q8 blocks, cut as the float weights
+    are (q/k/v rows by head, gate and up apart, o_proj and down_proj by whole blocks of
+    columns, the head by vocabulary): the ranks compute what one process computes from the
+    whole blocks (there in one C call a forward, here layer by layer: the C stack has no
+    all-reduce)."""
+    from specserve.kernels import cpu_quant
+
+    if not cpu_quant.available():
+        pytest.skip("no C compiler: GGUF weights run dequantized")
+    want = _block_logits(str(smollm2_dir))
+    got = run_on_ranks(_block_logits, 2, str(smollm2_dir), on_gpu=False)
+    # Each product rounds its inputs to int16, which turns the last-bit differences of the
+    # all-reduce's order into rounding steps: logits of magnitude ~30 agree to ~0.1 (one
+    # process's C stack and its layer-by-layer path differ by ~0.04 already)
+    torch.testing.assert_close(got[0], want, rtol=1e-2, atol=0.2)
+    assert torch.equal(got[0].argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_ranks_gguf_blocks_hold_its_float_shards_values(smollm2_dir, rank):
+    """The blocks a rank keeps hold exactly the values of the float conversion's shard it
+    would load (the float conversion is the blocks' values: test_gguf_serve.py)."""
+    from specserve.models import gguf_serve
+
+    parallel.set_tp(parallel.TPGroup(2, rank))
+    floats = load_model(smollm2_dir, torch.float32, torch.device("cpu"), "none")
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(floats.config)
+    blocks = gguf_serve.plan(meta, smollm2_dir)
+    assert len(blocks.layers) == 4 * floats.config.num_layers and blocks.head is not None
+    for name, qw in blocks.layers.items():
+        assert torch.equal(qw.dequantize(torch.float32), floats.get_submodule(name).out_in_weight), name
+    assert torch.equal(blocks.head.dequantize(torch.float32), floats.lm_head.weight)
