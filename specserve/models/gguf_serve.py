@@ -3,7 +3,8 @@
 `resolve` decides: a converted GGUF directory that carries its blocks (models/gguf_blocks.py)
 is served quantized on the CPU unless `--quantization none` asks for float weights, and on
 a GPU when `--quantization gguf` asks for it (its float weights stay the default there);
-never where the caller cannot take quantized layers (`--enable-deterministic-inference`).
+never where the caller cannot take quantized layers (`--enable-deterministic-inference` on
+a GPU; on the CPU the blocks' kernels keep its contract: models/invariant.py).
 Under tensor parallelism each rank keeps its slice of the blocks, cut as the float
 weights are (`_rank_slice`, models/tp_shard.py). `--quantization gguf`
 on anything else is an error. The CPU multiplies the blocks with kernels/cpu_quant.py, a GPU with the Triton
@@ -56,7 +57,7 @@ def resolve(flag: str | None, model_dir: Path, device: torch.device, allowed: bo
         if not has_blocks:
             raise ConfigError(f"--quantization gguf needs a GGUF model; {model_dir} was not converted from one")
         if not allowed:
-            raise ConfigError("--quantization gguf with --enable-deterministic-inference is not supported yet")
+            raise ConfigError("--quantization gguf with --enable-deterministic-inference on a GPU is not supported yet")
     if not (flag in (None, GGUF) and has_blocks and allowed):
         return False
     if device.type == "cuda":  # asked for only: the float weights stay the GPU's default

@@ -25,12 +25,15 @@ they only propose, and exact verification makes the output the target's):
     of a model takes the same path;
   * attention walks each query's keys in position order with splits fixed by its own
     length (`attention/triton_invariant.py`, chosen by the runner's `make_backend`).
-On a CPU (no Triton), the same contract in torch (`layers.invariant_linear`, `RMSNorm`,
-the MLP's SiLU, the reference attention): products, sums, norms and SiLU in float64,
-rounded once to the model's dtype. CPU libraries pick their summation order from the
-shape, but in float64 every order lands within ~1e-13 (relative) of the exact value, so
-rounding to bf16 (a step of 2^-8) comes out the same unless the exact value sits that
-close to a rounding boundary. Exact by construction on the GPU; on the CPU, by that margin.
+On a CPU (no Triton), the same contract in torch (`layers.invariant_linear`, `RMSNorm`, the
+MLP's SiLU, the reference attention): products, sums, norms and SiLU in float64, rounded
+once to the model's dtype; a GGUF's layers (and head) held in blocks keep the CPU's block
+kernels, which compute each row alone in a fixed order (`row_local_blocks`), layer by layer
+(the one-call C stack does not serve the float64 attention). CPU libraries pick their
+summation order from the shape, but in float64 every order lands within ~1e-13 (relative) of
+the exact value, so rounding to bf16 (a step of 2^-8) comes out the same unless the exact
+value sits that close to a rounding boundary. Exact by construction on the GPU; on the CPU,
+by that margin.
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ import torch
 from torch import nn
 
 from specserve import kernels
+from specserve.core import quant
+from specserve.kernels import cpu_quant
 from specserve.models.layers import Linear, RMSNorm
 
 if TYPE_CHECKING:
@@ -50,12 +55,24 @@ if TYPE_CHECKING:
     from specserve.models.llama import DecoderLayer, LlamaForCausalLM
 
 
+def row_local_blocks(qw: quant.QuantWeight | None) -> bool:
+    """Whether `qw` is a GGUF's blocks that the CPU's kernels multiply (kernels/cpu_quant.py):
+    each row's product there is computed alone, in an order fixed by the weight (inputs
+    rounded to int16 per 32 columns, integer sums, one scale a group), whatever the row
+    count, the batch or the threads: the invariant contract as it is."""
+    return (qw is not None and qw.method in (quant.Q4, quant.Q8) and not qw.data.is_cuda
+            and cpu_quant.available() and cpu_quant.servable(qw))
+
+
 def enable_layers(model: nn.Module) -> None:
     """Put every `Linear` and `RMSNorm` of `model` on the invariant path (a causal LM's
-    head and few-token path: `LlamaForCausalLM.make_invariant`). Quantized layers are
-    refused (their kernels are not covered)."""
+    head and few-token path: `LlamaForCausalLM.make_invariant`). A GGUF's blocks on the CPU
+    (`row_local_blocks`) keep their kernels; other quantized layers are refused (their
+    kernels are not covered)."""
     for name, module in model.named_modules():
         if isinstance(module, Linear):
+            if row_local_blocks(module.quantized):
+                continue
             if module.quantized is not None:
                 raise ValueError(f"--enable-deterministic-inference does not cover quantized layers ({name})")
             module.invariant = True
@@ -72,7 +89,9 @@ def fold_norms(model: LlamaForCausalLM) -> bool:
     (Qwen3 has them) whose weights the fused kernels take. Returns whether it folded; a folded
     model runs `forward_layers` only."""
     layers = cast("list[DecoderLayer]", list(model.model.layers))
-    if not layers or not kernels.use_fused(_weight(layers[0].self_attn.qkv_proj)):
+    if not layers or layers[0].self_attn.qkv_proj.quantized is not None:  # a GGUF's blocks: on the CPU
+        return False
+    if not kernels.use_fused(_weight(layers[0].self_attn.qkv_proj)):
         return False
     if not all(isinstance(layer.input_layernorm, RMSNorm) and layer.self_attn.q_norm is None for layer in layers):
         return False

@@ -363,10 +363,10 @@ class LlamaForCausalLM(nn.Module):
         in the model's dtype, whose conversion would change no argmax (it is exact and
         keeps order) and at a verify of 2048 tokens would read and write some 600 MB a step.
         Invariant (models/invariant.py): float32 always, straight from the accumulator."""
+        if self.head_blocks is not None and (not self.invariant or invariant.row_local_blocks(self.head_blocks)):
+            return parallel.gather_vocab(quant_linear(hidden, self.head_blocks).float())  # models/gguf_serve.py
         if self.invariant:
             return invariant_linear(hidden, self.lm_head.weight, self.head64, None, torch.float32)
-        if self.head_blocks is not None:  # a GGUF's head in its blocks (models/gguf_serve.py)
-            return parallel.gather_vocab(quant_linear(hidden, self.head_blocks).float())
         if kernels.use_gemv(hidden, lm_head=True):  # the float32 logits of the half ones, in the GEMV's launch
             return parallel.gather_vocab(kernels.gemv(hidden, self.lm_head.weight, out_dtype=torch.float32))
         logits = parallel.gather_vocab(self.lm_head(hidden))
@@ -378,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
         invariant.enable_layers(self)
         self.invariant = True
         self.folded_norms = invariant.fold_norms(self)
-        if not self.lm_head.weight.is_cuda:
+        if not self.lm_head.weight.is_cuda and not invariant.row_local_blocks(self.head_blocks):
             self.head64 = self.lm_head.weight.detach().t().double().contiguous()
 
     def finalize(self, device: torch.device, dtype: torch.dtype) -> None:

@@ -4,15 +4,18 @@ With the mode on, every speculative algorithm gives plain decoding's tokens bit 
 and a request's output does not depend on its batch: on SmolLM2 with real prompts, plain
 decoding at batch 1 and at batch 5 (greedy and seeded sampling mixed), NGRAM, STANDALONE
 (the target as its own draft) and EAGLE3 (the shipped head) at batch 5; on a tiny random
-target, EAGLE and MTP with perfect drafts (long accepted runs). Configurations the mode
-does not cover are refused at start-up.
+target, EAGLE and MTP with perfect drafts (long accepted runs). SmolLM2 runs in its GGUF's
+blocks, as the CPU serves it (their kernels keep the mode's contract). Configurations the
+mode does not cover are refused at start-up.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specserve import Engine
 from specserve.core.config import ConfigError
+from specserve.kernels import cpu_quant
 from tests.unit.eagle_utils import clean, perfect_engine, prompts
 
 pytestmark = pytest.mark.slow
@@ -46,6 +49,8 @@ def _generate(engine: Engine, ids: list[list[int]], params: list[dict]) -> list[
 def plain(smollm2_dir) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, plain decoding's outputs at batch 5), having checked them at batch 1."""
     engine = Engine(str(smollm2_dir), log_level="warning", **DET)
+    if cpu_quant.available():  # the GGUF's blocks on the CPU: their kernels compute each row alone
+        assert engine.server_info()["weight_quantization"]["method"] == "gguf"
     ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     batched = _generate(engine, ids, PARAMS)
     for i in (1, 4):  # greedy and seeded sampling, alone
@@ -79,3 +84,11 @@ def test_perfect_drafts_equal_plain_decoding_bit_for_bit(kind, tmp_path, smollm2
 def test_what_the_mode_does_not_cover_is_refused(flags):
     with pytest.raises(ConfigError, match="--enable-deterministic-inference"):
         Engine("smollm2-135m", enable_deterministic_inference=True, **flags)
+
+
+def test_a_gguf_on_a_gpu_is_refused(smollm2_dir):
+    """On a GPU the blocks' few-token kernel and its prefill path round differently."""
+    from specserve.models import gguf_serve
+
+    with pytest.raises(ConfigError, match="--enable-deterministic-inference on a GPU"):
+        gguf_serve.resolve("gguf", smollm2_dir, torch.device("cuda"), allowed=False)
