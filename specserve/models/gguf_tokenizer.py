@@ -1,7 +1,8 @@
 """GGUF tokenizer metadata -> Hugging Face tokenizer files.
 
-Owns how llama.cpp's byte-level BPE vocabulary (`tokenizer.ggml.*`) becomes a `tokenizers`
-Tokenizer (pre-tokenizer regex chosen by `tokenizer.ggml.pre`, special tokens added), and
+Owns how llama.cpp's vocabularies (`tokenizer.ggml.*`) become a `tokenizers` Tokenizer:
+byte-level BPE ("gpt2": pre-tokenizer regex chosen by `tokenizer.ggml.pre`) and
+SentencePiece's ("llama": Llama 1/2, Mistral, TinyLlama; `_spm`), special tokens added; and
 the `tokenizer_config.json` / `generation_config.json` contents (chat template, BOS/EOS,
 end-of-generation tokens). Weights and model config are `gguf.py`'s business.
 """
@@ -29,17 +30,16 @@ _SPLITS = {
 # Texts llama.cpp treats as end-of-generation when they are in the vocabulary.
 _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
               "<|eom_id|>", "<EOT>", "<|end_of_text|>", "<end_of_utterance>"}
-_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type values
 
 
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """A `tokenizers.Tokenizer` equivalent to the GGUF's byte-level BPE vocabulary."""
     kind = meta.get("tokenizer.ggml.model")
     if kind == "llama":
-        raise ValueError("GGUF SentencePiece ('llama') vocabularies are not supported yet; "
-                         "use the model's Hugging Face directory instead")
+        return _with_specials(_spm(meta), meta)
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (supported: gpt2)")
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (supported: gpt2, llama)")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_FAMILIES:
         raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(_PRE_FAMILIES)})")
@@ -54,9 +54,17 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = _pre_tokenizer(family)
     tok.decoder = decoders.ByteLevel()
+    return _with_specials(tok, meta)
+
+
+def _with_specials(tok: Tokenizer, meta: dict[str, Any]) -> Tokenizer:
+    """`tok` with the vocabulary's unknown, control and user-defined tokens matched whole
+    in any text (llama.cpp's special tokens), and BOS prepended where the GGUF says llama.cpp
+    adds it."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or []
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == _CONTROL])
+                            for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, k in zip(tokens, types) if k == _USER_DEFINED])
     bos = meta.get("tokenizer.ggml.bos_token_id")
@@ -64,6 +72,35 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
             special_tokens=[(tokens[bos], bos)])
+    return tok
+
+
+def _spm(meta: dict[str, Any]) -> Tokenizer:
+    """SentencePiece's vocabulary as llama.cpp tokenizes with it: spaces become "▁" (one
+    prepended to each stretch of text between special tokens when `add_space_prefix`, the
+    default), then from single characters the adjacent pair whose joined piece scores
+    highest merges first (the leftmost of equals), and a piece left outside the vocabulary
+    falls back to its UTF-8 bytes' <0xXX> tokens. That is BPE with every split of every
+    piece into two pieces as a merge, ranked by the joined piece's score. SentencePiece's
+    BPE vocabularies give each piece its own score; where two different pairs' pieces tie,
+    the merge ranked first here (by the pieces' ids) goes first, not the leftmost pair."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for piece, score in zip(tokens, scores):
+        ranked += [(-score, vocab[piece[:i]], vocab[piece[i:]], piece[:i], piece[i:])
+                   for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+    ranked.sort()
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(left, right) for *_, left, right in ranked],
+                               unk_token=tokens[unk] if unk is not None else None, fuse_unk=True,
+                               byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    spaces = normalizers.Replace(" ", "\u2581")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if prefix else spaces
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tok
 
 
@@ -78,7 +115,9 @@ def _pre_tokenizer(family: str) -> pre_tokenizers.PreTokenizer:
 
 
 def _add_bos(meta: dict[str, Any]) -> bool:
-    default = _PRE_FAMILIES.get(meta.get("tokenizer.ggml.pre", "default")) == "llama3"
+    """Whether llama.cpp prepends BOS: as the GGUF says, else for SentencePiece and llama3 vocabularies."""
+    default = (meta.get("tokenizer.ggml.model") == "llama"
+               or _PRE_FAMILIES.get(meta.get("tokenizer.ggml.pre", "default")) == "llama3")
     return bool(meta.get("tokenizer.ggml.add_bos_token", default))
 
 

@@ -56,7 +56,7 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
     cfg_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
                           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[arch]
     extra = {"head_dim": 32} if arch == "qwen3" else {}  # != hidden / heads: must come from key_length
-    cfg = cfg_cls(vocab_size=len(tiny_vocab()[0]), bos_token_id=1, eos_token_id=2, **{**TINY, **extra, **overrides})
+    cfg = cfg_cls(bos_token_id=1, eos_token_id=2, **{"vocab_size": len(tiny_vocab()[0]), **TINY, **extra, **overrides})
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
     with torch.no_grad():  # non-trivial norms and biases so a wrong mapping shows
@@ -68,8 +68,9 @@ def tiny_model(arch: str, seed: int = 0, **overrides):
 
 def write_tiny_gguf(path: Path, model, arch: str, *, pre: str = "smollm", add_bos: bool = False,
                     chat_template: str | None = None, qtypes: dict[str, Q] | None = None,
-                    rope_freqs: np.ndarray | None = None) -> dict[str, torch.Tensor]:
-    """Write `model` as llama.cpp would; return the HF state dict the GGUF now holds exactly."""
+                    rope_freqs: np.ndarray | None = None, spm: dict | None = None) -> dict[str, torch.Tensor]:
+    """Write `model` as llama.cpp would; return the HF state dict the GGUF now holds exactly.
+    `spm`: a SentencePiece vocabulary's `tokenizer.ggml.*` fields instead of `tiny_vocab`'s BPE."""
     cfg, qtypes = model.config, qtypes or {}
     theta = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
     w = gguf.GGUFWriter(str(path), arch)
@@ -85,12 +86,19 @@ def write_tiny_gguf(path: Path, model, arch: str, *, pre: str = "smollm", add_bo
         w.add_key_length(cfg.head_dim)
     if arch == "llama":
         w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    tokens, types, merges = tiny_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    if spm is None:
+        tokens, types, merges = tiny_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+    else:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(spm["tokenizer.ggml.tokens"])
+        w.add_token_scores(spm["tokenizer.ggml.scores"])
+        w.add_token_types(spm["tokenizer.ggml.token_type"])
+        w.add_unk_token_id(spm["tokenizer.ggml.unknown_token_id"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(add_bos)
@@ -213,8 +221,8 @@ def test_clear_errors(tmp_path: Path, monkeypatch) -> None:
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"}
     with pytest.raises(ValueError, match="pre-tokenizer 'mystery' is not supported"):
         conv.build_tokenizer(meta)
-    with pytest.raises(ValueError, match="not supported yet"):
-        conv.build_tokenizer({"tokenizer.ggml.model": "llama"})
+    with pytest.raises(ValueError, match="'t5' is not supported yet"):
+        conv.build_tokenizer({"tokenizer.ggml.model": "t5"})
 
 
 def test_unpermute_inverts_llama_cpp_permutation() -> None:
