@@ -111,3 +111,18 @@ def test_a_gguf_with_a_sentencepiece_vocabulary_converts_and_serves(tmp_path):
         assert engine.tokenizer.encode("the thing") == [1] + llama_cpp("the thing", meta)
         out = engine.generate(["the thing"], {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})[0]
     assert len(out["output_ids"]) == 6 and isinstance(out["text"], str)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(["the", " thing", " ", "a", "b", "é", "ü", "ting", "in", "\n"]), max_size=12).map("".join))
+def test_streamed_text_is_the_whole_decode(text):
+    """The streaming detokenizer's deltas (one id at a time) join to the full decode, the
+    space that each stretch's "▁" prefix stands for dropped once at the start."""
+    from specserve.tokenizer.streaming import IncrementalDetokenizer
+    from specserve.tokenizer.tokenizer import Tokenizer as Ours
+
+    tok = Ours(build_tokenizer(_meta()), bos_token_id=1, eos_token_ids=frozenset({2}), add_bos_token=False,
+               chat_template=None, special_tokens={})
+    ids = tok.encode(text)
+    stream = IncrementalDetokenizer(tok)
+    assert "".join(stream.push([i]) for i in ids) + stream.flush() == tok.decode(ids) == text
