@@ -174,15 +174,15 @@ def activation_dtype(model: nn.Module) -> torch.dtype:
 def cpu_layout(model: nn.Module, dtype: torch.dtype) -> None:
     """Every `Linear` of a loaded model in the CPU's form: an int4 one (AWQ, GPTQ) as q4
     blocks of the same values, one scale a block, where the CPU's quantized kernels take it
-    (kernels/cpu_quant.py: whole tiles, a compiler at hand; one process: under tensor
-    parallelism int4 layers keep their dequantized values); any other quantized one as its
-    values in `dtype` (the CPU has no fp8 kernels); then the float ones in the GEMV layout.
-    A GGUF's blocks (q4, q8) are not yet held here: models/gguf_serve.py swaps them in after."""
+    (kernels/cpu_quant.py: whole tiles, a compiler at hand; under tensor parallelism each
+    rank's slice, cut on group edges); any other quantized one as its values in `dtype`
+    (the CPU has no fp8 kernels); then the float ones in the GEMV layout. A GGUF's blocks
+    (q4, q8) are not yet held here: models/gguf_serve.py swaps them in after."""
     for module in model.modules():
         if not isinstance(module, Linear):
             continue
         qw = module.quantized
-        if qw is not None and _int4_as_blocks(qw) and parallel.tp_size() == 1:
+        if qw is not None and _int4_as_blocks(qw):
             blocks = quant.int4_to_q4(qw, shared=1)
             assert blocks.zeros is not None
             if cpu_quant.servable(blocks) and cpu_quant.available():  # float32 scales: what the CPU takes

@@ -156,20 +156,37 @@ def test_fp8_shards_hold_the_single_process_values(tiny_dirs, tmp_path, scheme):
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_int4_shards_hold_the_single_process_values(tiny_dirs, tmp_path, method, monkeypatch):
+@pytest.mark.parametrize("kernels", ["dequantized", "q4"])
+def test_int4_shards_hold_the_single_process_values(tiny_dirs, tmp_path, method, kernels, monkeypatch):
     """An AWQ/GPTQ layer is cut like a float one: rows, or a row-parallel layer's byte
-    columns with its scales' and zero points' groups. Both sides hold the dequantized values
-    (one process would take the CPU's q4 kernels: models/layers.py cpu_layout)."""
+    columns with its scales' and zero points' groups. Both sides hold the dequantized
+    values, or both the CPU's q4 blocks of them (models/layers.py cpu_layout), whose int16
+    rounding of each product's inputs turns the all-reduce's last bits into rounding steps."""
     from specserve.kernels import cpu_quant
     from tests.unit.test_int4_model import write_int4
 
+    if kernels == "q4" and not cpu_quant.available():
+        pytest.skip("no C compiler: int4 weights run dequantized")
     path = tmp_path / method
     write_int4(tiny_dirs["llama"], path, method, group=32)
-    monkeypatch.setattr(cpu_quant, "available", lambda: False)
+    logits = _logits
+    if kernels == "dequantized":
+        monkeypatch.setattr(cpu_quant, "available", lambda: False)
+        logits = _dequantized_logits
     want = _logits(str(path))
-    got = run_on_ranks(_logits, 2, str(path), on_gpu=False)
+    got = run_on_ranks(logits, 2, str(path), on_gpu=False)
+    tol = 1e-5 if kernels == "dequantized" else 2e-2
     for r in range(2):
-        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[r], want, rtol=tol, atol=tol)
+        assert torch.equal(got[r].argmax(-1), want.argmax(-1))
+
+
+def _dequantized_logits(path: str) -> torch.Tensor:
+    """`_logits` in a rank that has no CPU quantized kernels (int4 layers dequantized)."""
+    from specserve.kernels import cpu_quant
+
+    cpu_quant.available = lambda: False  # this rank process's own module
+    return _logits(path)
 
 
 def test_int4_groups_that_a_rank_would_split_are_refused(tiny_dirs, tmp_path):
