@@ -1,24 +1,25 @@
 """A GGUF model served in its own blocks (`--quantization gguf`), on the CPU or a GPU.
 
-`resolve` decides: a converted GGUF directory that carries its blocks (models/gguf_blocks.py)
-is served quantized on the CPU unless `--quantization none` asks for float weights, and on
-a GPU when `--quantization gguf` asks for it (its float weights stay the default there);
-never where the caller cannot take quantized layers (`--enable-deterministic-inference` on
-a GPU; on the CPU the blocks' kernels keep its contract: models/invariant.py).
-Under tensor parallelism each rank keeps its slice of the blocks, cut as the float
-weights are (`_rank_slice`, models/tp_shard.py). `--quantization gguf`
-on anything else is an error. The CPU multiplies the blocks with kernels/cpu_quant.py, a GPU with the Triton
-kernel kernels/blocks.py (models/quant_linear.py picks). Loading (models/loader.py) runs
-in three steps. `plan`, on the meta model: each `Linear` whose rows are all repacked blocks
-(q, k and v of one method and group for the fused qkv; gate and up for gate_up) will hold
-them. `reserve`: such a layer's float weight has no rows, so the checkpoint's float values
-of it are never read nor allocated. `apply`, once the rest has loaded: each planned layer
-takes its blocks as its storage, and the LM head's blocks become the model's
-`head_blocks`, read by `compute_logits` (the float head stays for drafts that share it).
-Layers whose GGUF type is not repacked stay float. On the CPU the blocks are the checkpoint file's mapped pages,
-as are the float embedding table and a head tied to it, and when every layer holds blocks
-the model's few-token forwards run in one C call (models/cpu_stack.py). On a GPU the
-blocks are copied to the device, their scales and offsets in float16 where that is exact.
+`resolve` decides: a converted GGUF directory that carries its blocks
+(models/gguf_blocks.py) is served quantized on the CPU unless `--quantization none` asks for
+float weights, and on a GPU when `--quantization gguf` asks for it (its float weights stay
+the default there); never where the caller cannot take quantized layers
+(`--enable-deterministic-inference` on a GPU; on the CPU the blocks' kernels keep its
+contract: models/invariant.py). Under tensor parallelism each rank keeps its slice of the
+blocks, cut as the float weights are (`_rank_slice`, models/tp_shard.py). `--quantization
+gguf` on anything else is an error. The CPU multiplies the blocks with kernels/cpu_quant.py,
+a GPU with the Triton kernel kernels/blocks.py (models/quant_linear.py picks). Loading
+(models/loader.py) runs in three steps. `plan`, on the meta model: each `Linear` whose rows
+are all repacked blocks (q, k and v of one method and group for the fused qkv; gate and up
+for gate_up) will hold them. `reserve`: such a layer's float weight has no rows, so the
+checkpoint's float values of it are never read nor allocated. `apply`, once the rest has
+loaded: each planned layer takes its blocks as its storage, and the LM head's blocks become
+the model's `head_blocks`, read by `compute_logits` (the float head stays for drafts that
+share it). Layers whose GGUF type is not repacked stay float. On the CPU the blocks are the
+checkpoint file's mapped pages, as are the float embedding table and a head tied to it, and
+when every layer holds blocks the model's few-token forwards run in one C call
+(models/cpu_stack.py). On a GPU the blocks are copied to the device, their scales and
+offsets in float16 where that is exact.
 """
 from __future__ import annotations
 

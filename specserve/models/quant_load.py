@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from specserve.core import quant
-from specserve.models.tp_shard import shard, shard_nibbles, shard_scale
+from specserve.models.tp_shard import shard, shard_quant, shard_scale
 
 if TYPE_CHECKING:
     from specserve.models.llama import LlamaConfig
@@ -86,13 +86,11 @@ def int4_pieces(params: dict[str, torch.Tensor], cfg: LlamaConfig, name: str, ta
     if target not in params or params[target].dtype != torch.uint8:
         raise ValueError(f"{name}: a 4-bit layer where the model holds no 4-bit weight")
     assert qw.zeros is not None
-    heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    k = qw.shape[1]
-    return [Piece(target, offset, shard_nibbles(name, qw.data, k, *heads), tuple(qw.data.shape)),
-            Piece(f"{base}.weight_scale", offset, shard_scale(name, qw.scale, qw.group, k, *heads),
-                  tuple(qw.scale.shape)),
-            Piece(f"{base}.weight_zeros", offset, shard_scale(name, qw.zeros, qw.group, k, *heads),
-                  tuple(qw.zeros.shape))]
+    local = shard_quant(name, qw, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    assert local.zeros is not None
+    return [Piece(target, offset, local.data, tuple(qw.data.shape)),
+            Piece(f"{base}.weight_scale", offset, local.scale, tuple(qw.scale.shape)),
+            Piece(f"{base}.weight_zeros", offset, local.zeros, tuple(qw.zeros.shape))]
 
 
 def _full_rows(weight: str, cfg: LlamaConfig, rows: int) -> int:
