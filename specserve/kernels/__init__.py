@@ -146,13 +146,13 @@ def use_gemv(x: torch.Tensor, lm_head: bool = False) -> bool:
     (`tma_enabled`), on the fused kernels' side of the switch. An lm_head (`lm_head`)
     takes the few-token kernel at any width: its many rows give every SM whole tiles, so
     even a wide model's head streams at least as fast with pointer loads as through cuBLAS.
-    Not float32 on a GPU past one token: Triton runs its IEEE products on FMA units, and
-    cuBLAS's float32 GEMM, with the norm, SiLU*mul and residual add launched apart, is
-    faster at these token counts (under the interpreter the CPU tests keep the kernels)."""
+    float32 on a GPU past one token only up to SKINNY_MAX_WIDTH, lm_heads too: skinny.py's
+    3xTF32 tiles beat cuBLAS's float32 GEMM on a narrow model's layers, and wide ones stream
+    through cuBLAS (no TMA path for float32 weights)."""
     if x.dim() != 2 or not use_fused(x):
         return False
     t, width = x.shape
-    if t > 1 and x.is_cuda and x.dtype == torch.float32:
+    if t > 1 and x.is_cuda and x.dtype == torch.float32 and width > SKINNY_MAX_WIDTH:
         return False
     return t == 1 or (2 <= t <= SKINNY_MAX_TOKENS and env.skinny_allowed()
                       and (lm_head or width <= SKINNY_MAX_WIDTH or tma_enabled(x.device)))

@@ -82,7 +82,7 @@ def _rotate(y, ca, sa, cb, sb, DTYPE: tl.constexpr, BLOCK_T: tl.constexpr, PAIRS
 def _qkv_rope_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, table_ptr, pos_ptr, q_ptr, k_cache, v_cache, slots_ptr, part_ptr,
                      count_ptr, T, K, H, KVH, sx, sw, swk, ss, GROUP, st, sk0, sk1, sv0, sv1, eps, k_inv, v_inv,
                      SCALES: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr, DEFER: tl.constexpr, HALF: tl.constexpr,
-                     IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                     F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
                      SPLIT_K: tl.constexpr, PAIRS: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     per_head: tl.constexpr = D // (2 * PAIRS)
     head = tl.program_id(0) // per_head  # H query heads, then KVH keys, then KVH values
@@ -99,7 +99,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, s_ptr, nw_ptr, table_ptr, pos_ptr, q_ptr, k_c
     tmask = toks < T
     ca, sa, cb, sb = _tables(table_ptr, pos_ptr, toks, tmask, st, d0, D, PAIRS)  # on their way during the dot
     acc, _, sq = product(xk, wk, nwk, w, wu, g, rows, rows < n, T, n, k_len, sx, sw, swk, eps, w_ptr, k_lo, s_ptr, ss,
-                         GROUP, NORM, DEFER, False, HALF, IEEE, BLOCK_T, 2 * PAIRS, BLOCK_K, ONE_TILE, False, SCALES)
+                         GROUP, NORM, DEFER, False, HALF, F32, BLOCK_T, 2 * PAIRS, BLOCK_K, ONE_TILE, False, SCALES)
     last = True
     if SPLIT_K > 1:
         tl.static_assert(DEFER or not NORM)  # the exact norm needs the whole row in one program
@@ -168,6 +168,7 @@ def qkv_rope_store(x: torch.Tensor, weight: torch.Tensor | QuantWeight, heads: i
         scale.stride(0) if scale is not None else 0, group, table.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
         inverse_scale(k_scale), inverse_scale(v_scale), KV_FP8=is_fp8(k_cache.dtype),
-        SCALES=scale_mode(scale, group, k), D=dim, PAIRS=PAIRS, SPLIT_K=cfg.split, num_warps=4, num_stages=cfg.stages,
+        SCALES=scale_mode(scale, group, k), D=dim, PAIRS=PAIRS, SPLIT_K=cfg.split, num_warps=cfg.warps,
+        num_stages=cfg.stages,
         **product_flags(x, norm, k, block_t, cfg.block_k, cfg.split), **pdl_flags(x.device))
     return q

@@ -14,8 +14,12 @@ the dot, its rsqrt the product after, so no program normalises all T tokens befo
 first dot (such a pre-pass costs more than norm.py's own launch, where the deferred norm
 costs little more than the plain product). On by default (SPECSERVE_SKINNY=0 turns it
 off): a narrow model's verify runs faster this way than through cuBLAS with the separate
-norms and SiLU*mul. A row of up to 1024 takes one tile (`_config`). float32 dots run in IEEE
-fp32, not TF32, so float32 models keep their precision.
+norms and SiLU*mul. A row of up to 1024 takes one tile (`_config`).
+
+float32 dots run as 3xTF32 (F32): each operand split in a TF32 head and tail, three
+tensor-core products summed in fp32, which lands as close to a float64 reference as IEEE
+fp32 dots do (Triton runs those on the FMA units, several times slower at these shapes).
+On a GPU they take small tiles with K split (`skinny_config.f32_config`).
 
 K may be split over programs (grid axis 1, `split_range`): each multiplies its part of
 the columns and the last of a row block's programs to finish sums the fp32 parts in a
@@ -80,9 +84,9 @@ def _x_tile(x_ptr, toks, tmask, cols, kmask, sx):
 
 
 @triton.jit
-def _dot(w, xt, acc, IEEE: tl.constexpr):
-    if IEEE:
-        acc = tl.dot(w, xt, acc, input_precision="ieee")
+def _dot(w, xt, acc, F32: tl.constexpr):
+    if F32:  # float32 operands: 3xTF32 (the module docstring)
+        acc = tl.dot(w, xt, acc, input_precision="tf32x3")
     else:
         acc = tl.dot(w, xt, acc)
     return acc
@@ -147,19 +151,16 @@ def _w_tiles(w_ptr, up_ptr, rows, rmask, cols, kmask, sw, swk, w_desc, k_at, N, 
 
 
 @triton.jit
-def _sum_squares(x, ss, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _sum_squares(x, ss, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """ss [BLOCK_N, BLOCK_T] += every token's sum of x^2 over this tile, in each of the
     BLOCK_N rows: a dot of ones with x^2 (x [BLOCK_T, BLOCK_K] fp32), so the sums come out
     in the accumulator's layout. A row reduction (tl.sum) instead, and its conversion to
-    that layout, would cost a narrow layer more than its whole product. The dot
-    is fp32 (TF32 products: fp32's range, where half x^2 would overflow fp16 past |x| = 256;
-    IEEE for fp32 models)."""
+    that layout, would cost a narrow half layer more than its whole product. The dot is
+    fp32 (TF32 products: fp32's range, where half x^2 would overflow fp16 past |x| = 256).
+    float32 models take row sums (`product`): TF32's 10-bit products would cost their
+    norm its precision."""
     xsq = tl.trans(x * x)
-    if IEEE:
-        ss = tl.dot(tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32), xsq, ss, input_precision="ieee")
-    else:
-        ss = tl.dot(tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32), xsq, ss, input_precision="tf32")
-    return ss
+    return tl.dot(tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32), xsq, ss, input_precision="tf32")
 
 
 @triton.jit
@@ -181,7 +182,7 @@ def first_tiles(w_ptr, nw_ptr, rows, rmask, N, K, sw, swk, w_desc, k_lo, NORM: t
 @triton.jit
 def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, eps, w_desc, k_lo, s_ptr, sst,
             GROUP, NORM: tl.constexpr, DEFER: tl.constexpr, GATED: tl.constexpr, HALF: tl.constexpr,
-            IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             ONE_TILE: tl.constexpr, TMA: tl.constexpr, SCALES: tl.constexpr):
     """(acc, acc_up, ss) fp32 [BLOCK_N, BLOCK_T]: acc[n, t] = W[rows[n]] . norm(x[t]) (acc_up
     the same for the up rows, which follow the gate rows, when GATED; else acc again),
@@ -214,7 +215,7 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
     up_s = s_ptr + N * sst  # GATED: the up rows' scales
     ones = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
     ss = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    ss_rows = tl.zeros([BLOCK_T], dtype=tl.float32)  # TMA: the sums of squares as row sums
+    ss_rows = tl.zeros([BLOCK_T], dtype=tl.float32)  # TMA, F32: the sums of squares as row sums
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     acc_up = acc  # unused unless GATED
     start = 0
@@ -224,33 +225,36 @@ def product(x_ptr, w_ptr, nw_ptr, w, wu, g, rows, rmask, T, N, K, sx, sw, swk, e
         if NORM and not DEFER:  # the whole row is this tile
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)
         if NORM and DEFER:
-            ss = _sum_squares(x, ss, BLOCK_N, BLOCK_K, IEEE)
+            if F32:
+                ss_rows += tl.sum(x * x, axis=1)
+            else:
+                ss = _sum_squares(x, ss, BLOCK_N, BLOCK_K)
         xt = tl.trans(_dot_x(_normed(x, g, rstd, NORM, HALF, dtype), dot_ty, SCALES))
         kmask = cols < K
         w = _dot_operand(w, s_ptr, rows, rmask, k_lo + cols, kmask, sst, GROUP, SCALES, dot_ty)
-        acc = _dot(w, xt, acc, IEEE)
+        acc = _dot(w, xt, acc, F32)
         if GATED:
             wu = _dot_operand(wu, up_s, rows, rmask, k_lo + cols, kmask, sst, GROUP, SCALES, dot_ty)
-            acc_up = _dot(wu, xt, tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32), IEEE)
+            acc_up = _dot(wu, xt, tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32), F32)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
         kcols = k0 + cols
         kmask = kcols < K
         x = _x_tile(x_ptr, toks, tmask, kcols, kmask, sx)
         if NORM:
-            if TMA:  # one row sum a tile; the dot form's ones tile costs a wide layer more than it saves
-                ss_rows += tl.sum(x * x, axis=1)
+            if TMA or F32:  # one row sum a tile: the dot form's ones tile costs a wide layer
+                ss_rows += tl.sum(x * x, axis=1)  # more than it saves, and a float32 one its precision
             else:
-                ss = _sum_squares(x, ss, BLOCK_N, BLOCK_K, IEEE)
+                ss = _sum_squares(x, ss, BLOCK_N, BLOCK_K)
         g = _norm_weight(nw_ptr, kcols, kmask, NORM)
         xt = tl.trans(_dot_x(_normed(x, g, ones, NORM, HALF, dtype), dot_ty, SCALES))
         wt, wut = _w_tiles(w_ptr, up_ptr, rows, rmask, kcols, kmask, sw, swk, w_desc, k_lo + k0, N, GATED, TMA)
         wt = _dot_operand(wt, s_ptr, rows, rmask, k_lo + kcols, kmask, sst, GROUP, SCALES, dot_ty)
-        acc = _dot(wt, xt, acc, IEEE)
+        acc = _dot(wt, xt, acc, F32)
         if GATED:
             wut = _dot_operand(wut, up_s, rows, rmask, k_lo + kcols, kmask, sst, GROUP, SCALES, dot_ty)
-            acc_up = _dot(wut, xt, acc_up, IEEE)
-    if TMA:
+            acc_up = _dot(wut, xt, acc_up, F32)
+    if TMA or F32:
         ss += ss_rows[None, :]
     return acc, acc_up, ss
 
@@ -334,7 +338,7 @@ def _store_out(acc, acc_up, out_ptr, res_ptr, rows, rmask, T, so, sr, RES: tl.co
 def _skinny_kernel(x_ptr, w_ptr, w_desc, s_ptr, out_ptr, res_ptr, nw_ptr, part_ptr, count_ptr, T, N, K, sx, sw, swk,
                    ss, GROUP, so, sr, eps, SCALES: tl.constexpr, NORM: tl.constexpr,
                    DEFER: tl.constexpr, RES: tl.constexpr, GATED: tl.constexpr,
-                   HALF: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HALF: tl.constexpr, F32: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr,
                    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -350,7 +354,7 @@ def _skinny_kernel(x_ptr, w_ptr, w_desc, s_ptr, out_ptr, res_ptr, nw_ptr, part_p
             prefetch_l2(w_ptr + (N + row0).to(tl.int64) * sw, n_el, 128, PREFETCH)
     wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
     acc, acc_up, sq = product(xk, wk, nwk, w, wu, g, rows, rmask, T, N, k_len, sx, sw, swk, eps, w_desc, k_lo, s_ptr,
-                              ss, GROUP, NORM, DEFER, GATED, HALF, IEEE, BLOCK_T, BLOCK_N, BLOCK_K, ONE_TILE, TMA,
+                              ss, GROUP, NORM, DEFER, GATED, HALF, F32, BLOCK_T, BLOCK_N, BLOCK_K, ONE_TILE, TMA,
                               SCALES)
     last = True
     if SPLIT_K > 1:
@@ -396,7 +400,7 @@ def skinny(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: 
                 x.stride(0), weight.stride(0), weight.stride(1), scale.stride(0) if scale is not None else 0, group,
                 out.stride(0), residual.stride(0) if residual is not None else 0, eps,
                 SCALES=scale_mode(scale, group, k), RES=residual is not None, GATED=gated,
-                BLOCK_N=cfg.block_n, num_warps=4, num_stages=stages, SPLIT_K=cfg.split, TMA=tma,
+                BLOCK_N=cfg.block_n, num_warps=cfg.warps, num_stages=stages, SPLIT_K=cfg.split, TMA=tma,
                 PREFETCH=prefetch_step(weight, cfg.block_k, cfg.split, tma),
                 **product_flags(x, norm, k, block_t, cfg.block_k, cfg.split, tma), **pdl_flags(x.device))
             return out
@@ -430,11 +434,12 @@ def use_tma(weight: torch.Tensor) -> bool:
     """Whether `weight` streams through a TMA descriptor (`tma_descriptor`) rather than
     pointer loads: on Hopper or later (`kernels.tma_enabled`), for weights wider and taller
     than kernels.SKINNY_MAX_WIDTH (where pointer loads fall behind cuBLAS), rows contiguous
-    and 16-byte aligned."""
+    and 16-byte aligned; not float32 weights (`kernels.use_gemv` leaves such layers to cuBLAS)."""
     if TMA_OVERRIDE is not None:
         return TMA_OVERRIDE
     n, k = weight.shape
-    return (n > SKINNY_MAX_WIDTH and k > SKINNY_MAX_WIDTH and tma_enabled(weight.device) and weight.stride(1) == 1
+    return (n > SKINNY_MAX_WIDTH and k > SKINNY_MAX_WIDTH and weight.element_size() < 4
+            and tma_enabled(weight.device) and weight.stride(1) == 1
             and weight.stride(0) * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
@@ -453,4 +458,4 @@ def product_flags(x: torch.Tensor, norm: bool, k: int, block_t: int, block_k: in
     and the TMA path (`use_tma`) always defer it."""
     one_tile = block_k >= k and split == 1 and not tma
     return dict(NORM=norm, DEFER=norm and not (one_tile and block_t == 16), HALF=x.dtype in _HALF,
-                IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_K=block_k, ONE_TILE=one_tile)
+                F32=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_K=block_k, ONE_TILE=one_tile)

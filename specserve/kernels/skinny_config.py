@@ -13,11 +13,12 @@ import triton
 
 class Config(NamedTuple):
     """A few-token launch's shape: weight rows and K columns per tile, pipeline stages,
-    and the programs K is split over (1: none; `split_sum`)."""
+    the programs K is split over (1: none; `split_sum`) and warps a program."""
     block_n: int
     block_k: int
     stages: int
     split: int = 1
+    warps: int = 4
 
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}  # device -> split_sum's counts, all 0 between launches
@@ -59,7 +60,8 @@ def device_limits(device: torch.device) -> tuple[int, int]:
 
 def config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
             device: torch.device) -> Config:
-    """The launch's Config; BLOCK_K >= k means one tile holds the whole row.
+    """The launch's Config; BLOCK_K >= k means one tile holds the whole row. float32
+    weights on a GPU take `f32_config`'s; the rest of this is half and fp8 weights'.
 
     Rows up to 1024 wide that are not gated take one tile, 64 rows a program with the
     exact norm (16 tokens), 16 without a norm, unless the layer is an lm_head (16384 rows
@@ -80,6 +82,8 @@ def config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     each (SmolLM2's down_proj, at verify and drafting token counts alike: no unsplit
     configuration streams it as fast)."""
     smem, sms = device_limits(device)
+    if w_bytes == 4 and device.type == "cuda":  # the interpreter keeps the larger tiles: fewer programs
+        return f32_config(n, k, gated, sms)
     if not gated and k > 1024 and triton.cdiv(n, 16) < sms // 2 and n < 16384:  # SmolLM2's down_proj
         return Config(16, 512, 1, triton.cdiv(k, 512))
     if not gated and k <= 1024 and n < 16384 and (block_t == 16 or not norm):
@@ -97,6 +101,21 @@ def config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     # A wide model's lm_head: 3 stages, which stream it faster than 4
     most = 3 if n >= 16384 and k > 2048 and not gated else 4
     return Config(block_n, block_k, max(1, min(most, smem // stage)))
+
+
+def f32_config(n: int, k: int, gated: bool, sms: int) -> Config:
+    """float32 layers (3xTF32 products, `skinny._dot`): 16 rows a program on 2 warps, 32
+    columns a tile, K split until there are about twice as many programs as SMs, each
+    part at least 96 columns deep; an lm_head takes 128 rows a program in 3 stages on 4
+    warps, 64 where 128 would leave fewer programs than twice the SMs (a draft head).
+
+    From a sweep of SmolLM2's shapes and its EAGLE-3 head's at 8 and 16 tokens: wider row
+    blocks, deeper tiles, more warps and fewer programs are slower, and one tile of a
+    whole row spills its registers."""
+    if n >= 16384 and not gated:
+        return Config(128 if n >= 256 * sms else 64, 32, 3)
+    split = max(1, min(triton.cdiv(k, 96), triton.cdiv(2 * sms, triton.cdiv(n, 16))))
+    return Config(16, 32, 2 if split > 1 else 4, split, warps=2)
 
 
 def tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
