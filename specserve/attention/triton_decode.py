@@ -167,6 +167,12 @@ def reduce_splits(mid: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_s
         **pdl_flags(out.device))
 
 
+def decode_warps(dim: int, dtype: torch.dtype) -> int:
+    """Warps a decode program runs on: 8 for half-precision heads of 128 dims and more, whose
+    [BLOCK_H, D] accumulator and K/V blocks spill on 4 (about 1.5 KB a thread at 128), else 4."""
+    return 8 if dim >= 128 and dtype in (torch.float16, torch.bfloat16) else 4
+
+
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                      req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor | None,
                      scale: float, num_splits: int, tail: torch.Tensor | None = None,
@@ -207,6 +213,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         req_to_token.stride(0), tail.stride(0) if tail is not None else 0, *dst_strides, *lse_strides,
         GROUP=group, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
         BLOCK_D=bd, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, PREC=dot_precision(compute_dtype(q, k_pool)),
-        HAS_TAIL=has_tail, KV_FP8=is_fp8(k_pool.dtype), num_warps=4, num_stages=2, **pdl_flags(q.device))
+        HAS_TAIL=has_tail, KV_FP8=is_fp8(k_pool.dtype), num_warps=decode_warps(dim, q.dtype), num_stages=2,
+        **pdl_flags(q.device))
     if num_splits > 1:
         reduce_splits(dst, lse, out, num_splits)
