@@ -34,6 +34,8 @@ from specserve.bench.ranks import run_on_ranks
 from specserve.bench.report import report
 
 VERIFY_NODES = 16  # the verify(16) <= 1.15x decode target
+CONTEXT_LENGTH = 4096  # the served model's context: a prompt, its timed steps and a verify fit in it
+WARM_STEPS = 8  # decode steps before each timing
 LLAMA_31_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -94,7 +96,12 @@ def step_bytes(model, kv_len: int, kv_element: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    room = CONTEXT_LENGTH - WARM_STEPS - VERIFY_NODES - 2  # a sampled first token, a verify's root
+    if args.prompt_len < 1 or args.steps < 1 or args.prompt_len + args.steps > room:
+        parser.error(f"--prompt-len ({args.prompt_len}) and --steps ({args.steps}) must be at least 1 and "
+                     f"add up to at most {room}: the model's context is {CONTEXT_LENGTH} tokens")
     sizes = [int(t) for t in args.tp_sizes.split(",")]
     runs = [(q, det, tp) for q in args.quantizations.split(",") for det in args.deterministic.split(",")
             for tp in sizes]
@@ -141,7 +148,7 @@ def _measure(args: argparse.Namespace) -> dict:
     # server verifies through its graphs), so verify(16) is timed as it would serve.
     runner.capture_cuda_graphs(sched.kv.table.table, sched.max_running, verify_tokens=VERIFY_NODES)
     ids = [(1000 + i) % runner.vocab_size for i in range(args.prompt_len)]
-    _served_decode(sched, ids, 8, overlap=True)  # warm-up: Triton compiles, graphs replay once
+    _served_decode(sched, ids, WARM_STEPS, overlap=True)  # warm-up: Triton compiles, graphs replay once
     overlap_s = _served_decode(sched, ids, args.steps, overlap=True)
     plain_s = _served_decode(sched, ids, args.steps, overlap=False)
     step_s, kv_mid, verify_ratio, graph_us = _decode(runner, sched.kv, args.prompt_len, args.steps)
@@ -167,7 +174,7 @@ def _scheduler(model_dir: Path, args: argparse.Namespace):
     from specserve.engine.scheduler import Scheduler
 
     argv = ["--model-path", str(model_dir), "--load-format", "dummy", "--dtype", "bfloat16",
-            "--context-length", "4096", "--max-total-tokens", "16384", "--max-running-requests", "4",
+            "--context-length", str(CONTEXT_LENGTH), "--max-total-tokens", "16384", "--max-running-requests", "4",
             "--disable-radix-cache", "--log-level", "warning",
             "--cuda-graph-max-prefill-tokens", "0"]  # decode is timed: no prefill graphs to capture
     if args.attention_backend:
@@ -241,7 +248,7 @@ def _decode(runner, kv, prompt_len: int, steps: int) -> tuple[float, int, float,
         b = ScheduleBatch(ForwardMode.DECODE, [req], [req.last_id], s, [prefix], [1], [True])
         req.output_ids.append(_argmax(runner, kv, b))
 
-    for _ in range(8):  # warm-up
+    for _ in range(WARM_STEPS):
         decode()
     kv_start, start = req.kv_len, time.perf_counter()
     for _ in range(steps):

@@ -2,6 +2,8 @@
 it took goes back (the benchmark itself needs a GPU: its model is 8B-shaped)."""
 from __future__ import annotations
 
+import pytest
+
 from specserve.bench import limit
 
 
@@ -11,3 +13,13 @@ def test_runner_loop_times_decode_and_verify_and_frees_its_slots(engine_no_leak)
     assert step_s > 0 and ratio > 0 and 8 < kv_mid < 8 + 1 + 8 + 3
     assert graph_us == (0.0, 0.0) and limit._graph_note(graph_us) == "no graphs"  # no CUDA graphs here
     assert limit._graph_note((5410.0, 6397.0)) == "graphs: 6397 / 5410 us = 1.182x"
+
+
+def test_a_prompt_past_the_context_is_refused_with_a_clear_line(capsys) -> None:
+    """A prompt and steps that do not fit the served model's context stop at the command
+    line (they made the benchmark divide by zero tokens after loading an 8B model)."""
+    for argv in (["--prompt-len", "4096"], ["--prompt-len", "4000", "--steps", "100"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as stop:
+            limit.main(argv)
+        assert stop.value.code == 2
+        assert "must be at least 1 and add up to at most 4070" in capsys.readouterr().err
