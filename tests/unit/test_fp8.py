@@ -75,6 +75,26 @@ def test_few_token_kernels_match_dequantized_product(tokens, shape, fused, dtype
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("shape", [(40, 200, None), (48, 200, 64)])
+@pytest.mark.parametrize("fused", ["norm", "gated", "residual"])
+def test_float32_tiles_read_fp8(shape, fused, monkeypatch):
+    """float32 activations over fp8 weights on a GPU's float32 launch shapes
+    (skinny_config.f32_config for 132 SMs: 16 x 32 tiles, K split) as a dequantized
+    weight's product, per-row and per-group scales."""
+    from specserve.kernels import skinny, skinny_config
+
+    monkeypatch.setattr(skinny, "_config", lambda n, k, gated, *a: skinny_config.f32_config(n, k, gated, 132))
+    n, k, group = shape
+    qw = _fp8(2 * n if fused == "gated" else n, k, group)
+    x = torch.randn(9, k, device=DEV)
+    norm_weight = (torch.rand(k, device=DEV) + 0.5) if fused != "residual" else None
+    residual = torch.randn(9, n, device=DEV) if fused == "residual" else None
+    with kernels.fused_kernels(True), torch.no_grad():
+        got = kernels.gemv(x, qw, norm_weight=norm_weight, eps=1e-6, residual=residual, gated=fused == "gated")
+    ref = _reference(x, qw, norm_weight, residual, fused == "gated")
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_tma_path_reads_fp8():
     """The descriptor path (forced on: the interpreter runs it) takes fp8 boxes."""
     from specserve.kernels import skinny

@@ -403,6 +403,32 @@ def test_qkv_rope_store_is_the_projection_then_rope_store_kv(tokens, heads, kv_h
         _close(got, ref, 2e-2)
 
 
+@pytest.mark.parametrize("tokens,norm", [(6, True), (20, False)])
+def test_qkv_rope_store_on_float32_tiles(tokens, norm, monkeypatch):
+    """The fused qkv + RoPE + KV write on a GPU's float32 launch shapes (f32_config for
+    132 SMs: K split 5 ways at 576 columns, 2 warps) against the projection on the
+    interpreter's tiles, then rope_store_kv."""
+    from specserve.kernels import qkv_rope, skinny_config
+
+    monkeypatch.setattr(qkv_rope, "_config", lambda n, k, gated, *a: skinny_config.f32_config(n, k, gated, 132))
+    heads, kv_heads, dim, k = 9, 3, 64, 576
+    rot = RotaryEmbedding(dim, 256, 10000.0, None)
+    rot.build(DEV, torch.float32)
+    rope = rot.at(torch.randint(0, 256, (tokens,), device=DEV))
+    x = torch.randn(tokens, k, device=DEV)
+    w = torch.randn((heads + 2 * kv_heads) * dim, k, device=DEV).div(k ** 0.5)
+    nw = _norm(k, torch.float32).weight if norm else None
+    slots = torch.randperm(40, device=DEV)[:tokens]
+    caches = [torch.randn(40, kv_heads, dim, device=DEV) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    with kernels.fused_kernels(True), torch.no_grad():
+        q = qkv_rope.qkv_rope_store(x, w, heads, rope, *caches, slots, norm_weight=nw, eps=1e-6)
+        qkv = kernels.gemv(x, w, norm_weight=nw, eps=1e-6).view(tokens, -1, dim)
+        q_ref = kernels.rope_store_kv(qkv, heads, *rope.tables(), *ref_caches, slots)
+    for got, ref in zip([q, *caches], [q_ref, *ref_caches]):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
 def _logits(model, fused: bool) -> list[torch.Tensor]:
     """Logits of a 9-token extend, then of a 1-token decode."""
     with kernels.fused_kernels(fused):
