@@ -27,3 +27,11 @@ def both(fn):
     with kernels.fused_kernels(False), torch.no_grad():
         ref = fn()
     return got, ref
+
+
+def gpu_float32_tiles(monkeypatch, module) -> None:
+    """`module`'s few-token launches (skinny.py, qkv_rope.py) take a GPU's float32 launch
+    shapes on any device: skinny_config.f32_config for 132 SMs."""
+    from specserve.kernels import skinny_config
+
+    monkeypatch.setattr(module, "_config", lambda n, k, gated, *a: skinny_config.f32_config(n, k, gated, 132))

@@ -17,7 +17,7 @@ from specserve.models import quantization
 from specserve.models.layers import Linear
 from specserve.models.loader import load_model
 from specserve.models.quant_linear import quant_linear, quantize_tokens
-from tests.unit.fused_utils import DEV  # first: TRITON_INTERPRET before triton loads
+from tests.unit.fused_utils import DEV, gpu_float32_tiles  # first: TRITON_INTERPRET before triton loads
 from tests.unit.model_utils import save_tiny_hf
 
 pytest.importorskip("triton")
@@ -81,9 +81,9 @@ def test_float32_tiles_read_fp8(shape, fused, monkeypatch):
     """float32 activations over fp8 weights on a GPU's float32 launch shapes
     (skinny_config.f32_config for 132 SMs: 16 x 32 tiles, K split) as a dequantized
     weight's product, per-row and per-group scales."""
-    from specserve.kernels import skinny, skinny_config
+    from specserve.kernels import skinny
 
-    monkeypatch.setattr(skinny, "_config", lambda n, k, gated, *a: skinny_config.f32_config(n, k, gated, 132))
+    gpu_float32_tiles(monkeypatch, skinny)
     n, k, group = shape
     qw = _fp8(2 * n if fused == "gated" else n, k, group)
     x = torch.randn(9, k, device=DEV)
