@@ -8,7 +8,8 @@ product (`kernels.gemv`: the GEMV or the few-token kernel) and the blocks' produ
 as --calls launches in one CUDA graph (GPU time per launch, CUDA events). Reported: us a
 launch, the stored bytes over that time, and the blocks' speed as a ratio to bf16's.
 Small layers stay in L2 across the graph's launches, for both. `--launch` times one
-(BLOCK_N, GROUPS, num_warps) instead of `blocks.config`'s, for tuning.
+(BLOCK_N, GROUPS, num_warps) of blocks.py's kernels instead of the default path (one
+token of bf16 x on q4 goes to blocks_x16.py's), for tuning.
 """
 from __future__ import annotations
 
@@ -56,6 +57,17 @@ def _graph_us(fn, calls: int) -> float:
     return start.elapsed_time(end) * 1e3 / calls
 
 
+def _default_launch(x: torch.Tensor, qw) -> tuple:
+    """The launch shape `blocks.blocks_matmul` takes by default: blocks_x16.py's for one
+    token of half x on q4, else `blocks.config`'s."""
+    from specserve.kernels import blocks, blocks_x16
+
+    n, k = qw.shape
+    if blocks_x16.takes(x, qw):
+        return blocks_x16.config(n, qw.group // 32)
+    return blocks.config(n, k, qw.group, x.shape[0], qw.method)
+
+
 def main(argv: list[str] | None = None) -> int:
     from specserve import kernels
     from specserve.core import quant
@@ -82,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"bench": "blocks", "shape": args.shape, "layer": name, "rows": n, "cols": k, "form": form,
                    "tokens": t, "bf16_us": bf16_us, "blocks_us": blocks_us, "speed_vs_bf16": bf16_us / blocks_us,
                    "blocks_GBps": stored / blocks_us / 1e3, "bf16_GBps": n * k * 2 / bf16_us / 1e3,
-                   "launch": list(launch or blocks.config(n, k, qw.group, t, qw.method)),
+                   "launch": list(launch or _default_launch(x, qw)),
                    "device": torch.cuda.get_device_name(dev)}
             report(f"blocks: {args.shape} {name} [{n}, {k}] {form} T={t}: blocks {blocks_us:.1f} us "
                    f"({row['blocks_GBps']:.0f} GB/s), bf16 {bf16_us:.1f} us ({row['bf16_GBps']:.0f} GB/s): "

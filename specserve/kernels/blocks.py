@@ -15,10 +15,12 @@ value is converted by a conversion instruction, which runs at a fraction of the 
 the arithmetic and would bound the kernel below the memory's speed: its bits are shifted
 into the top of an fp32 mantissa under 1.0's exponent (`_unit_floats`), a float 1 + u / 16
 (q4's nibble u) or 1 + u / 256 (q8's byte as offset binary u = q + 128).
-- One token (`_gemv_blocks_kernel`): the weight is read as int32 words. Per group it sums
-  x times those unit floats and x alone, recovers sum(x q) from the two, then adds
-  s sum(x q) + o sum(x): a shift, a logic op and a multiply-add a column. Each weight is
-  thus its fp32 value q s + o, not rounded to x's dtype.
+- One token of half-precision x on q4 goes to blocks_x16.py (x rounded to int16 a block,
+  integer dot products). Otherwise, one token (`_gemv_blocks_kernel`): the weight is read
+  as int32 words. Per group it sums x times those unit floats and x alone, recovers
+  sum(x q) from the two, then adds s sum(x q) + o sum(x): a shift, a logic op and a
+  multiply-add a column. Each weight is thus its fp32 value q s + o, not rounded to x's
+  dtype.
 - Two tokens or more (`_blocks_kernel`): a group splits into two halves of H columns (q4:
   the low and high nibbles of its 16 bytes; q8: its first and last H columns), each value
   one multiply-add from its unit float, rounded to x's dtype, and multiplied with x's
@@ -46,7 +48,7 @@ import triton
 import triton.language as tl
 
 from specserve.core.quant import Q4, Q8, QuantWeight
-from specserve.kernels import pdl_flags
+from specserve.kernels import blocks_x16, pdl_flags
 from specserve.kernels.int4 import dot_halves, operands, store_tokens
 from specserve.kernels.pdl import wait_and_release
 
@@ -260,7 +262,8 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     """x [T, K] (fp32, bf16 or fp16) times the q4/q8 weight [N, K] -> [T, N]; plus residual
     [T, N] (x's dtype) when given. out_dtype: x's dtype unless given (the value is rounded
     to x's dtype first). `launch`: (BLOCK_N, GROUPS, num_warps) instead of `config`'s, for
-    tuning. See the module docstring."""
+    tuning (it also keeps one token of half x on this file's kernel instead of
+    blocks_x16.py's). See the module docstring."""
     assert qw.method in (Q4, Q8), qw.method
     t, k = x.shape
     n, kw = qw.shape
@@ -277,6 +280,8 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     scale = qw.scale if qw.scale.stride(1) == 1 else qw.scale.contiguous()
     offset = qw.zeros if qw.zeros is not None else scale
     res = residual if residual is not None else out
+    if launch is None and blocks_x16.takes(x, qw):  # one token of half x on q4: int16 dot products
+        return blocks_x16.gemv_x16(x, data, qw, out, residual)
     if t == 1:  # the blocks as int32 words: a row's bytes are a multiple of 16
         words = data.view(torch.int32)
         _gemv_blocks_kernel[(triton.cdiv(n, block_n),)](

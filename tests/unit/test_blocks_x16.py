@@ -1,0 +1,87 @@
+"""One token of half-precision x on q4 blocks (kernels/blocks_x16.py): x's int16 pairs and
+their order, and the layer against F.linear of x as rounded to int16 (tight) and of x as
+given (the blocks' bound), with and without offsets, AWQ's shared scales (a ragged last
+one), a residual, bf16 and fp16. Compiled on CUDA, under TRITON_INTERPRET=1 on the CPU
+(where dp2a is written out in integer ops)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.unit.triton_interp import DEV  # first: sets TRITON_INTERPRET where there is no GPU
+
+# isort: split
+from specserve.core.quant import Q4, Q8, QuantWeight
+from specserve.kernels import blocks_x16
+from specserve.kernels.blocks import blocks_matmul
+from tests.unit.test_blocks_kernel import _blocks, _check
+
+
+def _unpack(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+    """x [1, K] as the pairs hold it: pair (w, j) of block g at g * 16 + 4 j + w holds
+    columns 4 w + 2 j and + 1 (j < 2), 16 + 4 w + 2 (j - 2) and + 1 (j >= 2)."""
+    pairs = xq.cpu().view(-1, 4, 4)  # [g, j, w]
+    lo = ((pairs << 16) >> 16).float()
+    hi = (pairs >> 16).float()
+    q = torch.empty(pairs.shape[0], 32)
+    for j in range(4):
+        col = 4 * torch.arange(4) + 2 * (j % 2) + 16 * (j // 2)
+        q[:, col] = lo[:, j]
+        q[:, col + 1] = hi[:, j]
+    return (q * xs.cpu()[:, None]).view(1, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantized_x_holds_x(dtype):
+    """Each value within 2^-16 of its block's largest |x| (half a step of the scale), sums
+    of x as given, and an all-zero block scaled 1."""
+    torch.manual_seed(0)
+    x = (torch.randn(1, 40 * 32) * torch.logspace(-3, 2, 40).repeat_interleave(32)).to(dtype)
+    x[0, 64:96] = 0
+    xq, xs, xsum = blocks_x16.quantize(x.to(DEV))
+    blocks = x.float().view(-1, 32)
+    amax = blocks.abs().amax(dim=1)
+    assert float(xs[2]) == 1.0
+    err = (_unpack(xq, xs) - x.float()).abs().view(-1, 32)
+    assert bool((err <= amax[:, None] * 2**-16 * 1.01).all())
+    torch.testing.assert_close(xsum.cpu(), blocks.sum(dim=1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,offset,k", [(32, True, 320), (32, False, 320), (128, True, 576), (64, True, 2048)])
+def test_one_token_equals_linear_of_the_rounded_x(group, offset, k, dtype, residual):
+    padded = -(-k // group) * group  # a ragged last scale (576 = 4.5 groups of 128), as int4_to_q4 makes it
+    qw = _blocks(Q4, 44, padded, group, offset, seed=k + group)  # 44 rows: a ragged row block
+    qw = qw._replace(data=qw.data[:, : k // 2].contiguous())
+    x = torch.randn(1, k, device=DEV).to(dtype)
+    r = torch.randn(1, 44, device=DEV).to(dtype) if residual else None
+    assert blocks_x16.takes(x, qw)
+    got = blocks_matmul(x, qw, residual=r)
+    _check(got, x, qw, r)
+    xq, xs, _ = blocks_x16.quantize(x)
+    lin = F.linear(_unpack(xq, xs).to(DEV), qw.dequantize(torch.float32)).to(dtype).float()  # the exact form
+    y = lin if r is None else (r.float() + lin).to(dtype).float()
+    ulp = torch.finfo(dtype).eps * (lin.abs() + y.abs())  # one of the product's rounding, one of the sum's
+    xw = x.float().abs() @ qw.dequantize(torch.float32).abs().t()  # fp32 sums of other orders
+    assert bool(((got.float() - y).abs() <= ulp + 2**-16 * xw).all()), (got.float() - y).abs().max()
+
+
+def test_a_tile_wider_than_the_row_and_launch_shapes():
+    """SmolLM2's width (18 blocks) under one tile of 32, and other launch shapes, agree."""
+    qw = _blocks(Q4, 64, 576, 32, True, seed=3)
+    x = torch.randn(1, 576, device=DEV).bfloat16()
+    out = torch.empty(1, 64, dtype=torch.bfloat16, device=DEV)
+    base = blocks_x16.gemv_x16(x, qw.data, qw, out.clone(), None)
+    for launch in ((2, 32), (8, 32), (4, 64)):
+        torch.testing.assert_close(blocks_x16.gemv_x16(x, qw.data, qw, out.clone(), None, launch=launch), base,
+                                   rtol=2**-7, atol=1e-5)
+
+
+def test_what_takes_the_int16_path():
+    qw = QuantWeight(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), 32, Q4)
+    assert blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), qw)
+    assert not blocks_x16.takes(torch.zeros(1, 32), qw)  # fp32 x keeps its fp32 products
+    assert not blocks_x16.takes(torch.zeros(2, 32, dtype=torch.bfloat16), qw)  # the dot kernel
+    assert not blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), qw._replace(method=Q8))
