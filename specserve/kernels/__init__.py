@@ -211,8 +211,15 @@ def packed_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
 def _packed_gemv(x: torch.Tensor, qw: QuantWeight, norm_weight: torch.Tensor | None, eps: float,
                  residual: torch.Tensor | None, gated: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
     """`gemv`'s fused forms over an int4 or GGUF-block weight as separate launches, each
-    rounding as its torch op: the norm, then the product (+ residual), then SiLU*mul."""
+    rounding as its torch op: the norm, then the product (+ residual), then SiLU*mul. One
+    token of half x on q4 (blocks_x16.py) fuses the norm into its rounding of x to int16
+    and SiLU*mul into the product."""
     x = x.reshape(-1, x.shape[-1])
+    from specserve.kernels import blocks_x16
+
+    if blocks_x16.takes(x, qw):  # the norm in the launch that rounds x to int16, SiLU*mul in the product's
+        return blocks_x16.gemv_x16(x, qw, norm_weight=norm_weight, eps=eps, residual=residual, gated=gated,
+                                   out_dtype=out_dtype)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     if gated:

@@ -281,7 +281,7 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     offset = qw.zeros if qw.zeros is not None else scale
     res = residual if residual is not None else out
     if launch is None and blocks_x16.takes(x, qw):  # one token of half x on q4: int16 dot products
-        return blocks_x16.gemv_x16(x, data, qw, out, residual)
+        return blocks_x16.gemv_x16(x, qw, residual=residual, out_dtype=out_dtype)
     if t == 1:  # the blocks as int32 words: a row's bytes are a multiple of 16
         words = data.view(torch.int32)
         _gemv_blocks_kernel[(triton.cdiv(n, block_n),)](

@@ -59,7 +59,7 @@ def _w_tile(w_ptr, rows, rmask, cols, kmask, sw, swk, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _x_chunk(x_ptr, nw_ptr, cols, kmask, rstd, NORM: tl.constexpr, HALF: tl.constexpr, EVEN_K: tl.constexpr):
+def x_chunk(x_ptr, nw_ptr, cols, kmask, rstd, NORM: tl.constexpr, HALF: tl.constexpr, EVEN_K: tl.constexpr):
     """x[cols] in fp32, normalised as norm.py rounds it when NORM."""
     if EVEN_K:
         x = tl.load(x_ptr + cols).to(tl.float32)
@@ -117,13 +117,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, nw_ptr, N, K, sw, swk, s
             xs = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
             ss += xs * xs
         rstd = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-    x = _x_chunk(x_ptr, nw_ptr, cols, kmask, rstd, NORM, HALF, EVEN_K)
+    x = x_chunk(x_ptr, nw_ptr, cols, kmask, rstd, NORM, HALF, EVEN_K)
     acc = w.to(tl.float32) * x[None, :]
     acc_up = wu.to(tl.float32) * x[None, :]  # unused unless GATED
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kcols = k0 + cols
         kmask = kcols < K
-        x = _x_chunk(x_ptr, nw_ptr, kcols, kmask, rstd, NORM, HALF, EVEN_K)
+        x = x_chunk(x_ptr, nw_ptr, kcols, kmask, rstd, NORM, HALF, EVEN_K)
         wt = _w_scaled(w_ptr, s_ptr, rows, rmask, kcols, kmask, sw, swk, sst, GROUP, EVEN_K, GROUPED)
         acc += wt.to(tl.float32) * x[None, :]
         if GATED:

@@ -72,11 +72,9 @@ def test_a_tile_wider_than_the_row_and_launch_shapes():
     """SmolLM2's width (18 blocks) under one tile of 32, and other launch shapes, agree."""
     qw = _blocks(Q4, 64, 576, 32, True, seed=3)
     x = torch.randn(1, 576, device=DEV).bfloat16()
-    out = torch.empty(1, 64, dtype=torch.bfloat16, device=DEV)
-    base = blocks_x16.gemv_x16(x, qw.data, qw, out.clone(), None)
+    base = blocks_x16.gemv_x16(x, qw)
     for launch in ((2, 32), (8, 32), (4, 64)):
-        torch.testing.assert_close(blocks_x16.gemv_x16(x, qw.data, qw, out.clone(), None, launch=launch), base,
-                                   rtol=2**-7, atol=1e-5)
+        torch.testing.assert_close(blocks_x16.gemv_x16(x, qw, launch=launch), base, rtol=2**-7, atol=1e-5)
 
 
 def test_what_takes_the_int16_path():
@@ -85,3 +83,26 @@ def test_what_takes_the_int16_path():
     assert not blocks_x16.takes(torch.zeros(1, 32), qw)  # fp32 x keeps its fp32 products
     assert not blocks_x16.takes(torch.zeros(2, 32, dtype=torch.bfloat16), qw)  # the dot kernel
     assert not blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), qw._replace(method=Q8))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_norm_and_silu_fused_equal_the_separate_launches(gated):
+    """`kernels.gemv`'s pre-norm in the rounding launch and SiLU*mul in the product's
+    epilogue, against the norm, the product and SiLU*mul as launches of their own (the
+    path blocks.py's kernel takes), in bf16: equal up to a last-bit change of a normed
+    value meeting the int16 rounding, and the products' orders."""
+    from specserve import kernels
+    from specserve.kernels.blocks import blocks_matmul as product
+
+    rows = 74 if gated else 64  # gated: 37 gate rows and their up rows, a ragged last program
+    qw = _blocks(Q4, rows, 256, 32, True, seed=7, exact_bf16=True)
+    x = torch.randn(1, 256, device=DEV).bfloat16()
+    nw = (torch.rand(256, device=DEV) + 0.5).bfloat16()
+    r = None if gated else torch.randn(1, 64, device=DEV).bfloat16()
+    with kernels.fused_kernels(True):
+        got = kernels.gemv(x, qw, norm_weight=nw, eps=1e-5, residual=r, gated=gated)
+    normed = kernels.rms_norm(x, nw, 1e-5)
+    y = product(normed, qw, residual=r)
+    ref = kernels.silu_and_mul(y) if gated else y
+    assert got.shape == ref.shape == (1, 37 if gated else 64) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=2**-7)
