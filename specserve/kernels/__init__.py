@@ -218,8 +218,8 @@ def _packed_gemv(x: torch.Tensor, qw: QuantWeight, norm_weight: torch.Tensor | N
     from specserve.kernels import blocks_x16
 
     if blocks_x16.takes(x, qw):  # the norm in the launch that rounds x to int16, SiLU*mul in the product's
-        return blocks_x16.gemv_x16(x, qw, norm_weight=norm_weight, eps=eps, residual=residual, gated=gated,
-                                   out_dtype=out_dtype)
+        return blocks_x16.gemv_x16(x, qw, norm_weight=norm_weight, eps=eps, gated=gated, out_dtype=out_dtype,
+                                   residual=residual.reshape(x.shape[0], -1) if residual is not None else None)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     if gated:

@@ -29,7 +29,7 @@ def _unpack(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
         col = 4 * torch.arange(4) + 2 * (j % 2) + 16 * (j // 2)
         q[:, col] = lo[:, j]
         q[:, col + 1] = hi[:, j]
-    return (q * xs.cpu()[:, None]).view(1, -1)
+    return (q * xs.cpu().reshape(-1)[:, None]).view(1, -1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -42,10 +42,11 @@ def test_quantized_x_holds_x(dtype):
     xq, xs, xsum = blocks_x16.quantize(x.to(DEV))
     blocks = x.float().view(-1, 32)
     amax = blocks.abs().amax(dim=1)
-    assert float(xs[2]) == 1.0
+    assert xq.shape == (1, 40 * 16) and xs.shape == xsum.shape == (1, 40)
+    assert float(xs[0, 2]) == 1.0
     err = (_unpack(xq, xs) - x.float()).abs().view(-1, 32)
     assert bool((err <= amax[:, None] * 2**-16 * 1.01).all())
-    torch.testing.assert_close(xsum.cpu(), blocks.sum(dim=1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(xsum.cpu().reshape(-1), blocks.sum(dim=1), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -80,8 +81,9 @@ def test_a_tile_wider_than_the_row_and_launch_shapes():
 def test_what_takes_the_int16_path():
     qw = QuantWeight(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), 32, Q4)
     assert blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), qw)
+    assert blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS, 32, dtype=torch.float16), qw)
     assert not blocks_x16.takes(torch.zeros(1, 32), qw)  # fp32 x keeps its fp32 products
-    assert not blocks_x16.takes(torch.zeros(2, 32, dtype=torch.bfloat16), qw)  # the dot kernel
+    assert not blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS + 1, 32, dtype=torch.bfloat16), qw)  # the dot kernel
     assert not blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), qw._replace(method=Q8))
 
 
@@ -106,3 +108,25 @@ def test_the_norm_and_silu_fused_equal_the_separate_launches(gated):
     ref = kernels.silu_and_mul(y) if gated else y
     assert got.shape == ref.shape == (1, 37 if gated else 64) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("tokens", [2, 3, 4])
+def test_a_row_of_a_few_tokens_equals_that_token_alone(tokens, gated):
+    """Each row of a T-token product (a verify, a draft step) is the one-token product of
+    that row bit for bit (the norm fused, a residual or SiLU*mul, shared scales): its int16
+    rounding is its own and its sums take the same operations in the same order."""
+    from specserve import kernels
+
+    qw = _blocks(Q4, 74 if gated else 40, 512, 128, True, seed=tokens)
+    x = torch.randn(tokens, 512, device=DEV).bfloat16()
+    nw = (torch.rand(512, device=DEV) + 0.5).bfloat16()
+    r = None if gated else torch.randn(tokens, 40, device=DEV).bfloat16()
+    with kernels.fused_kernels(True):
+        many = kernels.gemv(x, qw, norm_weight=nw, eps=1e-5, residual=r, gated=gated)
+        for i in range(tokens):
+            one = kernels.gemv(x[i:i + 1], qw, norm_weight=nw, eps=1e-5, gated=gated,
+                               residual=None if r is None else r[i:i + 1])
+            assert torch.equal(many[i:i + 1], one), i
+    plain = blocks_matmul(x, qw)
+    _check(plain, x, qw)
