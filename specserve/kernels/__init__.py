@@ -211,9 +211,9 @@ def packed_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
 def _packed_gemv(x: torch.Tensor, qw: QuantWeight, norm_weight: torch.Tensor | None, eps: float,
                  residual: torch.Tensor | None, gated: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
     """`gemv`'s fused forms over an int4 or GGUF-block weight as separate launches, each
-    rounding as its torch op: the norm, then the product (+ residual), then SiLU*mul. One
-    token of half x on q4 (blocks_x16.py) fuses the norm into its rounding of x to int16
-    and SiLU*mul into the product."""
+    rounding as its torch op: the norm, then the product (+ residual), then SiLU*mul. A
+    few tokens of half x on q4 or q8 (blocks_x16.py) fuse the norm into their rounding to
+    int16 and SiLU*mul into the product."""
     x = x.reshape(-1, x.shape[-1])
     from specserve.kernels import blocks_x16
 

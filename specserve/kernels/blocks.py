@@ -15,8 +15,8 @@ value is converted by a conversion instruction, which runs at a fraction of the 
 the arithmetic and would bound the kernel below the memory's speed: its bits are shifted
 into the top of an fp32 mantissa under 1.0's exponent (`_unit_floats`), a float 1 + u / 16
 (q4's nibble u) or 1 + u / 256 (q8's byte as offset binary u = q + 128).
-- Up to blocks_x16.MAX_TOKENS of half-precision x on q4 go to blocks_x16.py (x rounded to
-  int16 a block, integer dot products). Otherwise, one token (`_gemv_blocks_kernel`): the weight is read
+- Up to blocks_x16.MAX_TOKENS of half-precision x go to blocks_x16.py (x rounded to int16
+  a block, integer dot products; `blocks_x16.takes`). Otherwise, one token (`_gemv_blocks_kernel`): the weight is read
   as int32 words. Per group it sums x times those unit floats and x alone, recovers
   sum(x q) from the two, then adds s sum(x q) + o sum(x): a shift, a logic op and a
   multiply-add a column. Each weight is thus its fp32 value q s + o, not rounded to x's
@@ -280,7 +280,7 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     scale = qw.scale if qw.scale.stride(1) == 1 else qw.scale.contiguous()
     offset = qw.zeros if qw.zeros is not None else scale
     res = residual if residual is not None else out
-    if launch is None and blocks_x16.takes(x, qw):  # a few tokens of half x on q4: int16 dot products
+    if launch is None and blocks_x16.takes(x, qw):  # a few tokens of half x: int16 dot products
         return blocks_x16.gemv_x16(x, qw, residual=residual, out_dtype=out_dtype)
     if t == 1:  # the blocks as int32 words: a row's bytes are a multiple of 16
         words = data.view(torch.int32)

@@ -1,8 +1,9 @@
-"""One token of half-precision x on q4 blocks (kernels/blocks_x16.py): x's int16 pairs and
-their order, and the layer against F.linear of x as rounded to int16 (tight) and of x as
-given (the blocks' bound), with and without offsets, AWQ's shared scales (a ragged last
-one), a residual, bf16 and fp16. Compiled on CUDA, under TRITON_INTERPRET=1 on the CPU
-(where dp2a is written out in integer ops)."""
+"""One to four tokens of half-precision x on q4 and q8 blocks (kernels/blocks_x16.py): x's
+int16 pairs and their orders, and the layer against F.linear of x as rounded to int16
+(tight) and of x as given (the blocks' bound), with and without offsets, AWQ's shared
+scales (a ragged last one), q8's 16-column scales, a residual, bf16 and fp16; a verify's
+rows against one-token products, bit for bit. Compiled on CUDA, under TRITON_INTERPRET=1
+on the CPU (where dp2a is written out in integer ops)."""
 from __future__ import annotations
 
 import pytest
@@ -18,15 +19,17 @@ from specserve.kernels.blocks import blocks_matmul
 from tests.unit.test_blocks_kernel import _blocks, _check
 
 
-def _unpack(xq: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
-    """x [1, K] as the pairs hold it: pair (w, j) of block g at g * 16 + 4 j + w holds
-    columns 4 w + 2 j and + 1 (j < 2), 16 + 4 w + 2 (j - 2) and + 1 (j >= 2)."""
-    pairs = xq.cpu().view(-1, 4, 4)  # [g, j, w]
+def _unpack(xq: torch.Tensor, xs: torch.Tensor, q8: bool = False) -> torch.Tensor:
+    """x [1, K] as the pairs hold it. q4's order: pair (w, j) of block g at g * 16 + 4 j + w
+    holds columns 4 w + 2 j and + 1 (j < 2), 16 + 4 w + 2 (j - 2) and + 1 (j >= 2); q8's:
+    pair (w, j) at g * 16 + 8 j + w holds columns 4 w + 2 j and + 1."""
+    words, pairs_a_word = (8, 2) if q8 else (4, 4)
+    pairs = xq.cpu().view(-1, pairs_a_word, words)  # [g, j, w]
     lo = ((pairs << 16) >> 16).float()
     hi = (pairs >> 16).float()
     q = torch.empty(pairs.shape[0], 32)
-    for j in range(4):
-        col = 4 * torch.arange(4) + 2 * (j % 2) + 16 * (j // 2)
+    for j in range(pairs_a_word):
+        col = 4 * torch.arange(words) + 2 * (j % 2) + 16 * (j // 2)
         q[:, col] = lo[:, j]
         q[:, col + 1] = hi[:, j]
     return (q * xs.cpu().reshape(-1)[:, None]).view(1, -1)
@@ -51,18 +54,20 @@ def test_quantized_x_holds_x(dtype):
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group,offset,k", [(32, True, 320), (32, False, 320), (128, True, 576), (64, True, 2048)])
-def test_one_token_equals_linear_of_the_rounded_x(group, offset, k, dtype, residual):
+@pytest.mark.parametrize("method,group,offset,k", [(Q4, 32, True, 320), (Q4, 32, False, 320), (Q4, 128, True, 576),
+                                                   (Q4, 64, True, 2048), (Q8, 32, False, 320), (Q8, 32, True, 320),
+                                                   (Q8, 16, False, 576)])
+def test_one_token_equals_linear_of_the_rounded_x(method, group, offset, k, dtype, residual):
     padded = -(-k // group) * group  # a ragged last scale (576 = 4.5 groups of 128), as int4_to_q4 makes it
-    qw = _blocks(Q4, 44, padded, group, offset, seed=k + group)  # 44 rows: a ragged row block
-    qw = qw._replace(data=qw.data[:, : k // 2].contiguous())
+    qw = _blocks(method, 44, padded, group, offset, seed=k + group)  # 44 rows: a ragged row block
+    qw = qw._replace(data=qw.data[:, : k // 2 if method == Q4 else k].contiguous())
     x = torch.randn(1, k, device=DEV).to(dtype)
     r = torch.randn(1, 44, device=DEV).to(dtype) if residual else None
     assert blocks_x16.takes(x, qw)
     got = blocks_matmul(x, qw, residual=r)
     _check(got, x, qw, r)
-    xq, xs, _ = blocks_x16.quantize(x)
-    lin = F.linear(_unpack(xq, xs).to(DEV), qw.dequantize(torch.float32)).to(dtype).float()  # the exact form
+    xq, xs, _ = blocks_x16.quantize(x, q8=method == Q8)
+    lin = F.linear(_unpack(xq, xs, method == Q8).to(DEV), qw.dequantize(torch.float32)).to(dtype).float()  # the exact form
     y = lin if r is None else (r.float() + lin).to(dtype).float()
     ulp = torch.finfo(dtype).eps * (lin.abs() + y.abs())  # one of the product's rounding, one of the sum's
     xw = x.float().abs() @ qw.dequantize(torch.float32).abs().t()  # fp32 sums of other orders
@@ -84,7 +89,9 @@ def test_what_takes_the_int16_path():
     assert blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS, 32, dtype=torch.float16), qw)
     assert not blocks_x16.takes(torch.zeros(1, 32), qw)  # fp32 x keeps its fp32 products
     assert not blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS + 1, 32, dtype=torch.bfloat16), qw)  # the dot kernel
-    assert not blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), qw._replace(method=Q8))
+    q8 = QuantWeight(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 2), 16, Q8)
+    assert blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), q8)
+    assert not blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), q8._replace(zeros=torch.ones(4, 2)))
 
 
 @pytest.mark.parametrize("gated", [False, True])
