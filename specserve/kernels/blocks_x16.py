@@ -2,7 +2,8 @@
 
 blocks.py's one-token kernel multiplies each nibble in fp32: a shift, a logic op and a
 multiply-add a weight, and tiles of 16 to 32 rows to spread x's loads over them. On a GPU
-that kernel is bound by its instructions and streams q4 at about a third of the copy rate.
+it streams q4 at about a third of the copy rate: those tiles read short pieces of many
+rows, and smaller ones leave its arithmetic the bound.
 Here, for up to MAX_TOKENS rows of half-precision x (bf16, fp16), two launches do the layer:
 - `_quantize_kernel` rounds each row of x (or its RMSNorm: the pre-norm of qkv and gate_up,
   fused here) to int16 per block of 32 columns (scale = the block's largest |x| / 32767)
