@@ -94,8 +94,9 @@ def test_what_takes_the_int16_path():
     assert not blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), q8._replace(zeros=torch.ones(4, 2)))
 
 
+@pytest.mark.parametrize("method", [Q4, Q8])
 @pytest.mark.parametrize("gated", [False, True])
-def test_the_norm_and_silu_fused_equal_the_separate_launches(gated):
+def test_the_norm_and_silu_fused_equal_the_separate_launches(gated, method):
     """`kernels.gemv`'s pre-norm in the rounding launch and SiLU*mul in the product's
     epilogue, against the norm, the product and SiLU*mul as launches of their own (the
     path blocks.py's kernel takes), in bf16: equal up to a last-bit change of a normed
@@ -104,7 +105,7 @@ def test_the_norm_and_silu_fused_equal_the_separate_launches(gated):
     from specserve.kernels.blocks import blocks_matmul as product
 
     rows = 74 if gated else 64  # gated: 37 gate rows and their up rows, a ragged last program
-    qw = _blocks(Q4, rows, 256, 32, True, seed=7, exact_bf16=True)
+    qw = _blocks(method, rows, 256, 32, True, seed=7, exact_bf16=True)
     x = torch.randn(1, 256, device=DEV).bfloat16()
     nw = (torch.rand(256, device=DEV) + 0.5).bfloat16()
     r = None if gated else torch.randn(1, 64, device=DEV).bfloat16()
