@@ -1,5 +1,5 @@
-"""`specserve bench blocks`: the GGUF-block kernel (kernels/blocks.py) against the bf16
-kernels at a model shape's linear layers, on one GPU.
+"""`specserve bench blocks`: the GGUF-block kernels (kernels/blocks.py, blocks_x16.py) against
+the bf16 kernels at a model shape's linear layers, on one GPU.
 
 For each layer of the --shape (Llama-3.1 8B or 70B: fused qkv, o, fused gate_up, down, and
 the LM head) it makes a random bf16 weight, its blocks as a Q4_1 GGUF holds them (the head
@@ -8,8 +8,8 @@ product (`kernels.gemv`: the GEMV or the few-token kernel) and the blocks' produ
 as --calls launches in one CUDA graph (GPU time per launch, CUDA events). Reported: us a
 launch, the stored bytes over that time, and the blocks' speed as a ratio to bf16's.
 Small layers stay in L2 across the graph's launches, for both. `--launch` times one
-(BLOCK_N, GROUPS, num_warps) of blocks.py's kernels instead of the default path (one
-token of bf16 x on q4 goes to blocks_x16.py's), for tuning.
+(BLOCK_N, GROUPS, num_warps) of blocks.py's kernels instead of the default path (up to
+four tokens of bf16 x go to blocks_x16.py's), for tuning.
 """
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def _graph_us(fn, calls: int) -> float:
 
 
 def _default_launch(x: torch.Tensor, qw) -> tuple:
-    """The launch shape `blocks.blocks_matmul` takes by default: blocks_x16.py's for one
-    token of half x on q4, else `blocks.config`'s."""
+    """The launch shape `blocks.blocks_matmul` takes by default: blocks_x16.py's where it
+    takes the product (`blocks_x16.takes`), else `blocks.config`'s."""
     from specserve.kernels import blocks, blocks_x16
 
     n, k = qw.shape
