@@ -49,6 +49,7 @@ import triton.language as tl
 
 from specserve.core.quant import Q4, Q8, QuantWeight
 from specserve.kernels import blocks_x16, pdl_flags
+from specserve.kernels.blocks_x16 import block_tile
 from specserve.kernels.int4 import dot_halves, operands, store_tokens
 from specserve.kernels.pdl import wait_and_release
 
@@ -102,22 +103,6 @@ def _halves(q_ptr, s_ptr, o_ptr, rows, rmask, g, gmask, j, sq, ss, so, EVERY: tl
 
 
 @triton.jit
-def _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, g, gmask, gs, gsmask, ss, so, WPG: tl.constexpr,
-               OFFSET: tl.constexpr):
-    """Groups g of rows: their int32 words [BLOCK_N, GROUPS, WPG]; the scales and offsets
-    gs of those groups [BLOCK_N, GROUPS / EVERY] in fp32 (offsets 0 without OFFSET)."""
-    wi = tl.arange(0, WPG)
-    words = tl.load(w_rows + g[None, :, None] * WPG + wi[None, None, :],
-                    mask=rmask[:, None, None] & gmask[None, :, None], other=0)
-    sm = rmask[:, None] & gsmask[None, :]
-    s = tl.load(s_ptr + rows[:, None] * ss + gs[None, :], mask=sm, other=0.0).to(tl.float32)
-    o = tl.zeros_like(s)
-    if OFFSET:
-        o = tl.load(o_ptr + rows[:, None] * so + gs[None, :], mask=sm, other=0.0).to(tl.float32)
-    return words, s, o
-
-
-@triton.jit
 def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw, ss, so,
                         GROUP: tl.constexpr, EVERY: tl.constexpr, Q4_: tl.constexpr, OFFSET: tl.constexpr,
                         RES: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, USE_PDL: tl.constexpr):
@@ -138,14 +123,14 @@ def _gemv_blocks_kernel(x_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr, N, NG, sw,
     wi = tl.arange(0, WPG)
     w_rows = w_ptr + rows[:, None, None].to(tl.int64) * sw
     NS = (NG + EVERY - 1) // EVERY  # scales a row (the last may cover fewer blocks)
-    words, s, o = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, gi, gi < NG, si, si < NS, ss, so, WPG, OFFSET)
+    words, s, o = block_tile(w_rows, s_ptr, o_ptr, rows, rmask, gi, gi < NG, si, si < NS, ss, so, WPG, OFFSET)
     wait_and_release(USE_PDL)  # past this, every earlier kernel's writes (x, residual) are visible
     acc = tl.zeros([BLOCK_N, SG], dtype=tl.float32)
     for g0 in range(0, NG, GROUPS):
         g = g0 + gi
         gmask = g < NG
         gs = g0 // EVERY + SG + si
-        words_n, s_n, o_n = _gemv_tile(w_rows, s_ptr, o_ptr, rows, rmask, g + GROUPS, g + GROUPS < NG, gs,
+        words_n, s_n, o_n = block_tile(w_rows, s_ptr, o_ptr, rows, rmask, g + GROUPS, g + GROUPS < NG, gs,
                                        gs < NS, ss, so, WPG, OFFSET)
         col0 = g[:, None] * GROUP + wi[None, :] * 4  # [GROUPS, WPG]: the column of each word's first byte
         xm = gmask[:, None] & (wi < WPG)[None, :]

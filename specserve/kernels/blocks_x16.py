@@ -45,7 +45,7 @@ from specserve.kernels.pdl import wait_and_release
 
 INT16_MAX = 32767
 QUANT_BLOCKS = 32  # x's blocks a quantizing program takes
-MAX_TOKENS = 4  # rows of x this path takes; from 8 on blocks.py's dot kernel is faster (docs/benchmarks.md)
+MAX_TOKENS = 4  # rows of x this path takes; blocks.py's dot kernel takes more (docs/benchmarks.md)
 
 
 def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
@@ -117,10 +117,11 @@ def _dp2a(a, b, c, HI: tl.constexpr, SIGNED: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _tile(w_rows, s_ptr, o_ptr, rows, rmask, g, gmask, gs, gsmask, ss, so, WPB: tl.constexpr,
+def block_tile(w_rows, s_ptr, o_ptr, rows, rmask, g, gmask, gs, gsmask, ss, so, WPB: tl.constexpr,
           OFFSET: tl.constexpr):
-    """The words of blocks g of rows [BLOCK_N, GROUPS, WPB] and the scales and offsets gs
-    [BLOCK_N, SG] that cover them, in fp32 (offsets 0 without OFFSET)."""
+    """The int32 words of blocks g of rows [BLOCK_N, GROUPS, WPB] and the scales and offsets
+    gs [BLOCK_N, SG] that cover them, in fp32 (offsets 0 without OFFSET); blocks.py's
+    one-token kernel reads its tiles with it too."""
     words = tl.load(w_rows + g[None, :, None] * WPB + tl.arange(0, WPB)[None, None, :],
                     mask=rmask[:, None, None] & gmask[None, :, None], other=0)
     sm = rmask[:, None] & gsmask[None, :]
@@ -185,7 +186,7 @@ def _row_sums(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, o_ptr, rows, rmask, t0, T,
     si = tl.arange(0, SG)
     w_rows = w_ptr + rows[:, None, None].to(tl.int64) * sw
     NS = (NG * SUB + EVERY - 1) // EVERY  # scales a row (q4's last may cover fewer blocks)
-    words, s, o = _tile(w_rows, s_ptr, o_ptr, rows, rmask, gi, gi < NG, si, si < NS, ss, so, WPB, OFFSET)
+    words, s, o = block_tile(w_rows, s_ptr, o_ptr, rows, rmask, gi, gi < NG, si, si < NS, ss, so, WPB, OFFSET)
     wait_and_release(USE_PDL)  # past this, x's pairs (and the residual) are visible
     acc0 = tl.zeros([BLOCK_N, SG], dtype=tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
@@ -193,7 +194,7 @@ def _row_sums(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, o_ptr, rows, rmask, t0, T,
         g = g0 + gi
         gmask = g < NG
         gs = g0 * SUB // EVERY + SG + si
-        words_n, s_n, o_n = _tile(w_rows, s_ptr, o_ptr, rows, rmask, g + GROUPS, g + GROUPS < NG, gs, gs < NS,
+        words_n, s_n, o_n = block_tile(w_rows, s_ptr, o_ptr, rows, rmask, g + GROUPS, g + GROUPS < NG, gs, gs < NS,
                                   ss, so, WPB, OFFSET)
         lo, hi = words, words
         if not Q8:
@@ -269,8 +270,13 @@ Config = tuple[int, int]  # (BLOCK_N, GROUPS); one warp
 def config(n: int, every: int) -> Config:
     """2 rows a program for weights of 16384 rows or more (gate_up's [Wg; Wu]: a gate row
     and its up row; the LM head), else 4; one block a lane of a single warp. From a sweep
-    of the Llama-8B layers on an H200 (docs/benchmarks.md)."""
+    of the Llama-8B layers (docs/benchmarks.md)."""
     return (2 if n >= 16384 else 4), max(32, every)
+
+
+def scale_span(qw: QuantWeight) -> tuple[int, int]:
+    """(blocks of 32 columns a scale covers, scales a block) of a q4 or q8 weight."""
+    return (1, 32 // qw.group) if qw.method == Q8 else (qw.group // 32, 1)
 
 
 def quantize(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
@@ -300,7 +306,7 @@ def gemv_x16(x: torch.Tensor, qw: QuantWeight, *, norm_weight: torch.Tensor | No
     t = x.shape[0]
     n = rows // 2 if gated else rows
     q8 = qw.method == Q8
-    every, sub = (1, 32 // qw.group) if q8 else (qw.group // 32, 1)  # blocks a scale, scales a block
+    every, sub = scale_span(qw)
     block_n, groups = launch or config(rows, every)
     assert groups % every == 0 and k % 32 == 0 and (block_n % 2 == 0 or not gated), (groups, every, k, block_n)
     x = x.reshape(t, k)
