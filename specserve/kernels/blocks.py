@@ -15,19 +15,22 @@ value is converted by a conversion instruction, which runs at a fraction of the 
 the arithmetic and would bound the kernel below the memory's speed: its bits are shifted
 into the top of an fp32 mantissa under 1.0's exponent (`_unit_floats`), a float 1 + u / 16
 (q4's nibble u) or 1 + u / 256 (q8's byte as offset binary u = q + 128).
-- Up to blocks_x16.MAX_TOKENS of half-precision x go to blocks_x16.py (x rounded to int16
-  a block, integer dot products; `blocks_x16.takes`). Otherwise, one token (`_gemv_blocks_kernel`): the weight is read
-  as int32 words. Per group it sums x times those unit floats and x alone, recovers
-  sum(x q) from the two, then adds s sum(x q) + o sum(x): a shift, a logic op and a
-  multiply-add a column. Each weight is thus its fp32 value q s + o, not rounded to x's
-  dtype.
+- Half-precision x goes elsewhere where those kernels are faster: on q4 whose scales cover
+  64 to 256 columns (AWQ/GPTQ's groups), from blocks_tc.MIN_TOKENS tokens on, to
+  blocks_tc.py (tensor cores on the nibbles as they are, the scale applied after the dot);
+  else up to blocks_x16.MAX_TOKENS to blocks_x16.py (x rounded to int16 a block, integer
+  dot products). Each module's `takes` says which inputs it serves.
+- One token otherwise (`_gemv_blocks_kernel`): the weight is read as int32 words. Per
+  group it sums x times those unit floats and x alone, recovers sum(x q) from the two,
+  then adds s sum(x q) + o sum(x): a shift, a logic op and a multiply-add a column. Each
+  weight is thus its fp32 value q s + o, not rounded to x's dtype.
 - Two tokens or more (`_blocks_kernel`): a group splits into two halves of H columns (q4:
   the low and high nibbles of its 16 bytes; q8: its first and last H columns), each value
   one multiply-add from its unit float, rounded to x's dtype, and multiplied with x's
   halves by two tl.dot (tokens padded to 16 or 32; fp32 accumulate, IEEE for fp32 x).
   Past 32 tokens, grid axis 1 takes the tokens 32 at a time, each block streaming the
   weight again. A layer with few output tiles splits each row's groups over up to 8
-  programs (grid axis 2; `split_for`) whose fp32 sums a second launch adds in order.
+  programs whose fp32 sums a second launch adds in order (split_k.py).
 
 On the CPU (TRITON_INTERPRET) the dot's half operands are widened to fp32 first, as in
 int4.py: the same products and the same fp32 accumulation.
@@ -48,9 +51,9 @@ import triton
 import triton.language as tl
 
 from specserve.core.quant import Q4, Q8, QuantWeight
-from specserve.kernels import blocks_x16, pdl_flags
+from specserve.kernels import blocks_tc, blocks_x16, pdl_flags, split_k
 from specserve.kernels.blocks_x16 import block_tile
-from specserve.kernels.int4 import dot_halves, operands, store_tokens
+from specserve.kernels.int4 import dot_halves, operands
 from specserve.kernels.pdl import wait_and_release
 
 MAX_TOKENS = 32  # tokens a program multiplies; more go to further programs on grid axis 1
@@ -170,14 +173,11 @@ def _blocks_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N,
                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
     """Two tokens or more: the dequantized halves (`_halves`) times x's through tl.dot.
     Program (n, t, p) takes GPS groups from group p * GPS on; with SPLIT > 1 it writes
-    its fp32 sums to part[p] for `_sum_splits`, else the finished rows."""
+    its fp32 sums to part[p] (split_k.py), else the finished rows."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     H: tl.constexpr = GROUP // 2
     wait_and_release(USE_PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = toks < T
+    rows, rmask, toks, tmask = split_k.program_tile(T, N, BLOCK_N, BLOCK_T)
     first = tl.program_id(2) * GPS
     gi = tl.arange(0, GROUPS)
     j = tl.arange(0, H)
@@ -197,29 +197,7 @@ def _blocks_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N,
         w_lo = tl.reshape(w_lo, [BLOCK_N, GROUPS * H])
         w_hi = tl.reshape(w_hi, [BLOCK_N, GROUPS * H])
         acc = dot_halves(w_lo, w_hi, x_lo, x_hi, acc, IEEE, WIDEN)
-    if SPLIT > 1:
-        at = part_ptr + (tl.program_id(2) * T + toks[None, :]).to(tl.int64) * N + rows[:, None]
-        tl.store(at, acc, mask=rmask[:, None] & tmask[None, :])
-    else:
-        store_tokens(acc, out_ptr, res_ptr, rows, rmask, toks, tmask, sout, sr, DTYPE, RES)
-
-
-@triton.jit
-def _sum_splits(part_ptr, out_ptr, res_ptr, x_ptr, T, N, sout, sr, SPLIT: tl.constexpr, RES: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
-    """out = the SPLIT partial sums of `_blocks_kernel`, added in order, then finished as
-    its unsplit programs finish them (`store_tokens`)."""
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    wait_and_release(USE_PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = toks < T
-    m = rmask[:, None] & tmask[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    for p in tl.static_range(SPLIT):
-        acc += tl.load(part_ptr + (p * T + toks[None, :]).to(tl.int64) * N + rows[:, None], mask=m, other=0.0)
-    store_tokens(acc, out_ptr, res_ptr, rows, rmask, toks, tmask, sout, sr, DTYPE, RES)
+    split_k.finish(acc, part_ptr, out_ptr, res_ptr, rows, rmask, toks, tmask, T, N, sout, sr, DTYPE, RES, SPLIT)
 
 
 Config = tuple[int, int, int]  # (BLOCK_N, GROUPS, num_warps)
@@ -247,7 +225,7 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     """x [T, K] (fp32, bf16 or fp16) times the q4/q8 weight [N, K] -> [T, N]; plus residual
     [T, N] (x's dtype) when given. out_dtype: x's dtype unless given (the value is rounded
     to x's dtype first). `launch`: (BLOCK_N, GROUPS, num_warps) instead of `config`'s, for
-    tuning (it also keeps one token of half x on this file's kernel instead of
+    tuning (it also keeps half x on this file's kernels instead of blocks_tc.py's or
     blocks_x16.py's). See the module docstring."""
     assert qw.method in (Q4, Q8), qw.method
     t, k = x.shape
@@ -257,6 +235,10 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     assert kw == k and k % group == 0 and qw.group % group == 0 and group in (16, 32), (qw.shape, x.shape, qw.group)
     assert qw.scale.shape == (n, -(-k // qw.group)), qw.scale.shape  # q4's last scale may cover fewer blocks
     assert qw.zeros is None or qw.zeros.shape == qw.scale.shape, qw.zeros.shape
+    if launch is None and blocks_tc.takes(x, qw):  # 3+ tokens of half x on AWQ/GPTQ's groups: tensor cores
+        return blocks_tc.q4_dot(x, qw, residual=residual, out_dtype=out_dtype)
+    if launch is None and blocks_x16.takes(x, qw):  # a few tokens of half x: int16 dot products
+        return blocks_x16.gemv_x16(x, qw, residual=residual, out_dtype=out_dtype)
     x, data, out, residual = operands(x, qw, n, residual, out_dtype)
     if t == 0:
         return out
@@ -264,47 +246,16 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     assert t > 1 or groups % every == 0, (groups, every)  # a one-token tile holds whole scale groups
     scale = qw.scale if qw.scale.stride(1) == 1 else qw.scale.contiguous()
     offset = qw.zeros if qw.zeros is not None else scale
-    res = residual if residual is not None else out
-    if launch is None and blocks_x16.takes(x, qw):  # a few tokens of half x: int16 dot products
-        return blocks_x16.gemv_x16(x, qw, residual=residual, out_dtype=out_dtype)
     if t == 1:  # the blocks as int32 words: a row's bytes are a multiple of 16
         words = data.view(torch.int32)
         _gemv_blocks_kernel[(triton.cdiv(n, block_n),)](
-            x, words, scale, offset, out, res, n, k // group, words.stride(0), scale.stride(0), offset.stride(0),
+            x, words, scale, offset, out, residual if residual is not None else out, n, k // group,
+            words.stride(0), scale.stride(0), offset.stride(0),
             GROUP=group, EVERY=every, Q4_=qw.method == Q4, OFFSET=qw.zeros is not None, RES=residual is not None,
             BLOCK_N=block_n, GROUPS=groups, num_warps=warps, **pdl_flags(x.device))
         return out
     block_t = 16 if t <= 16 else MAX_TOKENS
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(t, block_t)
-    steps = triton.cdiv(k // group, groups)  # tiles of GROUPS groups a row
-    split = split_for(tiles, steps)
-    gps = triton.cdiv(steps, split) * groups  # groups a split
-    part = torch.empty(split, t, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    flags = pdl_flags(x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(t, block_t), split)
-    _blocks_kernel[grid](
-        x, data, scale, offset, out, res, part, t, n, k, gps,
-        x.stride(0), data.stride(0), scale.stride(0), offset.stride(0), out.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        GROUP=group, EVERY=every, Q4_=qw.method == Q4, OFFSET=qw.zeros is not None, RES=residual is not None,
-        SPLIT=split,
-        IEEE=x.dtype == torch.float32, WIDEN=x.device.type != "cuda",
-        BLOCK_N=block_n, GROUPS=groups, BLOCK_T=block_t, num_warps=warps, **flags)
-    if split > 1:
-        _sum_splits[(triton.cdiv(n, 128), triton.cdiv(t, block_t))](
-            part, out, res, x, t, n, out.stride(0), residual.stride(0) if residual is not None else 0,
-            SPLIT=split, RES=residual is not None, BLOCK_N=128, BLOCK_T=block_t, num_warps=4, **flags)
-    return out
-
-
-PROGRAMS = 512  # programs a few-token product aims for: several an SM, so narrow layers keep memory busy
-
-
-def split_for(tiles: int, steps: int) -> int:
-    """Into how many parts a few-token product splits each row's groups: enough that
-    `tiles` output tiles make PROGRAMS programs, a power of two, at most 8 and never more
-    parts than the row has tiles of groups."""
-    split = 1
-    while tiles * split < PROGRAMS and split * 2 <= min(8, steps):
-        split *= 2
-    return split
+    return split_k.launch(
+        _blocks_kernel, x, data, scale, offset, out, residual, k // group, (block_n, block_t, groups), warps,
+        GROUP=group, EVERY=every, Q4_=qw.method == Q4, OFFSET=qw.zeros is not None,
+        IEEE=x.dtype == torch.float32, WIDEN=x.device.type != "cuda", GROUPS=groups)

@@ -199,14 +199,14 @@ def test_gemv_entry_at_one_token():
 def test_split_rows_sum_as_the_unsplit_kernel_does(monkeypatch):
     """Few output tiles: each row's groups split over programs whose sums a second launch
     adds (with the residual); the result is the unsplit kernel's up to the fp32 sum order."""
-    from specserve.kernels import blocks
+    from specserve.kernels import blocks, split_k
 
     qw = _blocks(Q8, 32, 16 * 128, 32, True, seed=6)
     x = torch.randn(5, 16 * 128, device=DEV)
     r = torch.randn(5, 32, device=DEV)
-    assert blocks.split_for(1, 16) == 8 and blocks.split_for(600, 16) == 1 and blocks.split_for(1, 3) == 2
+    assert split_k.split_for(1, 16) == 8 and split_k.split_for(600, 16) == 1 and split_k.split_for(1, 3) == 2
     split = blocks.blocks_matmul(x, qw, residual=r)
-    monkeypatch.setattr(blocks, "PROGRAMS", 1)
+    monkeypatch.setattr(split_k, "PROGRAMS", 1)
     whole = blocks.blocks_matmul(x, qw, residual=r)
     bound = 1e-5 * (x.abs() @ qw.dequantize(torch.float32).abs().t() + r.abs()) + 1e-6  # fp32 sums in another order
     assert bool(((split - whole).abs() <= bound).all())

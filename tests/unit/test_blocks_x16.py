@@ -123,10 +123,11 @@ def test_the_norm_and_silu_fused_equal_the_separate_launches(gated, method):
 def test_a_row_of_a_few_tokens_equals_that_token_alone(tokens, gated):
     """Each row of a T-token product (a verify, a draft step) is the one-token product of
     that row bit for bit (the norm fused, a residual or SiLU*mul, shared scales): its int16
-    rounding is its own and its sums take the same operations in the same order."""
+    rounding is its own and its sums take the same operations in the same order. Scales
+    shared by 4 blocks (AWQ's groups) at 2 tokens; from 3 those take blocks_tc.py."""
     from specserve import kernels
 
-    qw = _blocks(Q4, 74 if gated else 40, 512, 128, True, seed=tokens)
+    qw = _blocks(Q4, 74 if gated else 40, 512, 128 if tokens == 2 else 32, True, seed=tokens)
     x = torch.randn(tokens, 512, device=DEV).bfloat16()
     nw = (torch.rand(512, device=DEV) + 0.5).bfloat16()
     r = None if gated else torch.randn(tokens, 40, device=DEV).bfloat16()

@@ -1,0 +1,156 @@
+"""q4 layers whose scales cover 64 to 256 columns (AWQ/GPTQ's groups held as q4) at
+MIN_TOKENS or more tokens of half x, on tensor cores: each nibble read as the half value
+MAGIC + u, a scale group's products by tl.dot, the scale applied to their sum.
+
+blocks.py's dot kernel turns every weight into x's dtype before its tl.dot (a shift, a
+logic op, a multiply-add and a conversion a value), which holds a verify's layers far
+below the memory's speed. Here the nibble u goes into the low mantissa bits of a half
+value whose exponent makes it MAGIC + u exactly (bf16 0x4300 | u = 128 + u, fp16
+0x6400 | u = 1024 + u): two values an `lop3` of inline PTX, the bytes first spread over a
+word's halves by `prmt` (`_NIBBLE_ASM`). A q4 block's byte j holds column j in its low
+nibble and j + 16 in its high one (core/quant.py), so the low nibbles of a scale group's
+bytes times x's first 16 columns of each block, and the high ones times the last 16, give
+by two tl.dot d = sum x (MAGIC + u) over the group; then, in fp32,
+y += s (d - MAGIC sum(x)) + o sum(x). A K step takes SUBS scale groups (EVERY blocks each:
+GGUF's Q4 formats one, AWQ/GPTQ's groups of 128 held as q4 four) one after another, so
+each step moves at least 64 bytes of a row. split_k.py spreads narrow layers' rows over
+more programs and adds their parts.
+
+Rounding contract: each weight is u s + o exactly (blocks.py's reference rounds it to x's
+dtype first, so this kernel is the nearer to the fp32 value); the products of half values
+are exact and summed in fp32 in the tensor cores' order; subtracting MAGIC sum(x) costs at
+most a few ulps of fp32 of MAGIC sum|x| over the group; then y is rounded to x's dtype,
+the residual added and rounded, as int4.py `store_tokens` does. On the CPU
+(TRITON_INTERPRET) the nibbles are widened to fp32 MAGIC + u and the dot is fp32: the same
+values.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.core.quant import Q4, QuantWeight
+from specserve.kernels import split_k
+from specserve.kernels.int4 import dot_halves, operands
+from specserve.kernels.pdl import wait_and_release
+
+# The low (shift 0) or high (shift 4) nibbles of four bytes as four half values MAGIC + u:
+# bytes 0 and 1 spread over a word's two halves (prmt), masked and or-ed with the exponent
+# bits in one lop3 (0xEA: (a & b) | c); the same for bytes 2 and 3.
+_NIBBLE_ASM = """{{
+.reg .b32 t, a, b, zero;
+mov.b32 zero, 0;
+shr.b32 t, $2, {shift};
+prmt.b32 a, t, zero, 0x4140;
+prmt.b32 b, t, zero, 0x4342;
+lop3.b32 $0, a, 0x000F000F, {bits}, 0xEA;
+lop3.b32 $1, b, 0x000F000F, {bits}, 0xEA;
+}}"""
+_MAGIC = {torch.bfloat16: ("0x43004300", 128.0), torch.float16: ("0x64006400", 1024.0)}
+# Blocks a scale covers here: from 2 (groups of 64 columns); with one (GGUF's Q4 formats)
+# each dot is 16 deep and blocks.py's dot kernel is as fast (docs/benchmarks.md)
+MIN_EVERY, MAX_EVERY = 2, 8
+# From 3 tokens these products take less time than blocks_x16.py's, which pay for each token
+# (docs/benchmarks.md); from 5 on, than blocks.py's dot kernel
+MIN_TOKENS = 3
+
+Launch = tuple[int, int, int, int, int]  # (BLOCK_N, SUBS, num_warps, num_stages, programs)
+
+
+def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
+    """Whether this path serves x [T, K] times `qw`: MIN_TOKENS rows or more of half x on q4
+    whose scales cover a power of two of blocks from MIN_EVERY to MAX_EVERY (AWQ/GPTQ's
+    groups of 64 to 256 columns). Callers ask before blocks_x16.py's `takes`."""
+    every = qw.group // 32
+    return (qw.method == Q4 and x.shape[0] >= MIN_TOKENS and x.dtype in _MAGIC
+            and qw.group % 32 == 0 and MIN_EVERY <= every <= MAX_EVERY and every & (every - 1) == 0)
+
+
+@triton.jit
+def _nibbles(byte, x_ptr, HIGH: tl.constexpr, ASM: tl.constexpr, MAGIC: tl.constexpr):
+    """MAGIC + u for the low (HIGH: high) nibble u of each uint8 of `byte`: in x's dtype by
+    `_NIBBLE_ASM` (ASM, its string), else in fp32."""
+    if ASM != "":
+        w = tl.inline_asm_elementwise(ASM, "=r,=r,r", [byte], dtype=x_ptr.dtype.element_ty, is_pure=True, pack=4)
+    elif HIGH:
+        w = (byte >> 4).to(tl.float32) + MAGIC
+    else:
+        w = (byte & 0xF).to(tl.float32) + MAGIC
+    return w
+
+
+@triton.jit
+def _q4_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N, K, GPS, sx, sq, ss, so, sout, sr,
+                   EVERY: tl.constexpr, OFFSET: tl.constexpr, LO_ASM: tl.constexpr, HI_ASM: tl.constexpr,
+                   MAGIC: tl.constexpr, SUBS: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (n, t, p): rows n, tokens t, the GPS blocks from p * GPS on (whole scale
+    groups), a scale group at a time; with SPLIT > 1 its fp32 sums go to part[p]
+    (split_k.py), else the finished rows."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    HK: tl.constexpr = EVERY * 16  # a scale group's bytes: a dot's depth
+    wait_and_release(USE_PDL)
+    rows, rmask, toks, tmask = split_k.program_tile(T, N, BLOCK_N, BLOCK_T)
+    first = tl.program_id(2) * GPS
+    end = tl.minimum(K // 32, first + GPS)
+    e = tl.arange(0, HK)  # byte e of a group: block e // 16, low nibble column 32 (e // 16) + e % 16
+    blk = e // 16
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * sq + e[None, :]
+    x_cols = x_ptr + toks[None, :] * sx + (blk * 32 + e % 16)[:, None]  # [HK, BLOCK_T]
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    for g0 in range(first, end, EVERY * SUBS):
+        for i in tl.static_range(SUBS):
+            g = g0 + i * EVERY  # the group's first block
+            bmask = g + blk < end
+            byte = tl.load(q_rows + g * 16, mask=rmask[:, None] & bmask[None, :], other=0)
+            xm = bmask[:, None] & tmask[None, :]
+            x_lo = tl.load(x_cols + g * 32, mask=xm, other=0.0)
+            x_hi = tl.load(x_cols + g * 32 + 16, mask=xm, other=0.0)
+            sg = tl.minimum(g, end - 1) // EVERY  # past the end, x's zeros make any scale's term 0
+            s = tl.load(s_ptr + rows * ss + sg, mask=rmask, other=0.0).to(tl.float32)
+            w_lo = _nibbles(byte, x_ptr, False, LO_ASM, MAGIC)
+            w_hi = _nibbles(byte, x_ptr, True, HI_ASM, MAGIC)
+            d = dot_halves(w_lo, w_hi, x_lo, x_hi, tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32),
+                           LO_ASM == "", LO_ASM == "")
+            x_sum = (tl.sum(x_lo.to(tl.float32), axis=0) + tl.sum(x_hi.to(tl.float32), axis=0))[None, :]
+            acc += s[:, None] * (d - MAGIC * x_sum)
+            if OFFSET:
+                acc += tl.load(o_ptr + rows * so + sg, mask=rmask, other=0.0).to(tl.float32)[:, None] * x_sum
+    split_k.finish(acc, part_ptr, out_ptr, res_ptr, rows, rmask, toks, tmask, T, N, sout, sr, DTYPE, RES, SPLIT)
+
+
+def config(n: int, k: int, every: int) -> Launch:
+    """(BLOCK_N, SUBS, num_warps, num_stages, programs): 128 rows and 8 warps for a wide
+    layer (16384 rows or more, or 8192 columns: an MLP's), 64 and 4 for a narrow one, 16
+    rows below 1024; scale groups of 128 columns a K step; each row's blocks split until
+    the tiles make `programs` programs (split_k.py), fewer for narrow layers. From a sweep
+    on the Llama-8B layers at 16 and 32 tokens (docs/benchmarks.md)."""
+    wide = n >= 16384 or k >= 8192
+    block_n = 16 if n < 1024 else (128 if wide else 64)
+    return block_n, max(1, 4 // every), 8 if wide else 4, 3, 512 if wide else 256
+
+
+def q4_dot(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None, launch: Launch | None = None) -> torch.Tensor:
+    """x [T, K] (bf16 or fp16; `takes`) times the q4 weight [N, K] -> [T, N], plus residual
+    [T, N] when given; out_dtype: x's dtype unless given. `launch`: instead of `config`'s
+    (tuning). Tokens past 32 go to further programs, each streaming the weight again."""
+    assert takes(x, qw), (x.shape, x.dtype, qw.method, qw.group)
+    n, k = qw.shape
+    every = qw.group // 32
+    x, data, out, residual = operands(x, qw, n, residual, out_dtype)
+    block_n, subs, warps, stages, programs = launch or config(n, k, every)
+    scale = qw.scale if qw.scale.stride(1) == 1 else qw.scale.contiguous()
+    offset = qw.zeros if qw.zeros is not None else scale
+    lo = hi = ""
+    if x.is_cuda:
+        bits, magic = _MAGIC[x.dtype]
+        lo, hi = _NIBBLE_ASM.format(shift=0, bits=bits), _NIBBLE_ASM.format(shift=4, bits=bits)
+    else:
+        magic = _MAGIC[x.dtype][1]
+    block_t = 16 if x.shape[0] <= 16 else 32
+    return split_k.launch(
+        _q4_dot_kernel, x, data, scale, offset, out, residual, k // 32, (block_n, block_t, every * subs), warps,
+        EVERY=every, OFFSET=qw.zeros is not None, LO_ASM=lo, HI_ASM=hi, MAGIC=magic, SUBS=subs,
+        num_stages=stages, programs=programs)
