@@ -95,7 +95,10 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, nw_ptr, N, K, sw, swk, s
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     up_ptr = w_ptr + N.to(tl.int64) * sw  # GATED: the up rows follow the gate rows
-    cols = tl.arange(0, BLOCK_K)
+    # At most 8 weights a load: fp8 rows would otherwise load 16 a thread, and x's tile
+    # (8 half values a 16-byte load) would reach their layout through shared memory and two
+    # barriers a tile
+    cols = tl.max_contiguous(tl.arange(0, BLOCK_K), 8)
     kmask = cols < K
     # The weights are no earlier kernel's output: with PDL the first tile is on its way
     # while the kernel before this one finishes
@@ -165,8 +168,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: to
     # tuned over the Llama-8B and SmolLM2 layer shapes, where no other tile configuration
     # did clearly better
     block_n = 1 if gated or k >= 8192 else 2
-    if scale is not None:  # fp8 rows are half the bytes: twice as deep a tile keeps as many in flight
-        block_n, block_k = 2, min(1024 if gated else 2048, triton.next_power_of_2(k))
+    if scale is not None:  # fp8 rows are half the bytes: twice the rows keep as many in flight
+        block_n, block_k = 2 if gated else 4, min(1024, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, scale if scale is not None else x, out, residual if residual is not None else out,
         norm_weight if norm_weight is not None else x, n, k, weight.stride(0), weight.stride(1),
