@@ -387,7 +387,10 @@ def skinny(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: 
     assert norm_weight is None or norm_weight.shape == (k,), norm_weight.shape
     block_t = 16 if t <= 16 else 32
     tma = use_tma(weight)
-    cfg = (_tma_config if tma else _config)(n, k, gated, norm, tile_bytes(x, weight), block_t, x.device)
+    if tma:
+        cfg = _tma_config(n, k, gated, norm, tile_bytes(x, weight), block_t, x.device, fp8=scale is not None)
+    else:
+        cfg = _config(n, k, gated, norm, tile_bytes(x, weight), block_t, x.device)
     grid_n = triton.cdiv(n, cfg.block_n)
     part, counts = split_buffers(x.device, grid_n, cfg, block_t)
     key = (n, k, gated, norm, block_t, residual is not None, tma, x.dtype, weight.dtype, out.dtype)

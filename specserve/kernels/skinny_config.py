@@ -119,7 +119,7 @@ def f32_config(n: int, k: int, gated: bool, sms: int) -> Config:
 
 
 def tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
-                device: torch.device) -> Config:
+               device: torch.device, fp8: bool = False) -> Config:
     """The launch's Config on the TMA path (`use_tma`): 64 rows a program, boxes 256
     columns deep (128 gated: two boxes a stage), as many stages as fit up to 4.
 
@@ -127,8 +127,18 @@ def tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: i
     pointer-load kernel: with these boxes the fused qkv, o_proj, down_proj and lm_head run
     at least as fast as both; 32 or 128 rows a program, or 64-deep boxes, are slower.
     Fewer stages can speed a normed layer timed alone, yet slow the whole verify graph, so
-    every layer takes as many as fit, up to 4."""
+    every layer takes as many as fit, up to 4.
+
+    fp8 weights (`fp8`; w_bytes is then x's element size, as `skinny.tile_bytes` gives it)
+    take boxes twice as deep, the same bytes a stage as a half weight's: 512 columns, 256
+    gated with 2 stages; an lm_head (16384 rows or more) 128 rows by 256 in 2 stages. From
+    a sweep of the same shapes at 16 tokens (docs/benchmarks.md)."""
     smem, _ = device_limits(device)
+    if fp8:
+        block_n, block_k = (128, 256) if n >= 16384 and not gated else (64, 256 if gated else 512)
+        stage = (2 if gated else 1) * block_n * block_k + block_t * block_k * w_bytes
+        most = 2 if gated or block_n == 128 else 4
+        return Config(block_n, block_k, max(1, min(most, smem // stage)))
     block_n, block_k = 64, (128 if gated else 256) * 2 // w_bytes
     stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
     return Config(block_n, block_k, max(1, min(4, smem // stage)))

@@ -54,6 +54,11 @@ def test_skinny_config_fits_the_device(monkeypatch):
         block_n, block_k, stages, split, _ = skinny._tma_config(n, k, gated, True, w_bytes, block_t, DEV)
         assert 1 <= stages <= 4 and split == 1 and block_k * w_bytes == (256 if gated else 512), (n, k)
         assert stages * ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes <= budget, (n, k, w_bytes)
+        # fp8 weights: the same bytes a stage, twice the columns
+        block_n, block_k, stages, _, _ = skinny._tma_config(n, k, gated, True, 2, block_t, DEV, fp8=True)
+        assert block_n * block_k == (64 * 256 if gated else 64 * 512 if n < 16384 else 128 * 256), (n, k)
+        assert 1 <= stages <= (2 if gated or n >= 16384 else 4), (n, k, stages)
+        assert stages * ((2 if gated else 1) * block_n + 2 * block_t) * block_k <= budget, (n, k)
 
 
 def test_l2_prefetch_only_for_a_looped_contiguous_layer(monkeypatch):
