@@ -12,8 +12,8 @@ nibble and j + 16 in its high one (core/quant.py), so the low nibbles of a scale
 bytes times x's first 16 columns of each block, and the high ones times the last 16, give
 by two tl.dot d = sum x (MAGIC + u) over the group; then, in fp32,
 y += s (d - MAGIC sum(x)) + o sum(x). A K step takes SUBS scale groups (EVERY blocks each:
-GGUF's Q4 formats one, AWQ/GPTQ's groups of 128 held as q4 four) one after another, so
-each step moves at least 64 bytes of a row. split_k.py spreads narrow layers' rows over
+groups of 128 columns four) one after another, so each step moves at least 64 bytes of a
+row. split_k.py spreads narrow layers' rows over
 more programs and adds their parts.
 
 Rounding contract: each weight is u s + o exactly (blocks.py's reference rounds it to x's
