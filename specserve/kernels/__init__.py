@@ -212,12 +212,12 @@ def _packed_gemv(x: torch.Tensor, qw: QuantWeight, norm_weight: torch.Tensor | N
                  residual: torch.Tensor | None, gated: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
     """`gemv`'s fused forms over an int4 or GGUF-block weight as separate launches, each
     rounding as its torch op: the norm, then the product (+ residual), then SiLU*mul. A
-    few tokens of half x on q4 or q8 (blocks_x16.py, unless blocks_tc.py's tensor cores take
-    them) fuse the norm into their rounding to int16 and SiLU*mul into the product."""
+    few tokens of half x on q4 or q8 (blocks_x16.py) fuse the norm into their rounding to
+    int16 and SiLU*mul into the product."""
     x = x.reshape(-1, x.shape[-1])
-    from specserve.kernels import blocks_tc, blocks_x16
+    from specserve.kernels import blocks_x16
 
-    if blocks_x16.takes(x, qw) and not blocks_tc.takes(x, qw):  # norm and SiLU*mul fused there
+    if blocks_x16.takes(x, qw):  # the norm in the launch that rounds x to int16, SiLU*mul in the product's
         return blocks_x16.gemv_x16(x, qw, norm_weight=norm_weight, eps=eps, gated=gated, out_dtype=out_dtype,
                                    residual=residual.reshape(x.shape[0], -1) if residual is not None else None)
     if norm_weight is not None:

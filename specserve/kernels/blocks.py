@@ -235,10 +235,10 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     assert kw == k and k % group == 0 and qw.group % group == 0 and group in (16, 32), (qw.shape, x.shape, qw.group)
     assert qw.scale.shape == (n, -(-k // qw.group)), qw.scale.shape  # q4's last scale may cover fewer blocks
     assert qw.zeros is None or qw.zeros.shape == qw.scale.shape, qw.zeros.shape
-    if launch is None and blocks_tc.takes(x, qw):  # 3+ tokens of half x on AWQ/GPTQ's groups: tensor cores
-        return blocks_tc.q4_dot(x, qw, residual=residual, out_dtype=out_dtype)
     if launch is None and blocks_x16.takes(x, qw):  # a few tokens of half x: int16 dot products
         return blocks_x16.gemv_x16(x, qw, residual=residual, out_dtype=out_dtype)
+    if launch is None and blocks_tc.takes(x, qw):  # 3+ tokens of half x on AWQ/GPTQ's groups: tensor cores
+        return blocks_tc.q4_dot(x, qw, residual=residual, out_dtype=out_dtype)
     x, data, out, residual = operands(x, qw, n, residual, out_dtype)
     if t == 0:
         return out

@@ -13,8 +13,7 @@ bytes times x's first 16 columns of each block, and the high ones times the last
 by two tl.dot d = sum x (MAGIC + u) over the group; then, in fp32,
 y += s (d - MAGIC sum(x)) + o sum(x). A K step takes SUBS scale groups (EVERY blocks each:
 groups of 128 columns four) one after another, so each step moves at least 64 bytes of a
-row. split_k.py spreads narrow layers' rows over
-more programs and adds their parts.
+row. split_k.py spreads narrow layers' rows over more programs and adds their parts.
 
 Rounding contract: each weight is u s + o exactly (blocks.py's reference rounds it to x's
 dtype first, so this kernel is the nearer to the fp32 value); the products of half values
@@ -61,7 +60,7 @@ Launch = tuple[int, int, int, int, int]  # (BLOCK_N, SUBS, num_warps, num_stages
 def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
     """Whether this path serves x [T, K] times `qw`: MIN_TOKENS rows or more of half x on q4
     whose scales cover a power of two of blocks from MIN_EVERY to MAX_EVERY (AWQ/GPTQ's
-    groups of 64 to 256 columns). Callers ask before blocks_x16.py's `takes`."""
+    groups of 64 to 256 columns); blocks_x16.py's `takes` leaves these inputs to it."""
     every = qw.group // 32
     return (qw.method == Q4 and x.shape[0] >= MIN_TOKENS and x.dtype in _MAGIC
             and qw.group % 32 == 0 and MIN_EVERY <= every <= MAX_EVERY and every & (every - 1) == 0)

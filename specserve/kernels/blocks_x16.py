@@ -20,7 +20,7 @@ Here, for up to MAX_TOKENS rows of half-precision x (bf16, fp16), two launches d
   order whatever the tokens beside it, so a verify's rows equal one-token decoding's bit
   for bit. Past MAX_TOKENS the per-token work outweighs the shared weight reads and
   blocks.py's dot kernel is faster; on AWQ/GPTQ's groups held as q4, blocks_tc.py's
-  tensor cores are from 3 tokens (its `takes`, which callers ask first).
+  tensor cores are from 3 tokens (`takes` leaves those to it).
 Pairs of block g, q4's order: pair (w, j) at g * 16 + 4 j + w, j = 0, 1 holding columns
 4w + 2j and + 1 (the low nibbles' bytes 0-1 and 2-3), j = 2, 3 the same + 16 (the high
 nibbles'). q8's: pair (w, j) at g * 16 + 8 j + w, columns 4w + 2j and + 1. q8's scales
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from specserve.core.quant import Q4, Q8, QuantWeight
-from specserve.kernels import pdl_flags
+from specserve.kernels import blocks_tc, pdl_flags
 from specserve.kernels.matvec import x_chunk
 from specserve.kernels.pdl import wait_and_release
 
@@ -51,10 +51,11 @@ MAX_TOKENS = 4  # rows of x this path takes; blocks.py's dot kernel takes more (
 
 def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
     """Whether this path serves x [T, K] times `qw`: up to MAX_TOKENS of half-precision x on
-    q4, or on q8 but for offsets on 16-column groups (no format makes them)."""
+    q4, or on q8 but for offsets on 16-column groups (no format makes them); not what
+    blocks_tc.py's tensor cores take (AWQ/GPTQ's groups from 3 tokens: faster there)."""
     form = qw.method == Q4 or (qw.method == Q8 and (qw.group == 32 or (qw.group == 16 and qw.zeros is None)))
     return (form and 1 <= x.shape[0] <= MAX_TOKENS and x.shape[1] % 32 == 0
-            and x.dtype in (torch.bfloat16, torch.float16))
+            and x.dtype in (torch.bfloat16, torch.float16) and not blocks_tc.takes(x, qw))
 
 
 @triton.jit

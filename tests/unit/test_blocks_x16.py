@@ -89,6 +89,9 @@ def test_what_takes_the_int16_path():
     assert blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS, 32, dtype=torch.float16), qw)
     assert not blocks_x16.takes(torch.zeros(1, 32), qw)  # fp32 x keeps its fp32 products
     assert not blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS + 1, 32, dtype=torch.bfloat16), qw)  # the dot kernel
+    awq = QuantWeight(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 1), 128, Q4)  # AWQ's groups held as q4
+    assert blocks_x16.takes(torch.zeros(2, 128, dtype=torch.bfloat16), awq)
+    assert not blocks_x16.takes(torch.zeros(3, 128, dtype=torch.bfloat16), awq)  # blocks_tc.py's tensor cores
     q8 = QuantWeight(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 2), 16, Q8)
     assert blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), q8)
     assert not blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), q8._replace(zeros=torch.ones(4, 2)))
