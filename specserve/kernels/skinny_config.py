@@ -130,12 +130,13 @@ def tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: i
     every layer takes as many as fit, up to 4.
 
     fp8 weights (`fp8`; w_bytes is then x's element size, as `skinny.tile_bytes` gives it)
-    at up to 16 tokens take boxes twice as deep, the same bytes a stage as a half weight's:
-    512 columns, 256 gated with 2 stages; an lm_head (16384 rows or more) 128 rows by 256 in
-    2 stages. From a sweep of the same shapes at 16 tokens (docs/benchmarks.md); 32 tokens
-    keep the half weights' boxes, not swept for fp8."""
+    take boxes twice as deep, the same bytes a stage as a half weight's: at up to 16 tokens
+    512 columns; gated 256 in 2 stages; an lm_head (16384 rows or more) 128 rows by 256 in 2
+    stages. At 32 tokens only the gated layers and the lm_head take theirs; the others are
+    fastest on the half weights' boxes. From sweeps of the same shapes at 16 and 32 tokens
+    (docs/benchmarks.md)."""
     smem, _ = device_limits(device)
-    if fp8 and block_t == 16:
+    if fp8 and (block_t == 16 or gated or n >= 16384):
         block_n, block_k = (128, 256) if n >= 16384 and not gated else (64, 256 if gated else 512)
         stage = (2 if gated else 1) * block_n * block_k + block_t * block_k * w_bytes
         most = 2 if gated or block_n == 128 else 4
