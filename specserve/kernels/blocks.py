@@ -15,11 +15,11 @@ value is converted by a conversion instruction, which runs at a fraction of the 
 the arithmetic and would bound the kernel below the memory's speed: its bits are shifted
 into the top of an fp32 mantissa under 1.0's exponent (`_unit_floats`), a float 1 + u / 16
 (q4's nibble u) or 1 + u / 256 (q8's byte as offset binary u = q + 128).
-- Half-precision x goes elsewhere where those kernels are faster: on q4 whose scales cover
-  64 to 256 columns (AWQ/GPTQ's groups), from blocks_tc.MIN_TOKENS tokens on, to
-  blocks_tc.py (tensor cores on the nibbles as they are, the scale applied after the dot);
-  else up to blocks_x16.MAX_TOKENS to blocks_x16.py (x rounded to int16 a block, integer
-  dot products). Each module's `takes` says which inputs it serves.
+- Half-precision x goes elsewhere where those kernels are faster: on q4, from
+  blocks_tc.MIN_TOKENS tokens on, to blocks_tc.py (tensor cores on the nibbles made half
+  values by bit operations); else up to blocks_x16.MAX_TOKENS to blocks_x16.py (x rounded
+  to int16 a block, integer dot products). Each module's `takes` says which inputs it
+  serves; this file's dot kernel keeps q8 and fp32 x.
 - One token otherwise (`_gemv_blocks_kernel`): the weight is read as int32 words. Per
   group it sums x times those unit floats and x alone, recovers sum(x q) from the two,
   then adds s sum(x q) + o sum(x): a shift, a logic op and a multiply-add a column. Each

@@ -1,6 +1,5 @@
-"""q4 layers whose scales cover 64 to 256 columns (AWQ/GPTQ's groups held as q4) at
-MIN_TOKENS or more tokens of half x, on tensor cores: each nibble read as the half value
-MAGIC + u, a scale group's products by tl.dot, the scale applied to their sum.
+"""q4 layers at MIN_TOKENS or more tokens of half x on tensor cores: each nibble read as
+the half value MAGIC + u, by tl.dot against x's columns.
 
 blocks.py's dot kernel turns every weight into x's dtype before its tl.dot (a shift, a
 logic op, a multiply-add and a conversion a value), which holds a verify's layers far
@@ -8,20 +7,29 @@ below the memory's speed. Here the nibble u goes into the low mantissa bits of a
 value whose exponent makes it MAGIC + u exactly (bf16 0x4300 | u = 128 + u, fp16
 0x6400 | u = 1024 + u): two values an `lop3` of inline PTX, the bytes first spread over a
 word's halves by `prmt` (`_NIBBLE_ASM`). A q4 block's byte j holds column j in its low
-nibble and j + 16 in its high one (core/quant.py), so the low nibbles of a scale group's
-bytes times x's first 16 columns of each block, and the high ones times the last 16, give
-by two tl.dot d = sum x (MAGIC + u) over the group; then, in fp32,
-y += s (d - MAGIC sum(x)) + o sum(x). A K step takes SUBS scale groups (EVERY blocks each:
-groups of 128 columns four) one after another, so each step moves at least 64 bytes of a
-row. split_k.py spreads narrow layers' rows over more programs and adds their parts.
+nibble and j + 16 in its high one (core/quant.py), so the low nibbles of a K step's bytes
+meet x's first 16 columns of each block, and the high ones the last 16, in two tl.dot.
+Two kernels, by how many blocks a scale covers:
+- Scale groups of 64 to 256 columns (AWQ/GPTQ's groups held as q4): the nibbles go into
+  the dot as they are, d = sum x (MAGIC + u) over the group; then, in fp32,
+  y += s (d - MAGIC sum(x)) + o sum(x). A K step takes SUBS scale groups one after
+  another, so each step moves at least 64 bytes of a row (`_q4_dot_kernel`).
+- One scale a block (GGUF's Q4_0, Q4_1, Q4_K): a dot per block would be 16 deep, so each
+  weight is made before the dot instead, by two more half-pair instructions a pair:
+  (MAGIC + u) * 1 - MAGIC = u, then u s + o with s and o in x's dtype
+  (`_SCALED_ASM`); a K step takes SUBS blocks (`_q4_scaled_kernel`).
+split_k.py spreads narrow layers' rows over more programs and adds their parts.
 
-Rounding contract: each weight is u s + o exactly (blocks.py's reference rounds it to x's
-dtype first, so this kernel is the nearer to the fp32 value); the products of half values
-are exact and summed in fp32 in the tensor cores' order; subtracting MAGIC sum(x) costs at
-most a few ulps of fp32 of MAGIC sum|x| over the group; then y is rounded to x's dtype,
-the residual added and rounded, as int4.py `store_tokens` does. On the CPU
-(TRITON_INTERPRET) the nibbles are widened to fp32 MAGIC + u and the dot is fp32: the same
-values.
+Rounding contract. Groups of 64 to 256 columns: each weight is u s + o exactly
+(blocks.py's reference rounds it to x's dtype first, so this kernel is the nearer to the
+fp32 value); the products of half values are exact and summed in fp32 in the tensor
+cores' order; subtracting MAGIC sum(x) costs at most a few ulps of fp32 of MAGIC sum|x|
+over the group. One scale a block: s and o are rounded to x's dtype, then u s + o once
+(the reference rounds only that sum), so a weight may differ from the reference's by
+half an ulp of x's dtype of s and of o besides; the products are exact and summed in fp32.
+Then y is rounded to x's dtype, the residual added and rounded, as int4.py `store_tokens`
+does. On the CPU (TRITON_INTERPRET) the nibbles are widened to fp32 and the dot is fp32:
+the same values (the scaled weights u s + o summed in fp32 before their rounding).
 """
 from __future__ import annotations
 
@@ -46,10 +54,28 @@ prmt.b32 b, t, zero, 0x4342;
 lop3.b32 $0, a, 0x000F000F, {bits}, 0xEA;
 lop3.b32 $1, b, 0x000F000F, {bits}, 0xEA;
 }}"""
+# The same as half values u s + o, one scale and offset a block: u = (MAGIC + u) * 1 - MAGIC
+# exactly, then one fma a pair; the scales and offsets come as half pairs (s, s) in a word,
+# one a value ($3-$6, $7-$10 for the four), and a byte pair shares its block's.
+_SCALED_ASM = """{{
+.reg .b32 t, a, b, zero, one, neg;
+mov.b32 zero, 0;
+mov.b32 one, {one};
+mov.b32 neg, {neg};
+shr.b32 t, $2, {shift};
+prmt.b32 a, t, zero, 0x4140;
+prmt.b32 b, t, zero, 0x4342;
+lop3.b32 a, a, 0x000F000F, {bits}, 0xEA;
+lop3.b32 b, b, 0x000F000F, {bits}, 0xEA;
+fma.rn.{kind} a, a, one, neg;
+fma.rn.{kind} b, b, one, neg;
+fma.rn.{kind} $0, a, $3, $7;
+fma.rn.{kind} $1, b, $5, $9;
+}}"""
 _MAGIC = {torch.bfloat16: ("0x43004300", 128.0), torch.float16: ("0x64006400", 1024.0)}
-# Blocks a scale covers here: from 2 (groups of 64 columns); with one (GGUF's Q4 formats)
-# each dot is 16 deep and blocks.py's dot kernel is as fast (docs/benchmarks.md)
-MIN_EVERY, MAX_EVERY = 2, 8
+_PAIRS = {torch.bfloat16: dict(kind="bf16x2", one="0x3F803F80", neg="0xC300C300"),
+          torch.float16: dict(kind="f16x2", one="0x3C003C00", neg="0xE400E400")}
+MAX_EVERY = 8  # blocks a scale covers here, a power of two: 1 (GGUF's) to 8 (groups of 256 columns)
 # From 3 tokens these products take less time than blocks_x16.py's, which pay for each token
 # (docs/benchmarks.md); from 5 on, than blocks.py's dot kernel
 MIN_TOKENS = 3
@@ -59,11 +85,12 @@ Launch = tuple[int, int, int, int, int]  # (BLOCK_N, SUBS, num_warps, num_stages
 
 def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
     """Whether this path serves x [T, K] times `qw`: MIN_TOKENS rows or more of half x on q4
-    whose scales cover a power of two of blocks from MIN_EVERY to MAX_EVERY (AWQ/GPTQ's
-    groups of 64 to 256 columns); blocks_x16.py's `takes` leaves these inputs to it."""
+    whose scales cover a power of two of blocks up to MAX_EVERY (GGUF's one a block,
+    AWQ/GPTQ's groups of 64 to 256 columns); blocks_x16.py's `takes` leaves these inputs
+    to it."""
     every = qw.group // 32
     return (qw.method == Q4 and x.shape[0] >= MIN_TOKENS and x.dtype in _MAGIC
-            and qw.group % 32 == 0 and MIN_EVERY <= every <= MAX_EVERY and every & (every - 1) == 0)
+            and qw.group % 32 == 0 and 1 <= every <= MAX_EVERY and every & (every - 1) == 0)
 
 
 @triton.jit
@@ -119,15 +146,82 @@ def _q4_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N,
     split_k.finish(acc, part_ptr, out_ptr, res_ptr, rows, rmask, toks, tmask, T, N, sout, sr, DTYPE, RES, SPLIT)
 
 
-def config(n: int, k: int, every: int) -> Launch:
-    """(BLOCK_N, SUBS, num_warps, num_stages, programs): 128 rows and 8 warps for a wide
-    layer (16384 rows or more, or 8192 columns: an MLP's), 64 and 4 for a narrow one, 16
-    rows below 1024; scale groups of 128 columns a K step; each row's blocks split until
-    the tiles make `programs` programs (split_k.py), fewer for narrow layers. From a sweep
-    on the Llama-8B layers at 16 and 32 tokens (docs/benchmarks.md)."""
+@triton.jit
+def _block_pairs(v, BLOCK_N: tl.constexpr, SUBS: tl.constexpr):
+    """[BLOCK_N, SUBS] int32 spread over each block's 16 bytes: [BLOCK_N, SUBS * 16]."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], [BLOCK_N, SUBS, 16]), [BLOCK_N, SUBS * 16])
+
+
+@triton.jit
+def _scaled(byte, s, o, x_ptr, HIGH: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, SUBS: tl.constexpr):
+    """u s + o in x's dtype for the low (HIGH: high) nibble u of each uint8 of `byte`
+    [BLOCK_N, SUBS * 16], s and o [BLOCK_N, SUBS] its block's scale and offset (fp32),
+    each rounded to x's dtype first: by `_SCALED_ASM` (ASM, its string; s and o as half
+    pairs (v, v) in an int32), else in fp32 and rounded."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    if ASM != "":
+        hs = s.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        ho = o.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        sp = _block_pairs(hs | (hs << 16), BLOCK_N, SUBS)
+        op = _block_pairs(ho | (ho << 16), BLOCK_N, SUBS)
+        return tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [byte, sp, op],
+                                         dtype=x_ptr.dtype.element_ty, is_pure=True, pack=4)
+    u = (byte >> 4) if HIGH else (byte & 0xF)
+    s = _block_pairs(s.to(DTYPE).to(tl.float32), BLOCK_N, SUBS)
+    return (u.to(tl.float32) * s + _block_pairs(o.to(DTYPE).to(tl.float32), BLOCK_N, SUBS)).to(DTYPE)
+
+
+@triton.jit
+def _q4_scaled_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N, K, GPS, sx, sq, ss, so, sout, sr,
+                      OFFSET: tl.constexpr, LO_ASM: tl.constexpr, HI_ASM: tl.constexpr, SUBS: tl.constexpr,
+                      RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """Program (n, t, p) on one scale a block: rows n, tokens t, the GPS blocks from
+    p * GPS on, SUBS blocks a K step, each weight made (`_scaled`) before the step's two
+    dots; with SPLIT > 1 its fp32 sums go to part[p] (split_k.py), else the finished rows."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    HK: tl.constexpr = SUBS * 16  # a step's bytes of a row: the dots' depth
+    wait_and_release(USE_PDL)
+    rows, rmask, toks, tmask = split_k.program_tile(T, N, BLOCK_N, BLOCK_T)
+    first = tl.program_id(2) * GPS
+    end = tl.minimum(K // 32, first + GPS)
+    e = tl.arange(0, HK)  # byte e of a step: block e // 16, low nibble column 32 (e // 16) + e % 16
+    blk = e // 16
+    bi = tl.arange(0, SUBS)
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * sq + e[None, :]
+    x_cols = x_ptr + toks[None, :] * sx + (blk * 32 + e % 16)[:, None]  # [HK, BLOCK_T]
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    for g in range(first, end, SUBS):
+        bmask = g + blk < end
+        byte = tl.load(q_rows + g * 16, mask=rmask[:, None] & bmask[None, :], other=0)
+        sm = rmask[:, None] & (g + bi < end)[None, :]
+        s = tl.load(s_ptr + rows[:, None] * ss + g + bi[None, :], mask=sm, other=0.0).to(tl.float32)
+        o = tl.zeros_like(s)
+        if OFFSET:
+            o = tl.load(o_ptr + rows[:, None] * so + g + bi[None, :], mask=sm, other=0.0).to(tl.float32)
+        xm = bmask[:, None] & tmask[None, :]
+        x_lo = tl.load(x_cols + g * 32, mask=xm, other=0.0)
+        x_hi = tl.load(x_cols + g * 32 + 16, mask=xm, other=0.0)
+        w_lo = _scaled(byte, s, o, x_ptr, False, LO_ASM, BLOCK_N, SUBS)
+        w_hi = _scaled(byte, s, o, x_ptr, True, HI_ASM, BLOCK_N, SUBS)
+        acc = dot_halves(w_lo, w_hi, x_lo, x_hi, acc, False, LO_ASM == "")
+    split_k.finish(acc, part_ptr, out_ptr, res_ptr, rows, rmask, toks, tmask, T, N, sout, sr, DTYPE, RES, SPLIT)
+
+
+def config(n: int, k: int, every: int, tokens: int = 16) -> Launch:
+    """(BLOCK_N, SUBS, num_warps, num_stages, programs) for `tokens` rows of x. Scale groups
+    of 64 to 256 columns: 128 rows and 8 warps for a wide layer (16384 rows or more, or 8192
+    columns: an MLP's), 64 and 4 for a narrow one; scale groups of 128 columns a K step;
+    each row's blocks split until the tiles make `programs` programs (split_k.py), fewer
+    for narrow layers. One scale a block: 64 rows, 4 warps, 8 blocks a step and 256
+    programs, but for a wide layer past 16 tokens 128 rows, 8 warps and 4 blocks. 16 rows
+    below 1024. From sweeps on the Llama-8B layers at 3 to 32 tokens (docs/benchmarks.md)."""
     wide = n >= 16384 or k >= 8192
+    if every == 1 and not (wide and tokens > 16):
+        return (16 if n < 1024 else 64), 8, 4, 3, 256
     block_n = 16 if n < 1024 else (128 if wide else 64)
-    return block_n, max(1, 4 // every), 8 if wide else 4, 3, 512 if wide else 256
+    subs = 4 if every == 1 else max(1, 4 // every)
+    return block_n, subs, 8 if wide else 4, 3, 512 if wide else 256
 
 
 def q4_dot(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = None,
@@ -139,17 +233,28 @@ def q4_dot(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = 
     n, k = qw.shape
     every = qw.group // 32
     x, data, out, residual = operands(x, qw, n, residual, out_dtype)
-    block_n, subs, warps, stages, programs = launch or config(n, k, every)
+    block_n, subs, warps, stages, programs = launch or config(n, k, every, x.shape[0])
     scale = qw.scale if qw.scale.stride(1) == 1 else qw.scale.contiguous()
     offset = qw.zeros if qw.zeros is not None else scale
-    lo = hi = ""
-    if x.is_cuda:
-        bits, magic = _MAGIC[x.dtype]
-        lo, hi = _NIBBLE_ASM.format(shift=0, bits=bits), _NIBBLE_ASM.format(shift=4, bits=bits)
-    else:
-        magic = _MAGIC[x.dtype][1]
     block_t = 16 if x.shape[0] <= 16 else 32
+    tile = (block_n, block_t, every * subs)
+    lo, hi = _asm(x, every)
+    if every == 1:
+        return split_k.launch(
+            _q4_scaled_kernel, x, data, scale, offset, out, residual, k // 32, tile, warps,
+            OFFSET=qw.zeros is not None, LO_ASM=lo, HI_ASM=hi, SUBS=subs, num_stages=stages, programs=programs)
     return split_k.launch(
-        _q4_dot_kernel, x, data, scale, offset, out, residual, k // 32, (block_n, block_t, every * subs), warps,
-        EVERY=every, OFFSET=qw.zeros is not None, LO_ASM=lo, HI_ASM=hi, MAGIC=magic, SUBS=subs,
+        _q4_dot_kernel, x, data, scale, offset, out, residual, k // 32, tile, warps,
+        EVERY=every, OFFSET=qw.zeros is not None, LO_ASM=lo, HI_ASM=hi, MAGIC=_MAGIC[x.dtype][1], SUBS=subs,
         num_stages=stages, programs=programs)
+
+
+def _asm(x: torch.Tensor, every: int) -> tuple[str, str]:
+    """The low and the high nibbles' inline PTX for x's dtype: `_SCALED_ASM` for one scale a
+    block, else `_NIBBLE_ASM`; none on the CPU."""
+    if not x.is_cuda:
+        return "", ""
+    template = _SCALED_ASM if every == 1 else _NIBBLE_ASM
+    pairs = _PAIRS[x.dtype] if every == 1 else {}
+    lo, hi = (template.format(shift=shift, bits=_MAGIC[x.dtype][0], **pairs) for shift in (0, 4))
+    return lo, hi

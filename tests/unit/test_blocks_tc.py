@@ -1,6 +1,6 @@
 """q4 blocks at 3 or more tokens of half x on tensor cores (kernels/blocks_tc.py) against
-F.linear(x, qw.dequantize(x.dtype)): AWQ/GPTQ's groups of 64 to 256 columns held as q4,
-with and without offsets, bf16 and fp16, a ragged last scale group and row block, more than
+F.linear(x, qw.dequantize(x.dtype)): GGUF's one scale a block and AWQ/GPTQ's groups of 64
+to 256 columns held as q4, with and without offsets, bf16 and fp16, a ragged last scale group and row block, more than
 32 tokens, a residual, split rows, other launch shapes, and which inputs take the path. Compiled on CUDA and under TRITON_INTERPRET=1 on the CPU."""
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ def _q4(n: int, k: int, group: int, offset: bool, seed: int) -> QuantWeight:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group,offset,tokens", [(64, True, 3), (64, False, 16), (128, True, 17), (128, True, 40),
-                                                 (128, False, 8), (256, True, 12)])
+@pytest.mark.parametrize("group,offset,tokens", [(32, True, 3), (32, False, 16), (32, True, 40), (64, True, 3),
+                                                 (64, False, 16), (128, True, 17), (128, True, 40), (128, False, 8),
+                                                 (256, True, 12)])
 def test_kernel_equals_the_reference(group, offset, tokens, dtype):
-    qw = _q4(40, 576 if group <= 128 else 1024, group, offset, seed=tokens)  # 576: 4.5 groups of 128
+    qw = _q4(40, 576 if group <= 128 else 1024, group, offset, seed=tokens)  # 576: 4.5 groups of 128, 2.25 steps
     x = torch.randn(tokens, qw.shape[1], device=DEV).to(dtype)
     _check(blocks_tc.q4_dot(x, qw), x, qw)
 
@@ -45,10 +46,11 @@ def test_residual_and_float32_out():
     assert torch.equal(got, blocks_tc.q4_dot(x, qw, residual=r).float())
 
 
-def test_split_rows_and_launch_shapes_agree():
+@pytest.mark.parametrize("group", [32, 64])
+def test_split_rows_and_launch_shapes_agree(group):
     """Rows split over programs (a second launch adds the parts), one program a row tile,
     and other tile shapes give the same sums up to their fp32 order."""
-    qw = _q4(32, 16 * 128, 64, True, seed=6)
+    qw = _q4(32, 16 * 128, group, True, seed=6)
     x = torch.randn(6, 16 * 128, device=DEV).bfloat16()
     xw = x.float().abs() @ qw.dequantize(torch.float32).abs().t()
     assert split_k.split_for(2, 16, 512) == 8  # the default launch splits this layer
@@ -59,10 +61,12 @@ def test_split_rows_and_launch_shapes_agree():
     _check(runs[0], x, qw)
 
 
-def test_the_dot_kernel_and_this_one_agree():
+@pytest.mark.parametrize("group", [32, 128])
+def test_the_dot_kernel_and_this_one_agree(group):
     """blocks.py's dot kernel (a launch given keeps it there) rounds each weight to bf16
-    first; with weights exact in bf16 the two differ only by their fp32 sum order."""
-    qw = _blocks(Q4, 48, 512, 128, True, seed=5, exact_bf16=True)
+    first; with weights, scales and offsets exact in bf16 the two differ only by their fp32
+    sum order."""
+    qw = _blocks(Q4, 48, 512, group, True, seed=5, exact_bf16=True)
     x = torch.randn(7, 512, device=DEV).bfloat16()
     old = blocks.blocks_matmul(x, qw, launch=blocks.config(48, 512, 32, 7)).float()
     new = blocks.blocks_matmul(x, qw).float()
@@ -75,7 +79,7 @@ def test_what_takes_the_tensor_core_path():
     assert blocks_tc.takes(x, qw) and blocks_tc.takes(x.half(), qw)
     assert not blocks_tc.takes(x[:-1], qw)  # blocks_x16.py's
     assert not blocks_tc.takes(x.float(), qw)
-    assert not blocks_tc.takes(x, qw._replace(group=32))  # GGUF's: blocks.py's dot kernel is as fast
+    assert blocks_tc.takes(x, qw._replace(group=32))  # GGUF's Q4_0, Q4_1, Q4_K
     assert not blocks_tc.takes(x, qw._replace(group=96)) and not blocks_tc.takes(x, qw._replace(group=512))
     q8 = QuantWeight(torch.zeros(8, 256, dtype=torch.int8, device=DEV), torch.ones(8, 8, device=DEV), 32, Q8, None)
     assert not blocks_tc.takes(x, q8)

@@ -14,7 +14,7 @@ from tests.unit.triton_interp import DEV  # first: sets TRITON_INTERPRET where t
 
 # isort: split
 from specserve.core.quant import Q4, Q8, QuantWeight
-from specserve.kernels import blocks_x16
+from specserve.kernels import blocks_tc, blocks_x16
 from specserve.kernels.blocks import blocks_matmul
 from tests.unit.test_blocks_kernel import _blocks, _check
 
@@ -86,14 +86,15 @@ def test_a_tile_wider_than_the_row_and_launch_shapes():
 def test_what_takes_the_int16_path():
     qw = QuantWeight(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1), 32, Q4)
     assert blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), qw)
-    assert blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS, 32, dtype=torch.float16), qw)
+    assert blocks_x16.takes(torch.zeros(blocks_tc.MIN_TOKENS - 1, 32, dtype=torch.float16), qw)
+    assert not blocks_x16.takes(torch.zeros(blocks_tc.MIN_TOKENS, 32, dtype=torch.bfloat16), qw)  # tensor cores
     assert not blocks_x16.takes(torch.zeros(1, 32), qw)  # fp32 x keeps its fp32 products
-    assert not blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS + 1, 32, dtype=torch.bfloat16), qw)  # the dot kernel
     awq = QuantWeight(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 1), 128, Q4)  # AWQ's groups held as q4
     assert blocks_x16.takes(torch.zeros(2, 128, dtype=torch.bfloat16), awq)
     assert not blocks_x16.takes(torch.zeros(3, 128, dtype=torch.bfloat16), awq)  # blocks_tc.py's tensor cores
     q8 = QuantWeight(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 2), 16, Q8)
-    assert blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), q8)
+    assert blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS, 32, dtype=torch.bfloat16), q8)
+    assert not blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS + 1, 32, dtype=torch.bfloat16), q8)  # dot kernel
     assert not blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), q8._replace(zeros=torch.ones(4, 2)))
 
 
@@ -126,11 +127,13 @@ def test_the_norm_and_silu_fused_equal_the_separate_launches(gated, method):
 def test_a_row_of_a_few_tokens_equals_that_token_alone(tokens, gated):
     """Each row of a T-token product (a verify, a draft step) is the one-token product of
     that row bit for bit (the norm fused, a residual or SiLU*mul, shared scales): its int16
-    rounding is its own and its sums take the same operations in the same order. Scales
-    shared by 4 blocks (AWQ's groups) at 2 tokens; from 3 those take blocks_tc.py."""
+    rounding is its own and its sums take the same operations in the same order. q4 at 2
+    tokens (GGUF's blocks; scales shared by 4 blocks, AWQ's groups, gated); from 3 q4 takes
+    blocks_tc.py, so q8 blocks there."""
     from specserve import kernels
 
-    qw = _blocks(Q4, 74 if gated else 40, 512, 128 if tokens == 2 else 32, True, seed=tokens)
+    method, group = (Q4, 128 if gated else 32) if tokens == 2 else (Q8, 32)
+    qw = _blocks(method, 74 if gated else 40, 512, group, True, seed=tokens)
     x = torch.randn(tokens, 512, device=DEV).bfloat16()
     nw = (torch.rand(512, device=DEV) + 0.5).bfloat16()
     r = None if gated else torch.randn(tokens, 40, device=DEV).bfloat16()
