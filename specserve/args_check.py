@@ -295,8 +295,8 @@ def check_deterministic(cfg: Config, ctx: CheckContext) -> Config:
     flag = "--enable-deterministic-inference"
     refused = {
         "--tp-size > 1": cfg.runner.tp_size > 1 or cfg.runner.nnodes > 1,
-        # a GGUF's blocks: on the CPU row-local (models/invariant.py); models/gguf_serve.py refuses them on a GPU
-        "--quantization": cfg.model.quantization not in (None, "none", "gguf"),
+        # a GGUF's blocks and AWQ/GPTQ's held as q4: row-local kernels on the CPU and the GPU (models/invariant.py)
+        "--quantization fp8": cfg.model.quantization not in (None, "none", "gguf", "awq", "gptq"),
         "--enable-torch-compile": cfg.runner.enable_torch_compile,
         "--speculative-accept-threshold-* below 1.0": (cfg.spec.accept_threshold_single < 1.0
                                                        or cfg.spec.accept_threshold_acc < 1.0),

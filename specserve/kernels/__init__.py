@@ -12,7 +12,8 @@ their ancestor masks (`node_select.py`); per sampled step, the seeded Gumbel noi
 (`gumbel.py`), or the whole Gumbel-max draw without storing the noise (`argmax.py`); per
 verify, the greedy accept walk (`walk.py`), over seeded sampling's targets too. Under
 --enable-deterministic-inference every linear layer runs `invariant_mm.py` instead of the
-GEMVs and cuBLAS: its rows' arithmetic does not depend on how many rows there are.
+GEMVs and cuBLAS (quantized blocks: `blocks_x16.py` at any row count): its rows' arithmetic
+does not depend on how many rows there are.
 The model files call these only when `use_fused(tensor)` says so; everywhere else
 (CPU) they keep their exact torch path.
 
@@ -183,6 +184,24 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     from specserve.kernels import invariant_mm
 
     return invariant_mm.invariant_matmul(x, weight, bias, out_dtype, **fused)
+
+
+def invariant_blocks_serve(qw: QuantWeight, dtype: torch.dtype) -> bool:
+    """Whether `invariant_blocks` multiplies `qw` (on the GPU) with activations of `dtype`."""
+    if not (qw.data.is_cuda and triton_available()):
+        return False
+    from specserve.kernels import blocks_x16
+
+    return blocks_x16.serves(qw, dtype)
+
+
+def invariant_blocks(x: torch.Tensor, qw: QuantWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (half) times a GGUF's blocks or an AWQ/GPTQ weight held as q4 [N, K] with each
+    row's arithmetic independent of M (--enable-deterministic-inference): blocks_x16.py's
+    product at any M, whose rows take the same operations whatever the rows beside them."""
+    from specserve.kernels import blocks_x16
+
+    return blocks_x16.gemv_x16(x, qw, out_dtype=out_dtype)
 
 
 def row_sumsq(x: torch.Tensor) -> torch.Tensor:

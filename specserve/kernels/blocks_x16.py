@@ -49,13 +49,17 @@ QUANT_BLOCKS = 32  # x's blocks a quantizing program takes
 MAX_TOKENS = 4  # rows of x this path takes; blocks.py's dot kernel takes more (docs/benchmarks.md)
 
 
-def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
-    """Whether this path serves x [T, K] times `qw`: up to MAX_TOKENS of half-precision x on
-    q4, or on q8 but for offsets on 16-column groups (no format makes them); not what
-    blocks_tc.py's tensor cores take (AWQ/GPTQ's groups from 3 tokens: faster there)."""
+def serves(qw: QuantWeight, dtype: torch.dtype) -> bool:
+    """Whether `gemv_x16` multiplies `qw` with x of `dtype`, at any row count: half x, K a
+    multiple of 32, q4, or q8 but for offsets on 16-column groups (no format makes them)."""
     form = qw.method == Q4 or (qw.method == Q8 and (qw.group == 32 or (qw.group == 16 and qw.zeros is None)))
-    return (form and 1 <= x.shape[0] <= MAX_TOKENS and x.shape[1] % 32 == 0
-            and x.dtype in (torch.bfloat16, torch.float16) and not blocks_tc.takes(x, qw))
+    return form and qw.shape[1] % 32 == 0 and dtype in (torch.bfloat16, torch.float16)
+
+
+def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
+    """Whether this path is the fastest for x [T, K] times `qw` (`serves`): up to MAX_TOKENS
+    rows, but not what blocks_tc.py's tensor cores take (q4 from 3 tokens: faster there)."""
+    return serves(qw, x.dtype) and 1 <= x.shape[0] <= MAX_TOKENS and not blocks_tc.takes(x, qw)
 
 
 @triton.jit

@@ -58,7 +58,8 @@ def resolve(flag: str | None, model_dir: Path, device: torch.device, allowed: bo
         if not has_blocks:
             raise ConfigError(f"--quantization gguf needs a GGUF model; {model_dir} was not converted from one")
         if not allowed:
-            raise ConfigError("--quantization gguf with --enable-deterministic-inference on a GPU is not supported yet")
+            raise ConfigError("--quantization gguf with --enable-deterministic-inference on a GPU needs bf16 or "
+                              "fp16 activations (--dtype); float32 is not supported yet")
     if not (flag in (None, GGUF) and has_blocks and allowed):
         return False
     if device.type == "cuda":  # asked for only: the float weights stay the GPU's default

@@ -24,7 +24,12 @@ they only propose, and exact verification makes the output the target's):
     norms, SiLU*mul and adds (`LlamaForCausalLM.forward_eager`); either way every forward
     of a model takes the same path;
   * attention walks each query's keys in position order with splits fixed by its own
-    length (`attention/triton_invariant.py`, chosen by the runner's `make_backend`).
+    length (`attention/triton_invariant.py`, chosen by the runner's `make_backend`);
+  * a GGUF's blocks and AWQ/GPTQ weights held as q4, with half activations, take
+    kernels/blocks_x16.py's int16 products at every row count, the head too (`blocks_on_gpu`:
+    each row rounded to int16 alone, integer sums in an order fixed by the weight), where
+    the fast path changes kernels with the token count; their norms and SiLU*mul stay
+    separate row-local launches (nothing is folded). fp8 weights are refused.
 On a CPU (no Triton), the same contract in torch (`layers.invariant_linear`, `RMSNorm`, the
 MLP's SiLU, the reference attention): products, sums, norms and SiLU in float64, rounded
 once to the model's dtype; a GGUF's layers (and head) held in blocks keep the CPU's block
@@ -45,7 +50,7 @@ from torch import nn
 from specserve import kernels
 from specserve.core import quant
 from specserve.kernels import cpu_quant
-from specserve.models.layers import Linear, RMSNorm
+from specserve.models.layers import Linear, RMSNorm, activation_dtype
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -64,17 +69,27 @@ def row_local_blocks(qw: quant.QuantWeight | None) -> bool:
             and cpu_quant.available() and cpu_quant.servable(qw))
 
 
+def blocks_on_gpu(qw: quant.QuantWeight | None, dtype: torch.dtype) -> bool:
+    """Whether `qw` is blocks on a GPU that `kernels.invariant_blocks` multiplies with
+    activations of `dtype` (half): each row rounded to int16 alone and summed in integers
+    in an order fixed by the weight, whatever the row count (kernels/blocks_x16.py)."""
+    return qw is not None and kernels.invariant_blocks_serve(qw, dtype)
+
+
 def enable_layers(model: nn.Module) -> None:
     """Put every `Linear` and `RMSNorm` of `model` on the invariant path (a causal LM's
     head and few-token path: `LlamaForCausalLM.make_invariant`). A GGUF's blocks on the CPU
-    (`row_local_blocks`) keep their kernels; other quantized layers are refused (their
-    kernels are not covered)."""
+    (`row_local_blocks`) keep their kernels; on a GPU, blocks (and AWQ/GPTQ weights held as
+    q4) take `kernels.invariant_blocks` with half activations (`blocks_on_gpu`); other
+    quantized layers (fp8) are refused (their kernels are not covered)."""
+    dtype = activation_dtype(model)
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             if row_local_blocks(module.quantized):
                 continue
-            if module.quantized is not None:
-                raise ValueError(f"--enable-deterministic-inference does not cover quantized layers ({name})")
+            if module.quantized is not None and not blocks_on_gpu(module.quantized, dtype):
+                raise ValueError(f"--enable-deterministic-inference does not cover these quantized layers ({name}: "
+                                 f"{module.quantized.method}, {str(dtype).removeprefix('torch.')} activations)")
             module.invariant = True
             if module.weight_t is not None:  # the CPU's layout: keep the float64 copy it multiplies by
                 module.weight64 = module.weight_t.detach().double()

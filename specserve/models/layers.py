@@ -131,9 +131,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant:
-            weight = self.out_in_weight
-            assert isinstance(weight, torch.Tensor), "invariant layers are not quantized"
-            return invariant_linear(x, weight, self.weight64, self.bias)
+            return invariant_linear(x, self.out_in_weight, self.weight64, self.bias)
         qw = self.quantized
         if qw is not None:
             return quant_linear(x, qw, self.bias)
@@ -144,14 +142,19 @@ class Linear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, weight64: torch.Tensor | None, bias: torch.Tensor | None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor | quant.QuantWeight, weight64: torch.Tensor | None,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] times weight [N, K] (+ bias) -> [..., N] in `out_dtype` (default x's), each
     row computed one way whatever the row count: the Triton kernel where the fused kernels
-    run (kernels/invariant_mm.py), else float64 against `weight64` ([K, N]; from `weight`
-    when None), rounded once (models/invariant.py)."""
+    run (kernels/invariant_mm.py; a GPU's quantized blocks: `kernels.invariant_blocks`, the
+    bias added after), else float64 against `weight64` ([K, N]; from `weight` when None),
+    rounded once (models/invariant.py)."""
     flat = x.reshape(-1, x.shape[-1])
-    if kernels.use_fused(flat):
+    if isinstance(weight, quant.QuantWeight):
+        y = kernels.invariant_blocks(flat, weight, out_dtype)
+        if bias is not None:
+            y = (y + bias).to(y.dtype)
+    elif kernels.use_fused(flat):
         y = kernels.invariant_matmul(flat, weight, bias, out_dtype)
     else:
         w64 = weight64 if weight64 is not None else weight.detach().t().double()

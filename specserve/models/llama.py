@@ -44,7 +44,15 @@ from specserve.models.checkpoint import check_complete, load_tensor, loadable_te
 from specserve.models.compile import CompiledForward
 from specserve.models.compile import attention as compiled_attention
 from specserve.models.cpu_stack import CpuStack
-from specserve.models.layers import Embedding, Linear, RMSNorm, cpu_layout, gpu_layout, invariant_linear
+from specserve.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    activation_dtype,
+    cpu_layout,
+    gpu_layout,
+    invariant_linear,
+)
 from specserve.models.quant_linear import quant_linear
 from specserve.models.rope import RotaryEmbedding, apply_rope
 
@@ -365,6 +373,8 @@ class LlamaForCausalLM(nn.Module):
         Invariant (models/invariant.py): float32 always, straight from the accumulator."""
         if self.head_blocks is not None and (not self.invariant or invariant.row_local_blocks(self.head_blocks)):
             return parallel.gather_vocab(quant_linear(hidden, self.head_blocks).float())  # models/gguf_serve.py
+        if self.invariant and self.head_blocks is not None:  # on a GPU (`make_invariant` checked the form)
+            return parallel.gather_vocab(invariant_linear(hidden, self.head_blocks, None, None, torch.float32))
         if self.invariant:
             return invariant_linear(hidden, self.lm_head.weight, self.head64, None, torch.float32)
         if kernels.use_gemv(hidden, lm_head=True):  # the float32 logits of the half ones, in the GEMV's launch
@@ -376,6 +386,9 @@ class LlamaForCausalLM(nn.Module):
         """--enable-deterministic-inference (models/invariant.py): every layer, the head
         and the forward's path one way for any batch."""
         invariant.enable_layers(self)
+        head = self.head_blocks
+        if head is not None and head.data.is_cuda and not invariant.blocks_on_gpu(head, activation_dtype(self)):
+            raise ValueError(f"--enable-deterministic-inference does not cover this LM head ({head.method})")
         self.invariant = True
         self.folded_norms = invariant.fold_norms(self)
         if not self.lm_head.weight.is_cuda and not invariant.row_local_blocks(self.head_blocks):

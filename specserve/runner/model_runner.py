@@ -81,9 +81,10 @@ class ModelRunner:
         hf = read_hf_config(model_dir)
         self.dtype = pick_dtype(model_cfg.dtype, self.device, hf)
         load = random_model if model_cfg.load_format == "dummy" else load_model
-        if model is None and load is load_model:  # an invariant model on a GPU takes float layers only
+        if model is None and load is load_model:  # an invariant model on a GPU: blocks with half activations only
+            det_fp32 = self.device.type == "cuda" and self.dtype == torch.float32
             model = load_model(model_dir, self.dtype, self.device, model_cfg.quantization,
-                               gguf_ok=not (runner_cfg.enable_deterministic_inference and self.device.type == "cuda"))
+                               gguf_ok=not (runner_cfg.enable_deterministic_inference and det_fp32))
         self.model = model or load(model_dir, self.dtype, self.device, model_cfg.quantization)
         if runner_cfg.enable_torch_compile:
             self.model.compiled = CompiledForward(self.model.forward_eager, runner_cfg.torch_compile_max_bs)

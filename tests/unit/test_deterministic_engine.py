@@ -86,9 +86,9 @@ def test_what_the_mode_does_not_cover_is_refused(flags):
         Engine("smollm2-135m", enable_deterministic_inference=True, **flags)
 
 
-def test_a_gguf_on_a_gpu_is_refused(smollm2_dir):
-    """On a GPU the blocks' few-token kernel and its prefill path round differently."""
+def test_a_gguf_on_a_gpu_in_float32_is_refused(smollm2_dir):
+    """On a GPU the mode multiplies blocks by int16 dot products, which take half activations."""
     from specserve.models import gguf_serve
 
-    with pytest.raises(ConfigError, match="--enable-deterministic-inference on a GPU"):
+    with pytest.raises(ConfigError, match="--enable-deterministic-inference on a GPU needs bf16 or fp16"):
         gguf_serve.resolve("gguf", smollm2_dir, torch.device("cuda"), allowed=False)

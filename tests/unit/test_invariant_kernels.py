@@ -55,6 +55,29 @@ def test_linear_rows_do_not_depend_on_the_row_count(n, k, bias, rows):
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("method, group, offset, dtype", [("q4", 32, True, BF16), ("q4", 128, True, BF16),
+                                                        ("q8", 32, False, torch.float16), ("q8", 16, False, BF16)])
+def test_quantized_blocks_rows_do_not_depend_on_the_row_count(method, group, offset, dtype):
+    """A GPU's GGUF blocks (and AWQ/GPTQ groups held as q4) in the mode: `invariant_linear`
+    over them (`kernels.invariant_blocks`, the bias added after) gives each row the bits of
+    that row alone, at row counts where the fast path would change kernels (1-2: int16 dot
+    products, 3-32: tensor cores, more: the dot kernel), and the blocks' values."""
+    from specserve.models.layers import invariant_linear
+    from tests.unit.test_blocks_kernel import _blocks
+
+    qw = _blocks(method, 40, 256, group, offset, seed=group)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(33, 256, generator=g).to(DEV, dtype)
+    b = torch.randn(40, generator=g).to(DEV, dtype)
+    for m in (1, 3, 5, 33):
+        _rows_alone(lambda idx: invariant_linear(x[idx], qw, None, b), m)
+    got = invariant_linear(x, qw, None, None, torch.float32)
+    ref = x.float() @ qw.dequantize(torch.float32).T
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    assert kernels.invariant_blocks_serve(qw, dtype) == qw.data.is_cuda  # the mode's check: blocks on a GPU
+    assert not kernels.invariant_blocks_serve(qw, torch.float32)
+
+
 @pytest.mark.parametrize("n, k", [(40, 48), (70, 200)])
 def test_the_fused_epilogues_keep_rows_alone_and_their_values(n, k):
     """The norm (weight folded in, 1/rms from partial sums of squares), silu(gate) * up and
