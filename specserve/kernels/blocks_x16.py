@@ -271,14 +271,14 @@ def _gemv_kernel(xq_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, o_ptr, out_ptr, res_ptr
         _finish(y3, t0 + 3, T, out_ptr, res_ptr, rows, rmask, N, sr, RES, GATED, DTYPE, HALF)
 
 
-Config = tuple[int, int]  # (BLOCK_N, GROUPS); one warp
+Config = tuple[int, int, int]  # (BLOCK_N, GROUPS, num_warps)
 
 
 def config(n: int, every: int) -> Config:
     """2 rows a program for weights of 16384 rows or more (gate_up's [Wg; Wu]: a gate row
     and its up row; the LM head), else 4; one block a lane of a single warp. From a sweep
     of the Llama-8B layers (docs/benchmarks.md)."""
-    return (2 if n >= 16384 else 4), max(32, every)
+    return (2 if n >= 16384 else 4), max(32, every), 1
 
 
 def scale_span(qw: QuantWeight) -> tuple[int, int]:
@@ -308,13 +308,14 @@ def gemv_x16(x: torch.Tensor, qw: QuantWeight, *, norm_weight: torch.Tensor | No
     """x [T, K] (half; `takes`) times the q4 or q8 weight [N, K] -> [T, N]; with `norm_weight` of
     x's RMSNorm (one launch with the rounding to int16), plus `residual` [T, N], or with
     `gated` silu(Wg x) * (Wu x) of W = [Wg; Wu] -> [T, N / 2]; each rounded as its torch op
-    (kernels.gemv's `_packed_gemv` order). `launch`: (BLOCK_N, GROUPS) instead of `config`'s."""
+    (kernels.gemv's `_packed_gemv` order). `launch`: (BLOCK_N, GROUPS, num_warps) instead of
+    `config`'s."""
     rows, k = qw.shape
     t = x.shape[0]
     n = rows // 2 if gated else rows
     q8 = qw.method == Q8
     every, sub = scale_span(qw)
-    block_n, groups = launch or config(rows, every)
+    block_n, groups, warps = launch or config(rows, every)
     assert groups % every == 0 and k % 32 == 0 and (block_n % 2 == 0 or not gated), (groups, every, k, block_n)
     x = x.reshape(t, k)
     if x.stride(1) != 1:
@@ -335,5 +336,5 @@ def gemv_x16(x: torch.Tensor, qw: QuantWeight, *, norm_weight: torch.Tensor | No
         xq, xs, xsum, words, scale, offset, out, res, t, n, k // 32, words.stride(0), scale.stride(0),
         offset.stride(0), res.stride(0),
         EVERY=every, SUB=sub, Q8=q8, OFFSET=qw.zeros is not None, RES=residual is not None, GATED=gated,
-        BLOCK_N=block_n, GROUPS=groups, TOKENS=tokens, ASM=x.is_cuda, num_warps=1, **pdl_flags(x.device))
+        BLOCK_N=block_n, GROUPS=groups, TOKENS=tokens, ASM=x.is_cuda, num_warps=warps, **pdl_flags(x.device))
     return out

@@ -79,7 +79,7 @@ def test_a_tile_wider_than_the_row_and_launch_shapes():
     qw = _blocks(Q4, 64, 576, 32, True, seed=3)
     x = torch.randn(1, 576, device=DEV).bfloat16()
     base = blocks_x16.gemv_x16(x, qw)
-    for launch in ((2, 32), (8, 32), (4, 64)):
+    for launch in ((2, 32, 1), (8, 32, 1), (4, 64, 1), (4, 128, 4)):
         torch.testing.assert_close(blocks_x16.gemv_x16(x, qw, launch=launch), base, rtol=2**-7, atol=1e-5)
 
 
