@@ -68,7 +68,7 @@ def _default_launch(x: torch.Tensor, qw) -> tuple:
 
     n, k = qw.shape
     if blocks_tc.takes(x, qw):
-        return blocks_tc.config(n, k, qw.group // 32, x.shape[0])
+        return blocks_tc.config(n, k, 0 if qw.method == "q8" else qw.group // 32, x.shape[0])
     if blocks_x16.takes(x, qw):
         return blocks_x16.config(n, blocks_x16.scale_span(qw)[0])
     return blocks.config(n, k, qw.group, x.shape[0], qw.method)

@@ -15,11 +15,11 @@ value is converted by a conversion instruction, which runs at a fraction of the 
 the arithmetic and would bound the kernel below the memory's speed: its bits are shifted
 into the top of an fp32 mantissa under 1.0's exponent (`_unit_floats`), a float 1 + u / 16
 (q4's nibble u) or 1 + u / 256 (q8's byte as offset binary u = q + 128).
-- Half-precision x goes elsewhere where those kernels are faster: on q4, from
-  blocks_tc.MIN_TOKENS tokens on, to blocks_tc.py (tensor cores on the nibbles made half
-  values by bit operations); else up to blocks_x16.MAX_TOKENS to blocks_x16.py (x rounded
-  to int16 a block, integer dot products). Each module's `takes` says which inputs it
-  serves; this file's dot kernel keeps q8 and fp32 x.
+- Half-precision x goes elsewhere where those kernels are faster: from
+  blocks_tc.MIN_TOKENS tokens on (q8: MIN_TOKENS_Q8), to blocks_tc.py (tensor cores on the
+  weights made half values by bit operations); else up to blocks_x16.MAX_TOKENS to
+  blocks_x16.py (x rounded to int16 a block, integer dot products). Each module's `takes`
+  says which inputs it serves; this file's kernels keep fp32 x and what neither takes.
 - One token otherwise (`_gemv_blocks_kernel`): the weight is read as int32 words. Per
   group it sums x times those unit floats and x alone, recovers sum(x q) from the two,
   then adds s sum(x q) + o sum(x): a shift, a logic op and a multiply-add a column. Each
@@ -238,7 +238,7 @@ def blocks_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | 
     if launch is None and blocks_x16.takes(x, qw):  # a few tokens of half x: int16 dot products
         return blocks_x16.gemv_x16(x, qw, residual=residual, out_dtype=out_dtype)
     if launch is None and blocks_tc.takes(x, qw):  # 3+ tokens of half x on AWQ/GPTQ's groups: tensor cores
-        return blocks_tc.q4_dot(x, qw, residual=residual, out_dtype=out_dtype)
+        return blocks_tc.tc_matmul(x, qw, residual=residual, out_dtype=out_dtype)
     x, data, out, residual = operands(x, qw, n, residual, out_dtype)
     if t == 0:
         return out

@@ -1,5 +1,5 @@
-"""q4 layers at MIN_TOKENS or more tokens of half x on tensor cores: each nibble read as
-the half value MAGIC + u, by tl.dot against x's columns.
+"""q4 and q8 layers at MIN_TOKENS or more tokens of half x on tensor cores: each nibble read
+as the half value MAGIC + u, by tl.dot against x's columns.
 
 blocks.py's dot kernel turns every weight into x's dtype before its tl.dot (a shift, a
 logic op, a multiply-add and a conversion a value), which holds a verify's layers far
@@ -9,7 +9,7 @@ value whose exponent makes it MAGIC + u exactly (bf16 0x4300 | u = 128 + u, fp16
 word's halves by `prmt` (`_NIBBLE_ASM`). A q4 block's byte j holds column j in its low
 nibble and j + 16 in its high one (core/quant.py), so the low nibbles of a K step's bytes
 meet x's first 16 columns of each block, and the high ones the last 16, in two tl.dot.
-Two kernels, by how many blocks a scale covers:
+Three kernels, by format and how many blocks a scale covers:
 - Scale groups of 64 to 256 columns (AWQ/GPTQ's groups held as q4): the nibbles go into
   the dot as they are, d = sum x (MAGIC + u) over the group; then, in fp32,
   y += s (d - MAGIC sum(x)) + o sum(x). A K step takes SUBS scale groups one after
@@ -18,13 +18,18 @@ Two kernels, by how many blocks a scale covers:
   weight is made before the dot instead, by two more half-pair instructions a pair:
   (MAGIC + u) * 1 - MAGIC = u, then u s + o with s and o in x's dtype
   (`_SCALED_ASM`); a K step takes SUBS blocks (`_q4_scaled_kernel`).
+- q8 (a signed byte a column, a scale every 16 or 32 columns: GGUF's Q8_0, Q6_K, Q5_x):
+  each weight made q s + o the same way before one dot a K step (`_q8_scaled_kernel`);
+  bf16 holds no MAGIC + byte exactly, so u = q + 128 is split into its nibbles, and
+  q = 16 (hi - 8) + lo is exact (`_Q8_ASM`; fp16: q = (1024 + u) - 1152). From
+  MIN_TOKENS_Q8 tokens.
 split_k.py spreads narrow layers' rows over more programs and adds their parts.
 
 Rounding contract. Groups of 64 to 256 columns: each weight is u s + o exactly
 (blocks.py's reference rounds it to x's dtype first, so this kernel is the nearer to the
 fp32 value); the products of half values are exact and summed in fp32 in the tensor
 cores' order; subtracting MAGIC sum(x) costs at most a few ulps of fp32 of MAGIC sum|x|
-over the group. One scale a block: s and o are rounded to x's dtype, then u s + o once
+over the group. One scale a block, and q8: s and o are rounded to x's dtype, then u s + o once
 (the reference rounds only that sum), so a weight may differ from the reference's by
 half an ulp of x's dtype of s and of o besides; the products are exact and summed in fp32.
 Then y is rounded to x's dtype, the residual added and rounded, as int4.py `store_tokens`
@@ -37,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.core.quant import Q4, QuantWeight
+from specserve.core.quant import Q4, Q8, QuantWeight
 from specserve.kernels import split_k
 from specserve.kernels.int4 import dot_halves, operands
 from specserve.kernels.pdl import wait_and_release
@@ -72,6 +77,49 @@ fma.rn.{kind} b, b, one, neg;
 fma.rn.{kind} $0, a, $3, $7;
 fma.rn.{kind} $1, b, $5, $9;
 }}"""
+# q8's signed bytes as half values q s + o, four a call ($2), pairs as in _SCALED_ASM. bf16 holds
+# no MAGIC + byte exactly, so u = q + 128 splits into its nibbles, each MAGIC + nibble, and
+# q = 16 (hi - 8) + lo exactly; fp16 holds 1024 + u, and q = (1024 + u) - 1152.
+_Q8_ASM = {torch.bfloat16: """{
+.reg .b32 t, a, b, h, l, zero, m, one, n136, n128, sixteen;
+mov.b32 zero, 0;
+mov.b32 m, 0x43004300;
+mov.b32 one, 0x3F803F80;
+mov.b32 n136, 0xC308C308;
+mov.b32 n128, 0xC300C300;
+mov.b32 sixteen, 0x41804180;
+xor.b32 t, $2, 0x80808080;
+prmt.b32 a, t, zero, 0x4140;
+prmt.b32 b, t, zero, 0x4342;
+shr.b32 h, a, 4;
+lop3.b32 h, h, 0x000F000F, m, 0xEA;
+lop3.b32 l, a, 0x000F000F, m, 0xEA;
+fma.rn.bf16x2 h, h, one, n136;
+fma.rn.bf16x2 l, l, one, n128;
+fma.rn.bf16x2 h, h, sixteen, l;
+fma.rn.bf16x2 $0, h, $3, $7;
+shr.b32 h, b, 4;
+lop3.b32 h, h, 0x000F000F, m, 0xEA;
+lop3.b32 l, b, 0x000F000F, m, 0xEA;
+fma.rn.bf16x2 h, h, one, n136;
+fma.rn.bf16x2 l, l, one, n128;
+fma.rn.bf16x2 h, h, sixteen, l;
+fma.rn.bf16x2 $1, h, $5, $9;
+}""", torch.float16: """{
+.reg .b32 t, a, b, zero, one, neg;
+mov.b32 zero, 0;
+mov.b32 one, 0x3C003C00;
+mov.b32 neg, 0xE480E480;
+xor.b32 t, $2, 0x80808080;
+prmt.b32 a, t, zero, 0x4140;
+prmt.b32 b, t, zero, 0x4342;
+lop3.b32 a, a, 0x00FF00FF, 0x64006400, 0xEA;
+lop3.b32 b, b, 0x00FF00FF, 0x64006400, 0xEA;
+fma.rn.f16x2 a, a, one, neg;
+fma.rn.f16x2 b, b, one, neg;
+fma.rn.f16x2 $0, a, $3, $7;
+fma.rn.f16x2 $1, b, $5, $9;
+}"""}
 _MAGIC = {torch.bfloat16: ("0x43004300", 128.0), torch.float16: ("0x64006400", 1024.0)}
 _PAIRS = {torch.bfloat16: dict(kind="bf16x2", one="0x3F803F80", neg="0xC300C300"),
           torch.float16: dict(kind="f16x2", one="0x3C003C00", neg="0xE400E400")}
@@ -79,6 +127,7 @@ MAX_EVERY = 8  # blocks a scale covers here, a power of two: 1 (GGUF's) to 8 (gr
 # From 3 tokens these products take less time than blocks_x16.py's, which pay for each token
 # (docs/benchmarks.md); from 5 on, than blocks.py's dot kernel
 MIN_TOKENS = 3
+MIN_TOKENS_Q8 = 4  # q8's layers at 3 tokens are as fast on blocks_x16.py (docs/benchmarks.md)
 
 Launch = tuple[int, int, int, int, int]  # (BLOCK_N, SUBS, num_warps, num_stages, programs)
 
@@ -86,11 +135,14 @@ Launch = tuple[int, int, int, int, int]  # (BLOCK_N, SUBS, num_warps, num_stages
 def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
     """Whether this path serves x [T, K] times `qw`: MIN_TOKENS rows or more of half x on q4
     whose scales cover a power of two of blocks up to MAX_EVERY (GGUF's one a block,
-    AWQ/GPTQ's groups of 64 to 256 columns); blocks_x16.py's `takes` leaves these inputs
-    to it."""
+    AWQ/GPTQ's groups of 64 to 256 columns), or on q8 (a scale every 16 or 32 columns:
+    GGUF's Q8_0, Q6_K, Q5_x); blocks_x16.py's `takes` leaves these inputs to it."""
+    if x.shape[0] < MIN_TOKENS or x.dtype not in _MAGIC or qw.shape[1] % 32:
+        return False
+    if qw.method == Q8:
+        return qw.group in (16, 32) and x.shape[0] >= MIN_TOKENS_Q8
     every = qw.group // 32
-    return (qw.method == Q4 and x.shape[0] >= MIN_TOKENS and x.dtype in _MAGIC
-            and qw.group % 32 == 0 and 1 <= every <= MAX_EVERY and every & (every - 1) == 0)
+    return qw.method == Q4 and qw.group % 32 == 0 and 1 <= every <= MAX_EVERY and every & (every - 1) == 0
 
 
 @triton.jit
@@ -147,9 +199,9 @@ def _q4_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N,
 
 
 @triton.jit
-def _block_pairs(v, BLOCK_N: tl.constexpr, SUBS: tl.constexpr):
-    """[BLOCK_N, SUBS] int32 spread over each block's 16 bytes: [BLOCK_N, SUBS * 16]."""
-    return tl.reshape(tl.broadcast_to(v[:, :, None], [BLOCK_N, SUBS, 16]), [BLOCK_N, SUBS * 16])
+def _block_pairs(v, BLOCK_N: tl.constexpr, SUBS: tl.constexpr, WIDTH: tl.constexpr = 16):
+    """[BLOCK_N, SUBS] values spread over the WIDTH bytes each covers: [BLOCK_N, SUBS * WIDTH]."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], [BLOCK_N, SUBS, WIDTH]), [BLOCK_N, SUBS * WIDTH])
 
 
 @triton.jit
@@ -208,15 +260,66 @@ def _q4_scaled_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T,
     split_k.finish(acc, part_ptr, out_ptr, res_ptr, rows, rmask, toks, tmask, T, N, sout, sr, DTYPE, RES, SPLIT)
 
 
+@triton.jit
+def _q8_scaled_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N, K, GPS, sx, sq, ss, so, sout, sr,
+                      SPAN: tl.constexpr, OFFSET: tl.constexpr, ASM: tl.constexpr, SUBS: tl.constexpr,
+                      RES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    """Program (n, t, p) on q8 (a byte a column, a scale every SPAN columns): rows n, tokens
+    t, the GPS blocks of 32 columns from p * GPS on, SUBS blocks a K step, each weight made
+    q s + o in x's dtype (`_Q8_ASM`; on the CPU in fp32, rounded) before the step's dot."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    HK: tl.constexpr = SUBS * 32  # a step's columns
+    NSC: tl.constexpr = HK // SPAN  # its scales
+    wait_and_release(USE_PDL)
+    rows, rmask, toks, tmask = split_k.program_tile(T, N, BLOCK_N, BLOCK_T)
+    first = tl.program_id(2) * GPS
+    end = tl.minimum(K // 32, first + GPS) * 32  # columns
+    e = tl.arange(0, HK)
+    si = tl.arange(0, NSC)
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * sq + e[None, :]
+    x_cols = x_ptr + toks[None, :] * sx + e[:, None]  # [HK, BLOCK_T]
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    for c in range(first * 32, end, HK):
+        cmask = c + e < end
+        byte = tl.load(q_rows + c, mask=rmask[:, None] & cmask[None, :], other=0)
+        sc = c // SPAN + si
+        sm = rmask[:, None] & (sc < end // SPAN)[None, :]
+        s = tl.load(s_ptr + rows[:, None] * ss + sc[None, :], mask=sm, other=0.0).to(tl.float32).to(DTYPE)
+        o = tl.zeros_like(s)
+        if OFFSET:
+            o = tl.load(o_ptr + rows[:, None] * so + sc[None, :], mask=sm, other=0.0).to(tl.float32).to(DTYPE)
+        xv = tl.load(x_cols + c, mask=cmask[:, None] & tmask[None, :], other=0.0)
+        if ASM != "":
+            hs = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            ho = o.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            w = tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
+                                          [byte, _block_pairs(hs | (hs << 16), BLOCK_N, NSC, SPAN),
+                                           _block_pairs(ho | (ho << 16), BLOCK_N, NSC, SPAN)],
+                                          dtype=x_ptr.dtype.element_ty, is_pure=True, pack=4)
+            acc = tl.dot(w, xv, acc)
+        else:  # the interpreter: the same weights, the dot in fp32
+            w = (byte.to(tl.float32) * _block_pairs(s.to(tl.float32), BLOCK_N, NSC, SPAN)
+                 + _block_pairs(o.to(tl.float32), BLOCK_N, NSC, SPAN)).to(DTYPE)
+            acc = tl.dot(w.to(tl.float32), xv.to(tl.float32), acc, input_precision="ieee")
+    split_k.finish(acc, part_ptr, out_ptr, res_ptr, rows, rmask, toks, tmask, T, N, sout, sr, DTYPE, RES, SPLIT)
+
+
 def config(n: int, k: int, every: int, tokens: int = 16) -> Launch:
-    """(BLOCK_N, SUBS, num_warps, num_stages, programs) for `tokens` rows of x. Scale groups
-    of 64 to 256 columns: 128 rows and 8 warps for a wide layer (16384 rows or more, or 8192
-    columns: an MLP's), 64 and 4 for a narrow one; scale groups of 128 columns a K step;
-    each row's blocks split until the tiles make `programs` programs (split_k.py), fewer
-    for narrow layers. One scale a block: 64 rows, 4 warps, 8 blocks a step and 256
-    programs, but for a wide layer past 16 tokens 128 rows, 8 warps and 4 blocks. 16 rows
+    """(BLOCK_N, SUBS, num_warps, num_stages, programs) for `tokens` rows of x; `every`: the
+    blocks a q4 scale covers, 0 for q8. Scale groups of 64 to 256 columns: 128 rows and 8
+    warps for a wide layer (16384 rows or more, or 8192 columns: an MLP's), 64 and 4 for a
+    narrow one; scale groups of 128 columns a K step; each row's blocks split until the
+    tiles make `programs` programs (split_k.py), fewer for narrow layers. One scale a block:
+    64 rows, 4 warps, 8 blocks a step and 256 programs, but for a wide layer past 16 tokens
+    128 rows, 8 warps and 4 blocks. q8: 64 rows and 4 warps, 4 blocks a step and 256
+    programs (8 blocks for 8192 columns or more; gate_up 2 blocks and 512 programs). 16 rows
     below 1024. From sweeps on the Llama-8B layers at 3 to 32 tokens (docs/benchmarks.md)."""
     wide = n >= 16384 or k >= 8192
+    if every == 0:
+        if n >= 16384 and n < 65536:  # an MLP's gate_up (not an LM head)
+            return 64, 2, 4, 3, 512
+        return (16 if n < 1024 else 64), (8 if k >= 8192 else 4), 4, 3, 256
     if every == 1 and not (wide and tokens > 16):
         return (16 if n < 1024 else 64), 8, 4, 3, 256
     block_n = 16 if n < 1024 else (128 if wide else 64)
@@ -224,29 +327,31 @@ def config(n: int, k: int, every: int, tokens: int = 16) -> Launch:
     return block_n, subs, 8 if wide else 4, 3, 512 if wide else 256
 
 
-def q4_dot(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, launch: Launch | None = None) -> torch.Tensor:
-    """x [T, K] (bf16 or fp16; `takes`) times the q4 weight [N, K] -> [T, N], plus residual
-    [T, N] when given; out_dtype: x's dtype unless given. `launch`: instead of `config`'s
-    (tuning). Tokens past 32 go to further programs, each streaming the weight again."""
+def tc_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, launch: Launch | None = None) -> torch.Tensor:
+    """x [T, K] (bf16 or fp16; `takes`) times the q4 or q8 weight [N, K] -> [T, N], plus
+    residual [T, N] when given; out_dtype: x's dtype unless given. `launch`: instead of
+    `config`'s (tuning). Tokens past 32 go to further programs, each streaming the weight
+    again."""
     assert takes(x, qw), (x.shape, x.dtype, qw.method, qw.group)
     n, k = qw.shape
-    every = qw.group // 32
+    every = 0 if qw.method == Q8 else qw.group // 32
     x, data, out, residual = operands(x, qw, n, residual, out_dtype)
     block_n, subs, warps, stages, programs = launch or config(n, k, every, x.shape[0])
     scale = qw.scale if qw.scale.stride(1) == 1 else qw.scale.contiguous()
     offset = qw.zeros if qw.zeros is not None else scale
     block_t = 16 if x.shape[0] <= 16 else 32
-    tile = (block_n, block_t, every * subs)
+    tile = (block_n, block_t, max(every, 1) * subs)
+    common = dict(OFFSET=qw.zeros is not None, SUBS=subs, num_stages=stages, programs=programs)
+    if every == 0:
+        return split_k.launch(_q8_scaled_kernel, x, data, scale, offset, out, residual, k // 32, tile, warps,
+                              SPAN=qw.group, ASM=_Q8_ASM[x.dtype] if x.is_cuda else "", **common)
     lo, hi = _asm(x, every)
     if every == 1:
-        return split_k.launch(
-            _q4_scaled_kernel, x, data, scale, offset, out, residual, k // 32, tile, warps,
-            OFFSET=qw.zeros is not None, LO_ASM=lo, HI_ASM=hi, SUBS=subs, num_stages=stages, programs=programs)
-    return split_k.launch(
-        _q4_dot_kernel, x, data, scale, offset, out, residual, k // 32, tile, warps,
-        EVERY=every, OFFSET=qw.zeros is not None, LO_ASM=lo, HI_ASM=hi, MAGIC=_MAGIC[x.dtype][1], SUBS=subs,
-        num_stages=stages, programs=programs)
+        return split_k.launch(_q4_scaled_kernel, x, data, scale, offset, out, residual, k // 32, tile, warps,
+                              LO_ASM=lo, HI_ASM=hi, **common)
+    return split_k.launch(_q4_dot_kernel, x, data, scale, offset, out, residual, k // 32, tile, warps,
+                          EVERY=every, LO_ASM=lo, HI_ASM=hi, MAGIC=_MAGIC[x.dtype][1], **common)
 
 
 def _asm(x: torch.Tensor, every: int) -> tuple[str, str]:

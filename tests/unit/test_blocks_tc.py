@@ -1,6 +1,7 @@
-"""q4 blocks at 3 or more tokens of half x on tensor cores (kernels/blocks_tc.py) against
-F.linear(x, qw.dequantize(x.dtype)): GGUF's one scale a block and AWQ/GPTQ's groups of 64
-to 256 columns held as q4, with and without offsets, bf16 and fp16, a ragged last scale group and row block, more than
+"""q4 and q8 blocks at 3 or more tokens of half x on tensor cores (kernels/blocks_tc.py)
+against F.linear(x, qw.dequantize(x.dtype)): GGUF's one scale a block and AWQ/GPTQ's groups
+of 64 to 256 columns held as q4, q8 with a scale every 16 or 32 columns, with and without
+offsets, bf16 and fp16, a ragged last scale group and row block, more than
 32 tokens, a residual, split rows, other launch shapes, and which inputs take the path. Compiled on CUDA and under TRITON_INTERPRET=1 on the CPU."""
 from __future__ import annotations
 
@@ -33,7 +34,18 @@ def _q4(n: int, k: int, group: int, offset: bool, seed: int) -> QuantWeight:
 def test_kernel_equals_the_reference(group, offset, tokens, dtype):
     qw = _q4(40, 576 if group <= 128 else 1024, group, offset, seed=tokens)  # 576: 4.5 groups of 128, 2.25 steps
     x = torch.randn(tokens, qw.shape[1], device=DEV).to(dtype)
-    _check(blocks_tc.q4_dot(x, qw), x, qw)
+    _check(blocks_tc.tc_matmul(x, qw), x, qw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,offset,tokens", [(32, False, 4), (16, False, 16), (32, True, 40)])
+def test_q8_equals_the_reference(group, offset, tokens, dtype):
+    """q8 (GGUF's Q8_0, Q6_K's 16-column scales, Q5_x's offsets), a ragged last K step (9
+    blocks of 32 columns, 4 a step) and row block; bytes from -128 to 127."""
+    qw = _blocks(Q8, 40, 288, group, offset, seed=tokens)
+    x = torch.randn(tokens, 288, device=DEV).to(dtype)
+    assert blocks_tc.takes(x, qw)
+    _check(blocks_tc.tc_matmul(x, qw), x, qw)
 
 
 def test_residual_and_float32_out():
@@ -41,9 +53,9 @@ def test_residual_and_float32_out():
     x = torch.randn(9, 512, device=DEV).bfloat16()
     r = torch.randn(9, 48, device=DEV).bfloat16()
     _check(blocks.blocks_matmul(x, qw, residual=r), x, qw, r)
-    got = blocks_tc.q4_dot(x, qw, residual=r, out_dtype=torch.float32)
+    got = blocks_tc.tc_matmul(x, qw, residual=r, out_dtype=torch.float32)
     assert got.dtype == torch.float32
-    assert torch.equal(got, blocks_tc.q4_dot(x, qw, residual=r).float())
+    assert torch.equal(got, blocks_tc.tc_matmul(x, qw, residual=r).float())
 
 
 @pytest.mark.parametrize("group", [32, 64])
@@ -54,8 +66,8 @@ def test_split_rows_and_launch_shapes_agree(group):
     x = torch.randn(6, 16 * 128, device=DEV).bfloat16()
     xw = x.float().abs() @ qw.dequantize(torch.float32).abs().t()
     assert split_k.split_for(2, 16, 512) == 8  # the default launch splits this layer
-    base = blocks_tc.q4_dot(x, qw).float()
-    runs = [blocks_tc.q4_dot(x, qw, launch=lc) for lc in ((16, 2, 4, 3, 1), (16, 1, 4, 1, 8), (32, 4, 8, 2, 1))]
+    base = blocks_tc.tc_matmul(x, qw).float()
+    runs = [blocks_tc.tc_matmul(x, qw, launch=lc) for lc in ((16, 2, 4, 3, 1), (16, 1, 4, 1, 8), (32, 4, 8, 2, 1))]
     for got in runs:
         assert bool(((got.float() - base).abs() <= 2**-7 * base.abs() + 1e-5 * xw + 1e-6).all())
     _check(runs[0], x, qw)
@@ -82,4 +94,6 @@ def test_what_takes_the_tensor_core_path():
     assert blocks_tc.takes(x, qw._replace(group=32))  # GGUF's Q4_0, Q4_1, Q4_K
     assert not blocks_tc.takes(x, qw._replace(group=96)) and not blocks_tc.takes(x, qw._replace(group=512))
     q8 = QuantWeight(torch.zeros(8, 256, dtype=torch.int8, device=DEV), torch.ones(8, 8, device=DEV), 32, Q8, None)
-    assert not blocks_tc.takes(x, q8)
+    x8 = torch.randn(blocks_tc.MIN_TOKENS_Q8, 256, device=DEV).bfloat16()
+    assert blocks_tc.takes(x8, q8) and blocks_tc.takes(x8, q8._replace(group=16))
+    assert not blocks_tc.takes(x8[:-1], q8)  # blocks_x16.py's

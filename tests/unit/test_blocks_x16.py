@@ -93,8 +93,8 @@ def test_what_takes_the_int16_path():
     assert blocks_x16.takes(torch.zeros(2, 128, dtype=torch.bfloat16), awq)
     assert not blocks_x16.takes(torch.zeros(3, 128, dtype=torch.bfloat16), awq)  # blocks_tc.py's tensor cores
     q8 = QuantWeight(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 2), 16, Q8)
-    assert blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS, 32, dtype=torch.bfloat16), q8)
-    assert not blocks_x16.takes(torch.zeros(blocks_x16.MAX_TOKENS + 1, 32, dtype=torch.bfloat16), q8)  # dot kernel
+    assert blocks_x16.takes(torch.zeros(blocks_tc.MIN_TOKENS_Q8 - 1, 32, dtype=torch.bfloat16), q8)
+    assert not blocks_x16.takes(torch.zeros(blocks_tc.MIN_TOKENS_Q8, 32, dtype=torch.bfloat16), q8)  # tensor cores
     assert not blocks_x16.takes(torch.zeros(1, 32, dtype=torch.bfloat16), q8._replace(zeros=torch.ones(4, 2)))
 
 
@@ -125,23 +125,19 @@ def test_the_norm_and_silu_fused_equal_the_separate_launches(gated, method):
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("tokens", [2, 3, 4])
 def test_a_row_of_a_few_tokens_equals_that_token_alone(tokens, gated):
-    """Each row of a T-token product (a verify, a draft step) is the one-token product of
-    that row bit for bit (the norm fused, a residual or SiLU*mul, shared scales): its int16
-    rounding is its own and its sums take the same operations in the same order. q4 at 2
-    tokens (GGUF's blocks; scales shared by 4 blocks, AWQ's groups, gated); from 3 q4 takes
-    blocks_tc.py, so q8 blocks there."""
-    from specserve import kernels
-
-    method, group = (Q4, 128 if gated else 32) if tokens == 2 else (Q8, 32)
+    """Each row of a T-token product (a verify, a draft step; --enable-deterministic-inference
+    at any T) is the one-token product of that row bit for bit (the norm fused, a residual
+    or SiLU*mul, shared scales): its int16 rounding is its own and its sums take the same
+    operations in the same order. GGUF's q4 and q8 blocks, AWQ's groups (gated)."""
+    method, group = (Q4, 128) if gated else ((Q4, 32) if tokens != 3 else (Q8, 32))
     qw = _blocks(method, 74 if gated else 40, 512, group, True, seed=tokens)
     x = torch.randn(tokens, 512, device=DEV).bfloat16()
     nw = (torch.rand(512, device=DEV) + 0.5).bfloat16()
     r = None if gated else torch.randn(tokens, 40, device=DEV).bfloat16()
-    with kernels.fused_kernels(True):
-        many = kernels.gemv(x, qw, norm_weight=nw, eps=1e-5, residual=r, gated=gated)
-        for i in range(tokens):
-            one = kernels.gemv(x[i:i + 1], qw, norm_weight=nw, eps=1e-5, gated=gated,
-                               residual=None if r is None else r[i:i + 1])
-            assert torch.equal(many[i:i + 1], one), i
+    many = blocks_x16.gemv_x16(x, qw, norm_weight=nw, eps=1e-5, residual=r, gated=gated)
+    for i in range(tokens):
+        one = blocks_x16.gemv_x16(x[i:i + 1], qw, norm_weight=nw, eps=1e-5, gated=gated,
+                                  residual=None if r is None else r[i:i + 1])
+        assert torch.equal(many[i:i + 1], one), i
     plain = blocks_matmul(x, qw)
     _check(plain, x, qw)
