@@ -58,11 +58,11 @@ def test_residual_and_float32_out():
     assert torch.equal(got, blocks_tc.tc_matmul(x, qw, residual=r).float())
 
 
-@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("group", [32, 64, "q8"])
 def test_split_rows_and_launch_shapes_agree(group):
     """Rows split over programs (a second launch adds the parts), one program a row tile,
     and other tile shapes give the same sums up to their fp32 order."""
-    qw = _q4(32, 16 * 128, group, True, seed=6)
+    qw = _blocks(Q8, 32, 16 * 128, 32, False, seed=6) if group == "q8" else _q4(32, 16 * 128, group, True, seed=6)
     x = torch.randn(6, 16 * 128, device=DEV).bfloat16()
     xw = x.float().abs() @ qw.dequantize(torch.float32).abs().t()
     assert split_k.split_for(2, 16, 512) == 8  # the default launch splits this layer
