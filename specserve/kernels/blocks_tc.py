@@ -6,7 +6,7 @@ logic op, a multiply-add and a conversion a value), which holds a verify's layer
 below the memory's speed. Here the nibble u goes into the low mantissa bits of a half
 value whose exponent makes it MAGIC + u exactly (bf16 0x4300 | u = 128 + u, fp16
 0x6400 | u = 1024 + u): two values an `lop3` of inline PTX, the bytes first spread over a
-word's halves by `prmt` (`_NIBBLE_ASM`). A q4 block's byte j holds column j in its low
+word's halves by `prmt` (half_ptx.py). A q4 block's byte j holds column j in its low
 nibble and j + 16 in its high one (core/quant.py), so the low nibbles of a K step's bytes
 meet x's first 16 columns of each block, and the high ones the last 16, in two tl.dot.
 Three kernels, by format and how many blocks a scale covers:
@@ -17,11 +17,11 @@ Three kernels, by format and how many blocks a scale covers:
 - One scale a block (GGUF's Q4_0, Q4_1, Q4_K): a dot per block would be 16 deep, so each
   weight is made before the dot instead, by two more half-pair instructions a pair:
   (MAGIC + u) * 1 - MAGIC = u, then u s + o with s and o in x's dtype
-  (`_SCALED_ASM`); a K step takes SUBS blocks (`_q4_scaled_kernel`).
+  (half_ptx.py); a K step takes SUBS blocks (`_q4_scaled_kernel`).
 - q8 (a signed byte a column, a scale every 16 or 32 columns: GGUF's Q8_0, Q6_K, Q5_x):
   each weight made q s + o the same way before one dot a K step (`_q8_scaled_kernel`);
   bf16 holds no MAGIC + byte exactly, so u = q + 128 is split into its nibbles, and
-  q = 16 (hi - 8) + lo is exact (`_Q8_ASM`; fp16: q = (1024 + u) - 1152). From
+  q = 16 (hi - 8) + lo is exact (half_ptx.py; fp16: q = (1024 + u) - 1152). From
   MIN_TOKENS_Q8 tokens.
 split_k.py spreads narrow layers' rows over more programs and adds their parts.
 
@@ -43,86 +43,10 @@ import triton
 import triton.language as tl
 
 from specserve.core.quant import Q4, Q8, QuantWeight
-from specserve.kernels import split_k
+from specserve.kernels import half_ptx, split_k
 from specserve.kernels.int4 import dot_halves, operands
 from specserve.kernels.pdl import wait_and_release
 
-# The low (shift 0) or high (shift 4) nibbles of four bytes as four half values MAGIC + u:
-# bytes 0 and 1 spread over a word's two halves (prmt), masked and or-ed with the exponent
-# bits in one lop3 (0xEA: (a & b) | c); the same for bytes 2 and 3.
-_NIBBLE_ASM = """{{
-.reg .b32 t, a, b, zero;
-mov.b32 zero, 0;
-shr.b32 t, $2, {shift};
-prmt.b32 a, t, zero, 0x4140;
-prmt.b32 b, t, zero, 0x4342;
-lop3.b32 $0, a, 0x000F000F, {bits}, 0xEA;
-lop3.b32 $1, b, 0x000F000F, {bits}, 0xEA;
-}}"""
-# The same as half values u s + o, one scale and offset a block: u = (MAGIC + u) * 1 - MAGIC
-# exactly, then one fma a pair; the scales and offsets come as half pairs (s, s) in a word,
-# one a value ($3-$6, $7-$10 for the four), and a byte pair shares its block's.
-_SCALED_ASM = """{{
-.reg .b32 t, a, b, zero, one, neg;
-mov.b32 zero, 0;
-mov.b32 one, {one};
-mov.b32 neg, {neg};
-shr.b32 t, $2, {shift};
-prmt.b32 a, t, zero, 0x4140;
-prmt.b32 b, t, zero, 0x4342;
-lop3.b32 a, a, 0x000F000F, {bits}, 0xEA;
-lop3.b32 b, b, 0x000F000F, {bits}, 0xEA;
-fma.rn.{kind} a, a, one, neg;
-fma.rn.{kind} b, b, one, neg;
-fma.rn.{kind} $0, a, $3, $7;
-fma.rn.{kind} $1, b, $5, $9;
-}}"""
-# q8's signed bytes as half values q s + o, four a call ($2), pairs as in _SCALED_ASM. bf16 holds
-# no MAGIC + byte exactly, so u = q + 128 splits into its nibbles, each MAGIC + nibble, and
-# q = 16 (hi - 8) + lo exactly; fp16 holds 1024 + u, and q = (1024 + u) - 1152.
-_Q8_ASM = {torch.bfloat16: """{
-.reg .b32 t, a, b, h, l, zero, m, one, n136, n128, sixteen;
-mov.b32 zero, 0;
-mov.b32 m, 0x43004300;
-mov.b32 one, 0x3F803F80;
-mov.b32 n136, 0xC308C308;
-mov.b32 n128, 0xC300C300;
-mov.b32 sixteen, 0x41804180;
-xor.b32 t, $2, 0x80808080;
-prmt.b32 a, t, zero, 0x4140;
-prmt.b32 b, t, zero, 0x4342;
-shr.b32 h, a, 4;
-lop3.b32 h, h, 0x000F000F, m, 0xEA;
-lop3.b32 l, a, 0x000F000F, m, 0xEA;
-fma.rn.bf16x2 h, h, one, n136;
-fma.rn.bf16x2 l, l, one, n128;
-fma.rn.bf16x2 h, h, sixteen, l;
-fma.rn.bf16x2 $0, h, $3, $7;
-shr.b32 h, b, 4;
-lop3.b32 h, h, 0x000F000F, m, 0xEA;
-lop3.b32 l, b, 0x000F000F, m, 0xEA;
-fma.rn.bf16x2 h, h, one, n136;
-fma.rn.bf16x2 l, l, one, n128;
-fma.rn.bf16x2 h, h, sixteen, l;
-fma.rn.bf16x2 $1, h, $5, $9;
-}""", torch.float16: """{
-.reg .b32 t, a, b, zero, one, neg;
-mov.b32 zero, 0;
-mov.b32 one, 0x3C003C00;
-mov.b32 neg, 0xE480E480;
-xor.b32 t, $2, 0x80808080;
-prmt.b32 a, t, zero, 0x4140;
-prmt.b32 b, t, zero, 0x4342;
-lop3.b32 a, a, 0x00FF00FF, 0x64006400, 0xEA;
-lop3.b32 b, b, 0x00FF00FF, 0x64006400, 0xEA;
-fma.rn.f16x2 a, a, one, neg;
-fma.rn.f16x2 b, b, one, neg;
-fma.rn.f16x2 $0, a, $3, $7;
-fma.rn.f16x2 $1, b, $5, $9;
-}"""}
-_MAGIC = {torch.bfloat16: ("0x43004300", 128.0), torch.float16: ("0x64006400", 1024.0)}
-_PAIRS = {torch.bfloat16: dict(kind="bf16x2", one="0x3F803F80", neg="0xC300C300"),
-          torch.float16: dict(kind="f16x2", one="0x3C003C00", neg="0xE400E400")}
 MAX_EVERY = 8  # blocks a scale covers here, a power of two: 1 (GGUF's) to 8 (groups of 256 columns)
 # From 3 tokens these products take less time than blocks_x16.py's, which pay for each token
 # (docs/benchmarks.md); from 5 on, than blocks.py's dot kernel
@@ -137,7 +61,7 @@ def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
     whose scales cover a power of two of blocks up to MAX_EVERY (GGUF's one a block,
     AWQ/GPTQ's groups of 64 to 256 columns), or on q8 (a scale every 16 or 32 columns:
     GGUF's Q8_0, Q6_K, Q5_x); blocks_x16.py's `takes` leaves these inputs to it."""
-    if x.shape[0] < MIN_TOKENS or x.dtype not in _MAGIC or qw.shape[1] % 32:
+    if x.shape[0] < MIN_TOKENS or x.dtype not in half_ptx.MAGIC or qw.shape[1] % 32:
         return False
     if qw.method == Q8:
         return qw.group in (16, 32) and x.shape[0] >= MIN_TOKENS_Q8
@@ -148,7 +72,7 @@ def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
 @triton.jit
 def _nibbles(byte, x_ptr, HIGH: tl.constexpr, ASM: tl.constexpr, MAGIC: tl.constexpr):
     """MAGIC + u for the low (HIGH: high) nibble u of each uint8 of `byte`: in x's dtype by
-    `_NIBBLE_ASM` (ASM, its string), else in fp32."""
+    half_ptx.py's PTX (ASM, its string), else in fp32."""
     if ASM != "":
         w = tl.inline_asm_elementwise(ASM, "=r,=r,r", [byte], dtype=x_ptr.dtype.element_ty, is_pure=True, pack=4)
     elif HIGH:
@@ -208,7 +132,7 @@ def _block_pairs(v, BLOCK_N: tl.constexpr, SUBS: tl.constexpr, WIDTH: tl.constex
 def _scaled(byte, s, o, x_ptr, HIGH: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, SUBS: tl.constexpr):
     """u s + o in x's dtype for the low (HIGH: high) nibble u of each uint8 of `byte`
     [BLOCK_N, SUBS * 16], s and o [BLOCK_N, SUBS] its block's scale and offset (fp32),
-    each rounded to x's dtype first: by `_SCALED_ASM` (ASM, its string; s and o as half
+    each rounded to x's dtype first: by half_ptx.py's PTX (ASM, its string; s and o as half
     pairs (v, v) in an int32), else in fp32 and rounded."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     if ASM != "":
@@ -267,7 +191,7 @@ def _q8_scaled_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T,
                       USE_PDL: tl.constexpr):
     """Program (n, t, p) on q8 (a byte a column, a scale every SPAN columns): rows n, tokens
     t, the GPS blocks of 32 columns from p * GPS on, SUBS blocks a K step, each weight made
-    q s + o in x's dtype (`_Q8_ASM`; on the CPU in fp32, rounded) before the step's dot."""
+    q s + o in x's dtype (half_ptx.py's PTX; on the CPU in fp32, rounded) before the step's dot."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     HK: tl.constexpr = SUBS * 32  # a step's columns
     NSC: tl.constexpr = HK // SPAN  # its scales
@@ -345,21 +269,11 @@ def tc_matmul(x: torch.Tensor, qw: QuantWeight, *, residual: torch.Tensor | None
     common = dict(OFFSET=qw.zeros is not None, SUBS=subs, num_stages=stages, programs=programs)
     if every == 0:
         return split_k.launch(_q8_scaled_kernel, x, data, scale, offset, out, residual, k // 32, tile, warps,
-                              SPAN=qw.group, ASM=_Q8_ASM[x.dtype] if x.is_cuda else "", **common)
-    lo, hi = _asm(x, every)
+                              SPAN=qw.group, ASM=half_ptx.q8_values(x.dtype) if x.is_cuda else "", **common)
+    lo, hi = half_ptx.nibble_values(x.dtype, scaled=every == 1) if x.is_cuda else ("", "")
     if every == 1:
         return split_k.launch(_q4_scaled_kernel, x, data, scale, offset, out, residual, k // 32, tile, warps,
                               LO_ASM=lo, HI_ASM=hi, **common)
     return split_k.launch(_q4_dot_kernel, x, data, scale, offset, out, residual, k // 32, tile, warps,
-                          EVERY=every, LO_ASM=lo, HI_ASM=hi, MAGIC=_MAGIC[x.dtype][1], **common)
+                          EVERY=every, LO_ASM=lo, HI_ASM=hi, MAGIC=half_ptx.MAGIC[x.dtype], **common)
 
-
-def _asm(x: torch.Tensor, every: int) -> tuple[str, str]:
-    """The low and the high nibbles' inline PTX for x's dtype: `_SCALED_ASM` for one scale a
-    block, else `_NIBBLE_ASM`; none on the CPU."""
-    if not x.is_cuda:
-        return "", ""
-    template = _SCALED_ASM if every == 1 else _NIBBLE_ASM
-    pairs = _PAIRS[x.dtype] if every == 1 else {}
-    lo, hi = (template.format(shift=shift, bits=_MAGIC[x.dtype][0], **pairs) for shift in (0, 4))
-    return lo, hi
