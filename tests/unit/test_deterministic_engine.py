@@ -79,6 +79,24 @@ def test_perfect_drafts_equal_plain_decoding_bit_for_bit(kind, tmp_path, smollm2
     assert _generate(plain, ids, greedy) == [o["output_ids"] for o in got]
 
 
+def test_an_awq_target_in_the_mode(smollm2_dir, tmp_path):
+    """AWQ's 4-bit weights (held as q4 blocks, as a GGUF's are) in the mode: NGRAM equals
+    plain decoding bit for bit, and batch 5 equals each request alone."""
+    from pathlib import Path
+
+    from tests.unit.test_int4_model import write_int4
+
+    write_int4(Path(smollm2_dir), tmp_path / "awq", "awq", group=64)
+    plain = Engine(str(tmp_path / "awq"), log_level="warning", **DET)
+    assert plain.server_info()["weight_quantization"]["method"] == "awq"
+    ids = [plain.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    want = _generate(plain, ids, PARAMS)
+    assert _generate(plain, ids[:1], PARAMS[:1]) == want[:1]
+    ngram = Engine(str(tmp_path / "awq"), log_level="warning", speculative_adaptive="off", **DET,
+                   **ALGORITHMS["NGRAM"])
+    assert _generate(ngram, ids, PARAMS) == want
+
+
 @pytest.mark.parametrize("flags", [{"tp_size": 2}, {"quantization": "fp8"}, {"enable_torch_compile": True},
                                    {"speculative_algorithm": "NGRAM", "speculative_accept_threshold_acc": 0.5}])
 def test_what_the_mode_does_not_cover_is_refused(flags):
