@@ -288,15 +288,14 @@ def warn_lossy_thresholds(cfg: Config, ctx: CheckContext) -> Config:
 
 
 def check_deterministic(cfg: Config, ctx: CheckContext) -> Config:
-    """--enable-deterministic-inference covers one dense GPU (or CPU) in the model's dtype,
-    verified exactly: what it does not cover yet is refused, never silently inexact."""
+    """--enable-deterministic-inference covers one GPU (or CPU) in the model's dtype, every
+    --quantization included (models/invariant.py), verified exactly: what it does not cover
+    yet is refused, never silently inexact."""
     if not cfg.runner.enable_deterministic_inference:
         return cfg
     flag = "--enable-deterministic-inference"
     refused = {
         "--tp-size > 1": cfg.runner.tp_size > 1 or cfg.runner.nnodes > 1,
-        # a GGUF's blocks and AWQ/GPTQ's held as q4: row-local kernels on the CPU and the GPU (models/invariant.py)
-        "--quantization fp8": cfg.model.quantization not in (None, "none", "gguf", "awq", "gptq"),
         "--enable-torch-compile": cfg.runner.enable_torch_compile,
         "--speculative-accept-threshold-* below 1.0": (cfg.spec.accept_threshold_single < 1.0
                                                        or cfg.spec.accept_threshold_acc < 1.0),

@@ -12,8 +12,8 @@ their ancestor masks (`node_select.py`); per sampled step, the seeded Gumbel noi
 (`gumbel.py`), or the whole Gumbel-max draw without storing the noise (`argmax.py`); per
 verify, the greedy accept walk (`walk.py`), over seeded sampling's targets too. Under
 --enable-deterministic-inference every linear layer runs `invariant_mm.py` instead of the
-GEMVs and cuBLAS (quantized blocks: `blocks_x16.py` at any row count): its rows' arithmetic
-does not depend on how many rows there are.
+GEMVs and cuBLAS (fp8 weights too; quantized blocks: `blocks_x16.py` at any row count): its
+rows' arithmetic does not depend on how many rows there are.
 The model files call these only when `use_fused(tensor)` says so; everywhere else
 (CPU) they keep their exact torch path.
 
@@ -186,13 +186,14 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return invariant_mm.invariant_matmul(x, weight, bias, out_dtype, **fused)
 
 
-def invariant_blocks_serve(qw: QuantWeight, dtype: torch.dtype) -> bool:
-    """Whether `invariant_blocks` multiplies `qw` (on the GPU) with activations of `dtype`."""
-    if not (qw.data.is_cuda and triton_available()):
+def invariant_quantized_serve(qw: QuantWeight, dtype: torch.dtype) -> bool:
+    """Whether the mode's kernels multiply `qw` (on the GPU) with activations of `dtype`:
+    fp8 through `invariant_matmul`, blocks through `invariant_blocks`; half activations."""
+    if not (qw.data.is_cuda and triton_available() and dtype in (torch.bfloat16, torch.float16)):
         return False
-    from specserve.kernels import blocks_x16
+    from specserve.kernels import blocks_x16, invariant_mm
 
-    return blocks_x16.serves(qw, dtype)
+    return invariant_mm.fp8_scales_served(qw) or blocks_x16.serves(qw, dtype)
 
 
 def invariant_blocks(x: torch.Tensor, qw: QuantWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:

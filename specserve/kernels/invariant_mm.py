@@ -30,7 +30,10 @@ launches it saves):
     also returns each output tile's sum of squares of y, the partial sums the next
     layer's norm reads.
 `row_sumsq` gives the same partial sums for a stream that no such epilogue wrote (the
-embedding's). float32 models get IEEE fp32 products (no TF32). Weights are [N, K], any
+embedding's). fp8 weights (`scale`): each tile is widened to x's dtype (exact: e4m3 fits
+bf16 and fp16) before its dot, and the fp32 sums are scaled by the row's scale at the end,
+or tile by tile by the scale of the group of columns the tile lies in (BLOCK_K then at most
+the group; `fp8_scales_served`). float32 models get IEEE fp32 products (no TF32). Weights are [N, K], any
 strides (unit column stride on GPUs, where a stride of 1 compiles as a constant; the CPU's
 transposed layout under the interpreter).
 """
@@ -40,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.core.quant import QuantWeight
 from specserve.kernels import pdl_flags
 from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.pdl import wait_and_release
@@ -53,8 +57,25 @@ def _w_tile(w_ptr, rows, ks, sw, swk, mask):
     return tl.load(w_ptr + rows[:, None].to(tl.int64) * sw + ks[None, :] * swk, mask=mask, other=0.0)
 
 
+@triton.jit
+def _product(x, w_ptr, s_ptr, acc, rows, nmask, ks, kmask, k0, sw, swk, ssc, PREC: tl.constexpr,
+             SCALE: tl.constexpr, GROUP: tl.constexpr):
+    """acc + x times the weight rows `rows` at columns ks; fp8 weights (SCALE) widened to
+    x's dtype (exactly), and with scales on GROUP columns (SCALE 2) the tile's dot scaled
+    by its group's before it is added."""
+    w = _w_tile(w_ptr, rows, ks, sw, swk, nmask[:, None] & kmask[None, :])
+    if SCALE == 0:
+        return tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+    w = w.to(x.dtype)
+    if SCALE == 1:
+        return tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+    s = tl.load(s_ptr + rows.to(tl.int64) * ssc + k0 // GROUP, mask=nmask, other=0.0)
+    return acc + tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
+
+
 @triton.jit(do_not_specialize=["M"])
-def _invariant_mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, M, N, K, sx, sw, swk, sy, sr, n_ss, eps,
+def _invariant_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, M, N, K, sx, sw, swk, ssc, sy, sr,
+                         n_ss, eps, SCALE: tl.constexpr, GROUP: tl.constexpr,
                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, S_IN: tl.constexpr, GATED: tl.constexpr,
                          RES: tl.constexpr, SS_OUT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
@@ -69,10 +90,14 @@ def _invariant_mm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, M, N,
         kmask = ks < K
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx + ks[None, :], mask=rmask[:, None] & kmask[None, :],
                     other=0.0)
-        wmask = nmask[:, None] & kmask[None, :]
-        acc = tl.dot(x, tl.trans(_w_tile(w_ptr, cols, ks, sw, swk, wmask)), acc, input_precision=PREC)
+        acc = _product(x, w_ptr, s_ptr, acc, cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE, GROUP)
         if GATED:
-            acc_up = tl.dot(x, tl.trans(_w_tile(w_ptr, N + cols, ks, sw, swk, wmask)), acc_up, input_precision=PREC)
+            acc_up = _product(x, w_ptr, s_ptr, acc_up, N + cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE,
+                              GROUP)
+    if SCALE == 1:  # one scale a row (an fp8 weight's output channel)
+        acc *= tl.load(s_ptr + cols.to(tl.int64) * ssc, mask=nmask, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(s_ptr + (N + cols).to(tl.int64) * ssc, mask=nmask, other=0.0)[None, :]
     dt = x_ptr.dtype.element_ty
     if NORM:  # 1/rms of the row from its partial sums of squares, in index order
         s = tl.arange(0, S_IN)
@@ -118,27 +143,42 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
     return (64 if n >= 16384 else 32), min(block_k, max(16, triton.next_power_of_2(k))), 4, (4 if block_k <= 256 else 3)
 
 
+def fp8_scales_served(qw: QuantWeight) -> bool:
+    """Whether `invariant_matmul` takes this fp8 weight's scales: one a row, or one every
+    `group` columns with `group` a power of two of 16 or more (each K tile then inside one)."""
+    k = qw.shape[1]
+    return qw.method == "fp8" and (qw.group >= k or (qw.group >= 16 and qw.group & (qw.group - 1) == 0))
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None, *, norm: tuple[float, torch.Tensor] | None = None,
-                     gated: bool = False, residual: torch.Tensor | None = None,
-                     sumsq: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     gated: bool = False, residual: torch.Tensor | None = None, sumsq: bool = False,
+                     scale: QuantWeight | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in `out_dtype` (default x's),
     each row computed as the module docstring fixes it, whatever M is. `norm` (eps, the
     partial sums of squares of x's rows [M, S]): x is RMS-normalised first, the norm's
     weight already folded into `weight`; `gated`: weight (and bias) is gate_up [2N, K] and
     the result silu(gate) * up [M, N]; `residual` [M, N] (x's dtype) is added; `sumsq`
-    (with a residual): returns (y, the partial sums of squares of y's rows [M, S])."""
+    (with a residual): returns (y, the partial sums of squares of y's rows [M, S]).
+    `scale`: `weight` is that fp8 weight's data (`fp8_scales_served`)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
     assert not sumsq or residual is not None, "the partial sums come from the residual epilogue"
     assert not (gated and residual is not None), "a gated product takes no residual"
+    assert scale is None or fp8_scales_served(scale), (scale.method, scale.group)
     if gated and config(weight.shape[0], x.shape[1])[0] != config(weight.shape[0] // 2, x.shape[1])[0]:
-        gate_up = invariant_matmul(x, weight, bias, out_dtype, norm=norm)
+        gate_up = invariant_matmul(x, weight, bias, out_dtype, norm=norm, scale=scale)
         assert isinstance(gate_up, torch.Tensor)  # no sumsq: one tensor
         return silu_and_mul(gate_up)
     if x.stride(-1) != 1:
         x = x.contiguous()
     (m, k), n = x.shape, weight.shape[0] // (2 if gated else 1)
     block_n, block_k, warps, stages = config(n, k)
+    mode, group = 0, 1  # no scales
+    if scale is not None and scale.group >= k:
+        mode = 1  # one scale a row
+    elif scale is not None:
+        mode, group = 2, scale.group
+        block_k = min(block_k, group)  # a K tile inside one scale group
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     ss = torch.empty(m, triton.cdiv(n, block_n), dtype=torch.float32, device=x.device) if sumsq else y
     if m == 0:
@@ -152,10 +192,11 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     # row tiles vary fastest: the programs that read one weight tile run together, so at
     # many rows the weight streams from memory about once (the rest hit L2)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
+    s = scale.scale if scale is not None else y
     _invariant_mm_kernel[grid](
-        x, weight, bias if bias is not None else weight, y, residual if residual is not None else y, ss_in, ss,
-        m, n, k, x.stride(0), weight.stride(0), weight.stride(1), y.stride(0),
-        residual.stride(0) if residual is not None else 0, n_ss, eps,
+        x, weight, s, bias if bias is not None else weight, y, residual if residual is not None else y, ss_in, ss,
+        m, n, k, x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), y.stride(0),
+        residual.stride(0) if residual is not None else 0, n_ss, eps, SCALE=mode, GROUP=group,
         HAS_BIAS=bias is not None, NORM=norm is not None, S_IN=triton.next_power_of_2(n_ss), GATED=gated,
         RES=residual is not None, SS_OUT=sumsq, PREC=prec, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages, **pdl_flags(x.device))

@@ -25,11 +25,13 @@ they only propose, and exact verification makes the output the target's):
     of a model takes the same path;
   * attention walks each query's keys in position order with splits fixed by its own
     length (`attention/triton_invariant.py`, chosen by the runner's `make_backend`);
-  * a GGUF's blocks and AWQ/GPTQ weights held as q4, with half activations, take
-    kernels/blocks_x16.py's int16 products at every row count, the head too (`blocks_on_gpu`:
-    each row rounded to int16 alone, integer sums in an order fixed by the weight), where
-    the fast path changes kernels with the token count; their norms and SiLU*mul stay
-    separate row-local launches (nothing is folded). fp8 weights are refused.
+  * on a GPU, quantized layers with half activations take the mode's kernels too
+    (`quantized_on_gpu`): fp8 weights kernels/invariant_mm.py (their tiles widened exactly,
+    the scales applied to the fp32 sums); a GGUF's blocks and AWQ/GPTQ weights held as q4
+    kernels/blocks_x16.py's int16 products at every row count, the head too
+    (each row rounded to int16 alone, integer sums in an order fixed by the weight), where
+    the fast path changes kernels with the token count. Their norms and SiLU*mul stay
+    separate row-local launches (nothing is folded into quantized weights).
 On a CPU (no Triton), the same contract in torch (`layers.invariant_linear`, `RMSNorm`, the
 MLP's SiLU, the reference attention): products, sums, norms and SiLU in float64, rounded
 once to the model's dtype; a GGUF's layers (and head) held in blocks keep the CPU's block
@@ -69,25 +71,26 @@ def row_local_blocks(qw: quant.QuantWeight | None) -> bool:
             and cpu_quant.available() and cpu_quant.servable(qw))
 
 
-def blocks_on_gpu(qw: quant.QuantWeight | None, dtype: torch.dtype) -> bool:
-    """Whether `qw` is blocks on a GPU that `kernels.invariant_blocks` multiplies with
-    activations of `dtype` (half): each row rounded to int16 alone and summed in integers
-    in an order fixed by the weight, whatever the row count (kernels/blocks_x16.py)."""
-    return qw is not None and kernels.invariant_blocks_serve(qw, dtype)
+def quantized_on_gpu(qw: quant.QuantWeight | None, dtype: torch.dtype) -> bool:
+    """Whether `qw` is a quantized weight on a GPU that the mode's kernels multiply with
+    activations of `dtype` (half): fp8 (`kernels.invariant_matmul`: its tiles widened
+    exactly, the scales applied to the fp32 sums) or blocks
+    (`kernels.invariant_blocks`: each row rounded to int16 alone and summed in integers in
+    an order fixed by the weight). Either way whatever the row count."""
+    return qw is not None and kernels.invariant_quantized_serve(qw, dtype)
 
 
 def enable_layers(model: nn.Module) -> None:
     """Put every `Linear` and `RMSNorm` of `model` on the invariant path (a causal LM's
     head and few-token path: `LlamaForCausalLM.make_invariant`). A GGUF's blocks on the CPU
-    (`row_local_blocks`) keep their kernels; on a GPU, blocks (and AWQ/GPTQ weights held as
-    q4) take `kernels.invariant_blocks` with half activations (`blocks_on_gpu`); other
-    quantized layers (fp8) are refused (their kernels are not covered)."""
+    (`row_local_blocks`) keep their kernels; on a GPU, fp8 weights and blocks (AWQ/GPTQ's
+    held as q4 too) take the mode's own (`quantized_on_gpu`); others are refused."""
     dtype = activation_dtype(model)
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             if row_local_blocks(module.quantized):
                 continue
-            if module.quantized is not None and not blocks_on_gpu(module.quantized, dtype):
+            if module.quantized is not None and not quantized_on_gpu(module.quantized, dtype):
                 raise ValueError(f"--enable-deterministic-inference does not cover these quantized layers ({name}: "
                                  f"{module.quantized.method}, {str(dtype).removeprefix('torch.')} activations)")
             module.invariant = True

@@ -146,11 +146,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor | quant.QuantWeight, 
                      bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] times weight [N, K] (+ bias) -> [..., N] in `out_dtype` (default x's), each
     row computed one way whatever the row count: the Triton kernel where the fused kernels
-    run (kernels/invariant_mm.py; a GPU's quantized blocks: `kernels.invariant_blocks`, the
-    bias added after), else float64 against `weight64` ([K, N]; from `weight` when None),
-    rounded once (models/invariant.py)."""
+    run (kernels/invariant_mm.py, fp8 weights too; a GPU's quantized blocks:
+    `kernels.invariant_blocks`, the bias added after), else float64 against `weight64`
+    ([K, N]; from `weight` when None), rounded once (models/invariant.py)."""
     flat = x.reshape(-1, x.shape[-1])
-    if isinstance(weight, quant.QuantWeight):
+    if isinstance(weight, quant.QuantWeight) and weight.method == "fp8":
+        y = kernels.invariant_matmul(flat, weight.data, bias, out_dtype, scale=weight)
+    elif isinstance(weight, quant.QuantWeight):
         y = kernels.invariant_blocks(flat, weight, out_dtype)
         if bias is not None:
             y = (y + bias).to(y.dtype)

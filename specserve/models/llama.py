@@ -387,7 +387,7 @@ class LlamaForCausalLM(nn.Module):
         and the forward's path one way for any batch."""
         invariant.enable_layers(self)
         head = self.head_blocks
-        if head is not None and head.data.is_cuda and not invariant.blocks_on_gpu(head, activation_dtype(self)):
+        if head is not None and head.data.is_cuda and not invariant.quantized_on_gpu(head, activation_dtype(self)):
             raise ValueError(f"--enable-deterministic-inference does not cover this LM head ({head.method})")
         self.invariant = True
         self.folded_norms = invariant.fold_norms(self)

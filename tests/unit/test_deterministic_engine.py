@@ -97,7 +97,7 @@ def test_an_awq_target_in_the_mode(smollm2_dir, tmp_path):
     assert _generate(ngram, ids, PARAMS) == want
 
 
-@pytest.mark.parametrize("flags", [{"tp_size": 2}, {"quantization": "fp8"}, {"enable_torch_compile": True},
+@pytest.mark.parametrize("flags", [{"tp_size": 2}, {"enable_torch_compile": True},
                                    {"speculative_algorithm": "NGRAM", "speculative_accept_threshold_acc": 0.5}])
 def test_what_the_mode_does_not_cover_is_refused(flags):
     with pytest.raises(ConfigError, match="--enable-deterministic-inference"):

@@ -74,8 +74,38 @@ def test_quantized_blocks_rows_do_not_depend_on_the_row_count(method, group, off
     got = invariant_linear(x, qw, None, None, torch.float32)
     ref = x.float() @ qw.dequantize(torch.float32).T
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
-    assert kernels.invariant_blocks_serve(qw, dtype) == qw.data.is_cuda  # the mode's check: blocks on a GPU
-    assert not kernels.invariant_blocks_serve(qw, torch.float32)
+    assert kernels.invariant_quantized_serve(qw, dtype) == qw.data.is_cuda  # the mode's check: blocks on a GPU
+    assert not kernels.invariant_quantized_serve(qw, torch.float32)
+
+
+@pytest.mark.parametrize("group, gated, dtype", [(None, False, BF16), (None, True, torch.float16), (32, False, BF16),
+                                                (64, True, BF16)])
+def test_fp8_rows_do_not_depend_on_the_row_count(group, gated, dtype):
+    """fp8 weights in the mode (`invariant_linear` -> invariant_mm.py): one scale a row or
+    one every `group` columns (a K tail included), the tiles widened to x's dtype exactly
+    and scaled in fp32; gate_up's SiLU*mul; each row the bits of that row alone, and the
+    values those of the dequantized weight."""
+    from specserve.core import quant
+    from specserve.models.layers import invariant_linear
+
+    g = torch.Generator().manual_seed(7)
+    n, k = 48, 200
+    w = torch.randn(2 * n if gated else n, k, generator=g) / k ** 0.5
+    data, scale = quant.quantize_fp8(w, group)
+    qw = quant.QuantWeight(data.to(DEV), scale.to(DEV), group or k)
+    assert kernels.invariant_quantized_serve(qw, dtype) == qw.data.is_cuda  # the mode's check: on a GPU
+    assert not kernels.invariant_quantized_serve(qw, torch.float32)  # half activations only
+    x = torch.randn(33, k, generator=g).to(DEV, dtype)
+    if gated:
+        fn = lambda idx: kernels.invariant_matmul(x[idx], qw.data, gated=True, scale=qw)  # noqa: E731
+    else:
+        fn = lambda idx: invariant_linear(x[idx], qw, None, None)  # noqa: E731
+    for m in (1, 5, 33):
+        _rows_alone(fn, m)
+    ref = x.float() @ qw.dequantize(torch.float32).T
+    if gated:
+        ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
+    torch.testing.assert_close(fn(torch.arange(33, device=DEV)).float(), ref, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("n, k", [(40, 48), (70, 200)])
