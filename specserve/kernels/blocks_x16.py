@@ -19,8 +19,8 @@ Here, for up to MAX_TOKENS rows of half-precision x (bf16, fp16), two launches d
   SiLU*mul, as matvec.py's do. Each token's sums take the same operations in the same
   order whatever the tokens beside it, so a verify's rows equal one-token decoding's bit
   for bit. Past MAX_TOKENS the per-token work outweighs the shared weight reads and
-  blocks.py's dot kernel is faster; on q4, blocks_tc.py's tensor cores are from 3 tokens
-  (`takes` leaves those to it). --enable-deterministic-inference runs this product at
+  blocks.py's dot kernel is faster; blocks_tc.py's tensor cores are faster from 3 tokens
+  on q4 and from 4 on q8 (`takes` leaves those to it). --enable-deterministic-inference runs this product at
   every row count for that row invariance (`serves`; kernels.invariant_blocks).
 Pairs of block g, q4's order: pair (w, j) at g * 16 + 4 j + w, j = 0, 1 holding columns
 4w + 2j and + 1 (the low nibbles' bytes 0-1 and 2-3), j = 2, 3 the same + 16 (the high
