@@ -59,7 +59,7 @@ def serves(qw: QuantWeight, dtype: torch.dtype) -> bool:
 
 def takes(x: torch.Tensor, qw: QuantWeight) -> bool:
     """Whether this path is the fastest for x [T, K] times `qw` (`serves`): up to MAX_TOKENS
-    rows, but not what blocks_tc.py's tensor cores take (q4 from 3 tokens: faster there)."""
+    rows, but not what blocks_tc.py's tensor cores take (q4 from 3 tokens, q8 from 4: faster there)."""
     return serves(qw, x.dtype) and 1 <= x.shape[0] <= MAX_TOKENS and not blocks_tc.takes(x, qw)
 
 
