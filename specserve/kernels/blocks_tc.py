@@ -83,6 +83,23 @@ def _nibbles(byte, x_ptr, HIGH: tl.constexpr, ASM: tl.constexpr, MAGIC: tl.const
 
 
 @triton.jit
+def _q4_program(x_ptr, q_ptr, T, N, K, GPS, sx, sq, HK: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_T: tl.constexpr):
+    """A q4 program's tile (split_k.py `program_tile`), its blocks [first, end), and for a K
+    step of HK bytes a row: each byte's block, and the pointers of its bytes [BLOCK_N, HK]
+    and of x's columns [HK, BLOCK_T] for its low nibbles (byte e: block e // 16, column
+    32 (e // 16) + e % 16; the high nibbles' are 16 further)."""
+    rows, rmask, toks, tmask = split_k.program_tile(T, N, BLOCK_N, BLOCK_T)
+    first = tl.program_id(2) * GPS
+    end = tl.minimum(K // 32, first + GPS)
+    e = tl.arange(0, HK)
+    blk = e // 16
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * sq + e[None, :]
+    x_cols = x_ptr + toks[None, :] * sx + (blk * 32 + e % 16)[:, None]
+    return rows, rmask, toks, tmask, first, end, blk, q_rows, x_cols
+
+
+@triton.jit
 def _q4_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N, K, GPS, sx, sq, ss, so, sout, sr,
                    EVERY: tl.constexpr, OFFSET: tl.constexpr, LO_ASM: tl.constexpr, HI_ASM: tl.constexpr,
                    MAGIC: tl.constexpr, SUBS: tl.constexpr, RES: tl.constexpr, SPLIT: tl.constexpr,
@@ -93,13 +110,8 @@ def _q4_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T, N,
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     HK: tl.constexpr = EVERY * 16  # a scale group's bytes: a dot's depth
     wait_and_release(USE_PDL)
-    rows, rmask, toks, tmask = split_k.program_tile(T, N, BLOCK_N, BLOCK_T)
-    first = tl.program_id(2) * GPS
-    end = tl.minimum(K // 32, first + GPS)
-    e = tl.arange(0, HK)  # byte e of a group: block e // 16, low nibble column 32 (e // 16) + e % 16
-    blk = e // 16
-    q_rows = q_ptr + rows[:, None].to(tl.int64) * sq + e[None, :]
-    x_cols = x_ptr + toks[None, :] * sx + (blk * 32 + e % 16)[:, None]  # [HK, BLOCK_T]
+    rows, rmask, toks, tmask, first, end, blk, q_rows, x_cols = _q4_program(
+        x_ptr, q_ptr, T, N, K, GPS, sx, sq, HK, BLOCK_N, BLOCK_T)
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     for g0 in range(first, end, EVERY * SUBS):
         for i in tl.static_range(SUBS):
@@ -158,14 +170,9 @@ def _q4_scaled_kernel(x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, res_ptr, part_ptr, T,
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     HK: tl.constexpr = SUBS * 16  # a step's bytes of a row: the dots' depth
     wait_and_release(USE_PDL)
-    rows, rmask, toks, tmask = split_k.program_tile(T, N, BLOCK_N, BLOCK_T)
-    first = tl.program_id(2) * GPS
-    end = tl.minimum(K // 32, first + GPS)
-    e = tl.arange(0, HK)  # byte e of a step: block e // 16, low nibble column 32 (e // 16) + e % 16
-    blk = e // 16
+    rows, rmask, toks, tmask, first, end, blk, q_rows, x_cols = _q4_program(
+        x_ptr, q_ptr, T, N, K, GPS, sx, sq, HK, BLOCK_N, BLOCK_T)
     bi = tl.arange(0, SUBS)
-    q_rows = q_ptr + rows[:, None].to(tl.int64) * sq + e[None, :]
-    x_cols = x_ptr + toks[None, :] * sx + (blk * 32 + e % 16)[:, None]  # [HK, BLOCK_T]
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     for g in range(first, end, SUBS):
         bmask = g + blk < end

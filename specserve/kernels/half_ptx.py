@@ -60,21 +60,14 @@ mov.b32 sixteen, 0x41804180;
 xor.b32 t, $2, 0x80808080;
 prmt.b32 a, t, zero, 0x4140;
 prmt.b32 b, t, zero, 0x4342;
-shr.b32 h, a, 4;
+""" + "".join(f"""shr.b32 h, {src}, 4;
 lop3.b32 h, h, 0x000F000F, m, 0xEA;
-lop3.b32 l, a, 0x000F000F, m, 0xEA;
+lop3.b32 l, {src}, 0x000F000F, m, 0xEA;
 fma.rn.bf16x2 h, h, one, n136;
 fma.rn.bf16x2 l, l, one, n128;
 fma.rn.bf16x2 h, h, sixteen, l;
-fma.rn.bf16x2 $0, h, $3, $7;
-shr.b32 h, b, 4;
-lop3.b32 h, h, 0x000F000F, m, 0xEA;
-lop3.b32 l, b, 0x000F000F, m, 0xEA;
-fma.rn.bf16x2 h, h, one, n136;
-fma.rn.bf16x2 l, l, one, n128;
-fma.rn.bf16x2 h, h, sixteen, l;
-fma.rn.bf16x2 $1, h, $5, $9;
-}""", torch.float16: """{
+fma.rn.bf16x2 {out}, h, {s}, {o};
+""" for src, out, s, o in (("a", "$0", "$3", "$7"), ("b", "$1", "$5", "$9"))) + "}", torch.float16: """{
 .reg .b32 t, a, b, zero, one, neg;
 mov.b32 zero, 0;
 mov.b32 one, 0x3C003C00;
