@@ -6,8 +6,8 @@
    its x rounded to int16 by the step before it (a norm, attention, SiLU * up).
 
    The stream [T, hidden] is updated in place. One OpenMP parallel region runs the whole
-   stack: products split their output columns over the threads, norms and RoPE split rows,
-   attention splits (row, head) pairs; a barrier (cpu_quant.h's `team_wait`) separates the
+   stack: products split their output columns over the threads, norms split rows, RoPE
+   (row, head) pairs, attention (row, KV head, pass over its heads) items; a barrier (cpu_quant.h's `team_wait`) separates the
    steps. Each row is computed the same way whatever the other rows are (the products' sums
    run one order; attention visits its keys in kv_index order), so a verify's rows equal
    decode's.
@@ -31,6 +31,9 @@
 #include <immintrin.h>
 #endif
 
+#define SUB 4 /* query heads sharing a KV head that one pass over its keys serves (attend) */
+#define AHEAD 16 /* keys: how far ahead attend_heads prefetches cache rows */
+
 typedef struct {
     QW qkv, o, gate_up, down;
     const float *norm1, *norm2, *qkv_bias; /* qkv_bias NULL: none */
@@ -50,7 +53,7 @@ typedef struct {
     const uint8_t *q_valid;    /* [B * max_new] */
     const uint8_t *mask;       /* [B, max_new, max_kv], or NULL */
     const float *embed;        /* [T, hidden]: the tokens' embeddings, for a layer with norm0 */
-    float *xn, *qkv, *attn, *gate_up, *act, *scores; /* scratch; xn [T, 2 hidden], scores [threads, max_kv] */
+    float *xn, *qkv, *attn, *gate_up, *act, *scores; /* scratch; xn [T, 2 hidden], scores [threads, (SUB + 2) max_kv] */
     int16_t *xq;               /* [T, max(hidden, heads * head_dim, inter)]: a product's x rounded */
     float *xd, *xs;            /* its scales [T, that / 32] and sums [T, that / 16] (cpu_quant.h) */
 } Batch;
@@ -179,26 +182,41 @@ static void rms_pair_rows(const float *stream, const float *w0, const float *w1,
     round_rows(xn, 2 * H, b);
 }
 
-/* x [D] rotated in place by the table row of `pos`: x * cos + roll(x, D / 2) * signed sin */
+/* x [D] rotated in place by the table row of `pos`: x * cos + roll(x, D / 2) * signed sin
+   (two products and a sum, each rounded: the vector form computes the same) */
 static void rotate(float *x, const float *table, int64_t pos, int64_t D) {
-    float tmp[512];
     const float *cs = table + pos * 2 * D, *sn = cs + D;
+#ifdef __AVX512F__
+    if (D % 32 == 0) { /* D / 2 whole vectors: the roll moves whole vectors */
+        __m512 v[512 / 16];
+        const int64_t C = D / 16;
+        for (int64_t c = 0; c < C; c++) v[c] = _mm512_loadu_ps(x + 16 * c);
+        for (int64_t c = 0; c < C; c++)
+            _mm512_storeu_ps(x + 16 * c, _mm512_add_ps(_mm512_mul_ps(v[c], _mm512_loadu_ps(cs + 16 * c)),
+                                                       _mm512_mul_ps(v[(c + C / 2) % C], _mm512_loadu_ps(sn + 16 * c))));
+        return;
+    }
+#endif
+    float tmp[512];
     memcpy(tmp, x, sizeof(float) * D);
     for (int64_t d = 0; d < D; d++) x[d] = tmp[d] * cs[d] + tmp[(d + D / 2) % D] * sn[d];
 }
 
-/* bias, RoPE on queries and keys, new keys and values into the cache: this thread's rows */
+/* bias, RoPE on queries and keys, new keys and values into the cache: (row, head) pairs
+   split over the team */
 static void rope_store(const Layer *L, const Batch *b) {
-    int64_t r0, r1;
-    my_rows(b->T, &r0, &r1);
-    const int64_t D = b->head_dim, H = b->heads, KV = b->kv_heads, W = (H + 2 * KV) * D;
-    for (int64_t t = r0; t < r1; t++) {
-        float *row = b->qkv + t * W;
+    const int64_t D = b->head_dim, H = b->heads, KV = b->kv_heads, per = H + 2 * KV;
+#pragma omp for schedule(static) nowait
+    for (int64_t it = 0; it < b->T * per; it++) {
+        const int64_t t = it / per, h = it % per;
+        float *x = b->qkv + it * D;
         if (L->qkv_bias)
-            for (int64_t i = 0; i < W; i++) row[i] += L->qkv_bias[i];
-        for (int64_t h = 0; h < H + KV; h++) rotate(row + h * D, b->rope, b->positions[t], D);
-        memcpy(L->k_cache + b->out_slots[t] * KV * D, row + H * D, sizeof(float) * KV * D);
-        memcpy(L->v_cache + b->out_slots[t] * KV * D, row + (H + KV) * D, sizeof(float) * KV * D);
+            for (int64_t i = 0; i < D; i++) x[i] += L->qkv_bias[h * D + i];
+        if (h < H + KV) rotate(x, b->rope, b->positions[t], D);
+        if (h >= H + KV)
+            memcpy(L->v_cache + (b->out_slots[t] * KV + h - H - KV) * D, x, sizeof(float) * D);
+        else if (h >= H)
+            memcpy(L->k_cache + (b->out_slots[t] * KV + h - H) * D, x, sizeof(float) * D);
     }
 }
 
@@ -237,16 +255,99 @@ static void attend_one(const Layer *L, const Batch *b, int64_t bi, int64_t i, co
     for (int64_t d = 0; d < D; d++) out[d] /= sum;
 }
 
+#ifdef __AVX512F__
+/* Query heads h0 .. h0 + G of packed row r (request bi's query i), which share KV head kvh,
+   each computed as attend_one computes it (its dot, exp_shift, axpy and division, in the
+   same order: the same bits), with each key and value row read once for all G. D is a
+   multiple of 64; scratch holds SUB * max_kv scores, then max_kv int64 cache rows. */
+static inline __attribute__((always_inline)) void attend_heads(const Layer *L, const Batch *b, int64_t bi, int64_t i,
+                                                               int64_t r, int64_t h0, const int G, float *scratch) {
+    const int64_t D = b->head_dim, KV = b->kv_heads, H = b->heads, M = b->max_kv, kvh = h0 / (H / KV);
+    const int64_t *slots = b->kv_index + bi * M;
+    const uint8_t *visible = b->mask ? b->mask + (bi * b->max_new + i) * M : NULL;
+    int64_t *rows = (int64_t *)(scratch + SUB * M);
+    const float *q = b->qkv + r * (H + 2 * KV) * D + h0 * D;
+    float mx[SUB], sum[SUB];
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+    int64_t n = 0;
+    for (int64_t j = 0; j < M; j++) {
+        if (visible && !visible[j]) continue;
+        const int64_t row = slots[j] * KV + kvh;
+        const float *k = L->k_cache + row * D;
+        if (j + AHEAD < M) /* the cache's rows come from memory: ask for a later key's early */
+            for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(L->k_cache + (slots[j + AHEAD] * KV + kvh) * D + d), _MM_HINT_T0);
+        __m512 s[SUB];
+        for (int g = 0; g < G; g++) s[g] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 kv = _mm512_loadu_ps(k + d);
+            for (int g = 0; g < G; g++) s[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), kv, s[g]);
+        }
+        for (int g = 0; g < G; g++) {
+            const float v = _mm512_reduce_add_ps(s[g]) * b->scale;
+            scratch[g * M + n] = v;
+            mx[g] = v > mx[g] ? v : mx[g];
+        }
+        rows[n++] = row;
+    }
+    for (int g = 0; g < G; g++) sum[g] = exp_shift(scratch + g * M, n, mx[g]);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        __m512 acc[SUB][4];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < n; k++) {
+            const float *v = L->v_cache + rows[k] * D + d0;
+            if (k + AHEAD < n)
+                for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(L->v_cache + rows[k + AHEAD] * D + d0 + 16 * c), _MM_HINT_T0);
+            for (int c = 0; c < 4; c++) {
+                const __m512 vv = _mm512_loadu_ps(v + 16 * c);
+                for (int g = 0; g < G; g++) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scratch[g * M + k]), vv, acc[g][c]);
+            }
+        }
+        float *out = b->attn + r * H * D + h0 * D + d0;
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + g * D + 16 * c, _mm512_div_ps(acc[g][c], _mm512_set1_ps(sum[g])));
+    }
+}
+#endif
+
+/* Every query row and head over its visible keys. Where the vectors serve, the heads that
+   share a KV head go in passes of up to SUB (fewer only where there would be fewer passes
+   than threads), a KV head's passes for every query one after another, so that its cache
+   rows, read from memory by the first, are in cache for the rest; else head by head
+   (attend_one). */
 static void attend(const Layer *L, const Batch *b) {
-    const int64_t D = b->head_dim, H = b->heads, W = (H + 2 * b->kv_heads) * D;
-    const int64_t items = b->B * b->max_new * H, group = H / b->kv_heads;
-    float *p = b->scores + omp_get_thread_num() * b->max_kv;
+    const int64_t D = b->head_dim, H = b->heads, W = (H + 2 * b->kv_heads) * D, group = H / b->kv_heads;
+    const int64_t queries = b->B * b->max_new, threads = omp_get_num_threads();
+    float *scratch = b->scores + omp_get_thread_num() * (SUB + 2) * b->max_kv;
+#ifdef __AVX512F__
+    if (D % 64 == 0) {
+        int64_t sub = group < SUB ? group : SUB;
+        while (sub > 1 && queries * b->kv_heads * ((group + sub - 1) / sub) < threads) sub = (sub + 1) / 2;
+        const int64_t passes = (group + sub - 1) / sub, items = queries * b->kv_heads * passes;
+#pragma omp for schedule(static) nowait
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t bq = it % queries, rest = it / queries;
+            if (!b->q_valid[bq]) continue;
+            const int64_t h0 = rest / passes * group + rest % passes * sub, r = b->q_index[bq];
+            const int64_t left = (rest / passes + 1) * group - h0, G = left < sub ? left : sub;
+            const int64_t bi = bq / b->max_new, i = bq % b->max_new;
+            switch (G) {
+                case 1: attend_heads(L, b, bi, i, r, h0, 1, scratch); break;
+                case 2: attend_heads(L, b, bi, i, r, h0, 2, scratch); break;
+                case 3: attend_heads(L, b, bi, i, r, h0, 3, scratch); break;
+                default: attend_heads(L, b, bi, i, r, h0, 4, scratch); break;
+            }
+        }
+        return;
+    }
+#endif
+    const int64_t items = queries * H;
 #pragma omp for schedule(static) nowait
     for (int64_t it = 0; it < items; it++) {
         const int64_t h = it % H, bq = it / H, bi = bq / b->max_new, i = bq % b->max_new;
         if (!b->q_valid[bq]) continue;
         const int64_t r = b->q_index[bq];
-        attend_one(L, b, bi, i, b->qkv + r * W + h * D, h / group, b->attn + r * H * D + h * D, p);
+        attend_one(L, b, bi, i, b->qkv + r * W + h * D, h / group, b->attn + r * H * D + h * D, scratch);
     }
 }
 

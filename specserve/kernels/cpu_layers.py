@@ -23,6 +23,7 @@ from specserve.core import quant
 from specserve.kernels import cpu_quant
 
 _I, _F, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+SUB = 4  # cpu_layers.c: query heads a pass over a KV head's keys (its attention scratch is sized by it)
 
 
 class _QW(ctypes.Structure):
@@ -133,8 +134,9 @@ class Stack:
         bsz, max_new = attn.q_index.shape
         max_kv = attn.kv_index.shape[1]
         width = (s.heads + 2 * s.kv_heads) * s.head_dim
-        scratch = torch.empty(t * (xn + width + s.heads * s.head_dim + 3 * s.inter) + nthreads * max_kv)
-        sizes = [t * xn, t * width, t * s.heads * s.head_dim, t * 2 * s.inter, t * s.inter, nthreads * max_kv]
+        scores = nthreads * (SUB + 2) * max_kv  # cpu_layers.c's attention scratch
+        scratch = torch.empty(t * (xn + width + s.heads * s.head_dim + 3 * s.inter) + scores)
+        sizes = [t * xn, t * width, t * s.heads * s.head_dim, t * 2 * s.inter, t * s.inter, scores]
         parts = torch.split(scratch, sizes)
         mask = None if attn.mask is None else attn.mask.contiguous()
         keep = (attn.kv_index.contiguous(), attn.q_index.contiguous(), attn.q_valid.contiguous(), mask,
