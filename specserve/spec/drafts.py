@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from specserve.core.h2d import h2d_many
@@ -155,11 +156,19 @@ class Drafts:
         return first, sibling
 
 
+HOST_NODES = 16  # a CPU tree of up to this many nodes: its mask in one pass over the nodes
+
+
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] parents -> [B, N, N] bool ancestor-or-self relation, by repeated squaring of
     the one-step relation (self + parent): ceil(log2 N) batched matmuls on the parents'
-    device, no per-node loop (trees live on the GPU; a loop would be N launches per step)."""
+    device, no per-node loop (trees live on the GPU; a loop would be N launches per step).
+    A small tree on the CPU takes `_host_mask`: the same relation without the matmuls."""
     bsz, n = parents.shape
+    if not parents.is_cuda and n <= HOST_NODES:
+        mask = _host_mask(parents)
+        if mask is not None:
+            return mask
     step = torch.eye(n, device=parents.device).repeat(bsz, 1, 1)
     has_parent = parents >= 0
     step.scatter_add_(2, parents.clamp_min(0)[:, :, None], has_parent[:, :, None].to(step.dtype))
@@ -168,3 +177,19 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
         r = reach.to(torch.float32)  # path counts stay <= N: exact in float32
         reach = torch.bmm(r, r) > 0
     return reach
+
+
+def _host_mask(parents: torch.Tensor) -> torch.Tensor | None:
+    """ancestor_mask in numpy, one pass in node order: a node reaches itself and what its
+    parent reaches. None unless every parent comes before its child (the module's rule)."""
+    par = parents.numpy()
+    bsz, n = par.shape
+    if not (par[:, 1:] < np.arange(1, n)).all():
+        return None
+    reach = np.zeros((bsz, n, n), dtype=bool)
+    reach[:, np.arange(n), np.arange(n)] = True
+    for i in range(1, n):
+        p = par[:, i]
+        has = np.nonzero(p >= 0)[0]
+        reach[has, i] |= reach[has, p[has]]
+    return torch.from_numpy(reach)

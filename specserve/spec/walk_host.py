@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from specserve.kernels import cpu_rows
 from specserve.spec.drafts import Drafts
 
 
 def walk_host(drafts: Drafts, logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
     """(paths, tokens) of every row's greedy walk; logits [B, N, V] on the CPU."""
-    targets = logits.argmax(-1).tolist()
+    targets = cpu_rows.argmax(logits).tolist()
     rows = zip(drafts.tokens.tolist(), drafts.parents.tolist(), drafts.valid.tolist(), targets)
     paths, tokens = [], []
     for tok, par, valid, target in rows:

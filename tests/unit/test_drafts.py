@@ -65,3 +65,19 @@ def test_mask_is_ancestor_closure_and_lists_cover_every_child(parents):
             children.append(c)
             c = int(sibling[0, c])
         assert children == [k for k, q in enumerate(parents) if q == i]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(trees(), min_size=1, max_size=3))
+def test_the_host_mask_is_the_matmul_mask(rows):
+    """A small tree on the CPU takes drafts._host_mask; the matmul closure gives the same."""
+    from specserve.spec import drafts
+
+    n = max(map(len, rows))
+    parents = torch.tensor([row + [0] * (n - len(row)) for row in rows])  # padding hangs off the root
+    host = drafts.ancestor_mask(parents)
+    saved, drafts.HOST_NODES = drafts.HOST_NODES, 0
+    try:
+        assert torch.equal(host, drafts.ancestor_mask(parents))
+    finally:
+        drafts.HOST_NODES = saved

@@ -41,6 +41,7 @@ from specserve.core.forward_batch import ForwardBatch, ForwardMode
 from specserve.core.h2d import h2d_many
 from specserve.core.request import Req
 from specserve.engine.kv_manager import KVManager
+from specserve.kernels import cpu_rows
 from specserve.spec.drafts import Drafts, ancestor_mask
 from specserve.spec.tree.rows import fan_out
 
@@ -104,7 +105,13 @@ def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None,
         fused = kernels.topk_logprobs(logits, k, token_map, into)  # one launch instead of ~15
         if fused is not None:
             return fused
-    best, idx = row_topk(logits, k) if logits.is_cuda else logits.topk(k, dim=-1)  # a CPU needs no blocks
+    if logits.is_cuda:
+        best, idx = row_topk(logits, k)
+    elif k == 1:  # a CPU's one-draft trees: the argmax, not torch's topk (slower by far on a CPU)
+        idx = cpu_rows.argmax(logits)[..., None]
+        best = logits.gather(-1, idx)
+    else:
+        best, idx = logits.topk(k, dim=-1)  # a CPU needs no blocks
     logp = best.float() - logits.float().logsumexp(-1, keepdim=True)  # no [R, V] log_softmax written
     if token_map is not None:  # draft vocabulary (EAGLE-3 d2t, FR-Spec) -> target ids
         idx = token_map[idx]
