@@ -49,6 +49,10 @@ fma.rn.{kind} $1, b, $5, $9;
 # q8's signed bytes as half values q s + o, four a call ($2), pairs as in _SCALED. bf16 holds
 # no MAGIC + byte exactly, so u = q + 128 splits into its nibbles, each MAGIC + nibble, and
 # q = 16 (hi - 8) + lo exactly; fp16 holds 1024 + u, and q = (1024 + u) - 1152.
+_Q8_BYTES = """xor.b32 t, $2, 0x80808080;
+prmt.b32 a, t, zero, 0x4140;
+prmt.b32 b, t, zero, 0x4342;
+"""  # u = q + 128 of bytes 0, 1 (a) and 2, 3 (b), one to each 16-bit half
 _Q8 = {torch.bfloat16: """{
 .reg .b32 t, a, b, h, l, zero, m, one, n136, n128, sixteen;
 mov.b32 zero, 0;
@@ -57,10 +61,7 @@ mov.b32 one, 0x3F803F80;
 mov.b32 n136, 0xC308C308;
 mov.b32 n128, 0xC300C300;
 mov.b32 sixteen, 0x41804180;
-xor.b32 t, $2, 0x80808080;
-prmt.b32 a, t, zero, 0x4140;
-prmt.b32 b, t, zero, 0x4342;
-""" + "".join(f"""shr.b32 h, {src}, 4;
+""" + _Q8_BYTES + "".join(f"""shr.b32 h, {src}, 4;
 lop3.b32 h, h, 0x000F000F, m, 0xEA;
 lop3.b32 l, {src}, 0x000F000F, m, 0xEA;
 fma.rn.bf16x2 h, h, one, n136;
@@ -72,10 +73,7 @@ fma.rn.bf16x2 {out}, h, {s}, {o};
 mov.b32 zero, 0;
 mov.b32 one, 0x3C003C00;
 mov.b32 neg, 0xE480E480;
-xor.b32 t, $2, 0x80808080;
-prmt.b32 a, t, zero, 0x4140;
-prmt.b32 b, t, zero, 0x4342;
-lop3.b32 a, a, 0x00FF00FF, 0x64006400, 0xEA;
+""" + _Q8_BYTES + """lop3.b32 a, a, 0x00FF00FF, 0x64006400, 0xEA;
 lop3.b32 b, b, 0x00FF00FF, 0x64006400, 0xEA;
 fma.rn.f16x2 a, a, one, neg;
 fma.rn.f16x2 b, b, one, neg;
