@@ -14,6 +14,7 @@ bytes; every reader (attention/) upcasts before its products.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import mmap
@@ -90,15 +91,21 @@ class KVPool:
 
 
 class SlotAllocator:
-    """Free-list of slots 1..num_slots (CPU int64 tensors; freeing is batched lazily)."""
+    """Free list of slots 1..num_slots (CPU int64 tensors).
+
+    Slots freed since the last allocations are handed out again first, in the order they
+    were freed, before any slot never used: a CPU pool's pages are mapped when first
+    touched (`_zeros`), so a server keeps to the pages its peak load needs, and a step
+    writes its K and V to pages that are mapped and cached rather than faulting on a fresh
+    page every few tokens. Freeing appends a tensor; no step copies the whole free list."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.clear()
 
     def clear(self) -> None:
-        self._free = torch.arange(1, self.num_slots + 1, dtype=torch.int64)
-        self._released: list[torch.Tensor] = []
+        self._free = torch.arange(1, self.num_slots + 1, dtype=torch.int64)  # never handed out since clear
+        self._released: collections.deque[torch.Tensor] = collections.deque()  # freed, oldest first
         self._released_count = 0
 
     @property
@@ -107,17 +114,26 @@ class SlotAllocator:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Return n distinct free slots, or None (and change nothing) if there are fewer."""
-        if n > self._free.numel() and self._released:
-            self._free = torch.cat([self._free, *self._released])
-            self._released, self._released_count = [], 0
-        if n > self._free.numel():
+        if n > self.available:
             return None
-        out, self._free = self._free[:n], self._free[n:]
-        return out
+        parts, need = [], n
+        while need and self._released:
+            head = self._released[0]
+            if head.numel() <= need:
+                parts.append(self._released.popleft())
+            else:
+                parts.append(head[:need])
+                self._released[0] = head[need:]
+            need -= parts[-1].numel()
+        self._released_count -= n - need
+        if need or not parts:  # (n == 0: an empty tensor)
+            parts.append(self._free[:need])
+            self._free = self._free[need:]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             # a copy: the caller's tensor may be a view of the request table (on CPU,
             # `.to("cpu")` of a table row is a view) whose row is reused before this lands
-            self._released.append(slots.to("cpu", torch.int64, copy=True))
+            self._released.append(slots.to("cpu", torch.int64, copy=True).reshape(-1))
             self._released_count += slots.numel()

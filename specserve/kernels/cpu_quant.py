@@ -43,7 +43,7 @@ from specserve.core import env, quant
 
 logger = logging.getLogger("specserve")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_quant.h", "cpu_quant.c", "cpu_layers.c", "cpu_rows.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_quant.h", "cpu_exp.h", "cpu_quant.c", "cpu_layers.c", "cpu_rows.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 METHODS = {quant.Q4: 0, quant.Q8: 1}  # cpu_quant.h's QW_Q4, QW_Q8
 LAYOUT = 1  # the version of `pack`'s layout, in the files of `map_packed`
@@ -270,5 +270,6 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.cpu_layers_forward.argtypes = [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int, _P, _P]
     lib.qmm.restype = lib.cpu_layers_forward.restype = ctypes.c_int
     lib.rows_argmax.argtypes = [_P, _I, _I, _P]  # kernels/cpu_rows.py
-    lib.rows_argmax.restype = None
+    lib.rows_top1.argtypes = [_P, _I, _I, _P, _P]
+    lib.rows_argmax.restype = lib.rows_top1.restype = None
     return lib

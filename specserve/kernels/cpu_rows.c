@@ -1,14 +1,16 @@
 /* Row reductions of float32 logits on the CPU (driven by kernels/cpu_rows.py; built with
-   cpu_quant.c): the greedy token of each row, where torch's CPU argmax reads about one
-   element a nanosecond and a batch-1 step takes it once or twice over a whole vocabulary.
+   cpu_quant.c): the greedy token of each row, and its log-probability, where torch's CPU
+   argmax and logsumexp each read about one element a nanosecond and a batch-1 step takes
+   them once or twice over a whole vocabulary.
 
    Invariant: the index is torch.argmax's, the first of the row's largest values; a row
-   holding a NaN gets -1 (the caller asks torch, which ranks NaN first). */
+   holding a NaN gets -1 (the caller asks torch, which ranks NaN first). The log-probability
+   is -log(sum_j exp(x_j - max)), the sum over 16-lane exp (cpu_exp.h) in a fixed order:
+   within float32 rounding of torch's log_softmax, not its bits. */
+#include <math.h>
 #include <stdint.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "cpu_exp.h"
 
 #define LANES 4 /* vectors of 16 a step, each its own running maxima: no chain through one */
 
@@ -67,4 +69,32 @@ static int64_t row_argmax(const float *row, int64_t V) {
 /* out[r] = row r's argmax (row_argmax) for the R rows of x [R, V], V >= 1 */
 void rows_argmax(const float *x, int64_t R, int64_t V, int64_t *out) {
     for (int64_t r = 0; r < R; r++) out[r] = row_argmax(x + r * V, V);
+}
+
+/* sum_j exp(row[j] - max) over row[0 .. V) */
+static float sum_exp(const float *row, int64_t V, float max) {
+    int64_t j = 0;
+    float sum = 0.f;
+#ifdef __AVX512F__
+    const __m512 m = _mm512_set1_ps(max);
+    __m512 s[LANES];
+    for (int l = 0; l < LANES; l++) s[l] = _mm512_setzero_ps();
+    for (; j + 16 * LANES <= V; j += 16 * LANES)
+        for (int l = 0; l < LANES; l++)
+            s[l] = _mm512_add_ps(s[l], exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j + 16 * l), m)));
+    for (int l = 1; l < LANES; l++) s[0] = _mm512_add_ps(s[0], s[l]);
+    sum = _mm512_reduce_add_ps(s[0]);
+#endif
+    for (; j < V; j++) sum += expf(row[j] - max);
+    return sum;
+}
+
+/* idx[r] = row r's argmax (row_argmax) and logp[r] its log-probability under the row's
+   softmax, for the R rows of x [R, V], V >= 1; a row with a NaN gets idx -1 */
+void rows_top1(const float *x, int64_t R, int64_t V, int64_t *idx, float *logp) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = x + r * V;
+        idx[r] = row_argmax(row, V);
+        logp[r] = idx[r] < 0 ? NAN : -logf(sum_exp(row, V, row[idx[r]]));
+    }
 }

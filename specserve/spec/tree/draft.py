@@ -105,14 +105,12 @@ def top_children(logits: torch.Tensor, k: int, token_map: torch.Tensor | None,
         fused = kernels.topk_logprobs(logits, k, token_map, into)  # one launch instead of ~15
         if fused is not None:
             return fused
-    if logits.is_cuda:
-        best, idx = row_topk(logits, k)
-    elif k == 1:  # a CPU's one-draft trees: the argmax, not torch's topk (slower by far on a CPU)
-        idx = cpu_rows.argmax(logits)[..., None]
-        best = logits.gather(-1, idx)
+    top1 = cpu_rows.top1(logits) if k == 1 and not logits.is_cuda else None
+    if top1 is not None:  # a CPU's one-draft trees: one C pass, not torch's topk and logsumexp
+        logp, idx = top1
     else:
-        best, idx = logits.topk(k, dim=-1)  # a CPU needs no blocks
-    logp = best.float() - logits.float().logsumexp(-1, keepdim=True)  # no [R, V] log_softmax written
+        best, idx = row_topk(logits, k) if logits.is_cuda else logits.topk(k, dim=-1)  # a CPU needs no blocks
+        logp = best.float() - logits.float().logsumexp(-1, keepdim=True)  # no [R, V] log_softmax written
     if token_map is not None:  # draft vocabulary (EAGLE-3 d2t, FR-Spec) -> target ids
         idx = token_map[idx]
     if into is not None:
