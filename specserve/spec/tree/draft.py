@@ -301,7 +301,9 @@ def _one_depth(roots: list[int], ids: torch.Tensor, n_sel: int) -> Drafts:
     bsz = len(roots)
     tokens = torch.cat([torch.tensor(roots, dtype=torch.int64)[:, None], ids[:, :n_sel].to(torch.int64)], dim=1)
     parents = torch.tensor([[-1] + [0] * n_sel] * bsz, dtype=torch.int64)
-    return _full_trees(tokens, parents, ancestor_mask(parents))
+    mask = torch.eye(n_sel + 1, dtype=torch.bool).repeat(bsz, 1, 1)  # each node sees itself
+    mask[:, :, 0] = True  # and the root: ancestor_mask(parents) without its pass
+    return _full_trees(tokens, parents, mask)
 
 
 def _full_trees(tokens: torch.Tensor, parents: torch.Tensor, mask: torch.Tensor) -> Drafts:
