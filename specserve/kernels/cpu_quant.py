@@ -20,7 +20,8 @@ CUDA tensors.
 Invariants: `matmul(x, qw)` equals `reference(x, qw)` (x rounded as the kernel rounds it,
 times the dequantized weight) up to float32 rounding; a row's result does not depend on
 the other rows nor on the thread count. A weight's tile layout is made once and kept
-while its `QuantWeight.data` lives.
+while its `QuantWeight.data` lives; one made here sits in huge pages where the system
+gives them (kernels/huge_pages.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from specserve.core import env, quant
+from specserve.kernels import huge_pages
 
 logger = logging.getLogger("specserve")
 
@@ -108,7 +110,7 @@ def _pack(qw: quant.QuantWeight) -> Packed:
         ints = qw.data.reshape(tiles, TILE, groups, qw.group // 2, 2).permute(0, 2, 3, 1, 4)
         ints = _bytes(ints.reshape(tiles, groups, -1))
     supers = [_super(t0, min(t0 + SUPER, tiles), [ints, *parts]) for t0 in range(0, tiles, SUPER)]
-    return Packed(qw.method, n, k, qw.group, half, qw.zeros is not None, torch.cat(supers))
+    return Packed(qw.method, n, k, qw.group, half, qw.zeros is not None, huge_pages.copy(torch.cat(supers)))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -121,12 +123,13 @@ def _super(t0: int, t1: int, parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p[t0:t1].transpose(0, 1).reshape(p.shape[1], -1) for p in parts], dim=1).reshape(-1)
 
 
-def map_packed(path: Path, weights: dict[str, quant.QuantWeight], source: str) -> bool:
+def map_packed(path: Path, weights: dict[str, quant.QuantWeight], source: str, private: bool = False) -> bool:
     """Give each servable weight its layout from the file at `path`, mapped (one copy in
     memory for every process serving the model, as its blocks are), writing the file first
     unless it holds these weights' layouts made from `source` (the blocks file's identity)
-    by this LAYOUT. False where it cannot be written: the layouts are then made in memory
-    on first use."""
+    by this LAYOUT. `private` (a process that serves the model alone): copied from the file
+    into huge pages instead (kernels/huge_pages.py). False where the file cannot be
+    written: the layouts are then made in memory on first use."""
     from safetensors import safe_open
 
     weights = {name: qw for name, qw in weights.items() if servable(qw)}
@@ -140,7 +143,9 @@ def map_packed(path: Path, weights: dict[str, quant.QuantWeight], source: str) -
             for name, qw in weights.items():
                 n, k = qw.shape
                 half, has_offset = (bool(v) for v in flags[name])
-                _packed[id(qw.data)] = Packed(qw.method, n, k, qw.group, half, has_offset, f.get_tensor(name))
+                data = f.get_tensor(name)
+                data = huge_pages.copy(data) if private else data
+                _packed[id(qw.data)] = Packed(qw.method, n, k, qw.group, half, has_offset, data)
                 weakref.finalize(qw.data, _packed.pop, id(qw.data), None)
     except OSError as e:
         logger.info("the CPU kernels' weight layout is kept in memory, not in %s (%s)", path, e)

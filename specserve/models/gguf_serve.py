@@ -145,28 +145,32 @@ def reserve(model: LlamaForCausalLM, blocks: Blocks) -> set[str]:
     return {f"{name}.weight" for name in blocks.layers}
 
 
-def apply(model: LlamaForCausalLM, blocks: Blocks, model_dir: Path, device: torch.device) -> int:
+def apply(model: LlamaForCausalLM, blocks: Blocks, model_dir: Path, device: torch.device,
+          private: bool = False) -> int:
     """Swap `blocks` into `model` (loaded and finalised on `device`, the layers `reserve`d);
-    returns how many layers now hold blocks."""
+    returns how many layers now hold blocks. `private`: this process serves the model alone
+    (its CPU layouts may leave the shared file for huge pages: `_map_cpu_layouts`)."""
     for name, qw in blocks.layers.items():
         cast(Linear, model.get_submodule(name)).hold(_on_device(qw, device))
     if blocks.head is not None:
         model.head_blocks = _on_device(blocks.head, device)
     if device.type == "cpu":
         _map_embedding(model, Path(model_dir))
-        _map_cpu_layouts(model, Path(model_dir) / gguf_blocks.BLOCKS_FILE)
+        _map_cpu_layouts(model, Path(model_dir) / gguf_blocks.BLOCKS_FILE, private)
         model.cpu_stack = CpuStack.build(model)
     return len(blocks.layers)
 
 
-def _map_cpu_layouts(model: LlamaForCausalLM, blocks_path: Path) -> None:
+def _map_cpu_layouts(model: LlamaForCausalLM, blocks_path: Path, private: bool) -> None:
     """The CPU kernels' layout of every weight held in blocks, as a file beside the blocks
-    (written by the first process to serve them) that every process maps."""
+    (written by the first process to serve them) that every process maps; copied into huge
+    pages when `private` (one process: the 4 KiB pages of a mapped file cost a decode step
+    a page walk every 4 KiB of weights)."""
     held = {name: m.quantized for name, m in model.named_modules() if isinstance(m, Linear) and m.quantized is not None}
     if model.head_blocks is not None:
         held["lm_head"] = model.head_blocks
     stat = blocks_path.stat()
-    cpu_quant.map_packed(blocks_path.parent / cpu_layout_file(), held, f"{stat.st_size}-{stat.st_mtime_ns}")
+    cpu_quant.map_packed(blocks_path.parent / cpu_layout_file(), held, f"{stat.st_size}-{stat.st_mtime_ns}", private)
 
 
 def cpu_layout_file() -> str:

@@ -66,10 +66,11 @@ def iter_safetensors(model_dir: Path, desc: str = "Loading weights",
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None, gguf_ok: bool = True) -> LlamaForCausalLM:
+               quantization: str | None = None, gguf_ok: bool = True, private: bool = False) -> LlamaForCausalLM:
     """The model of `model_dir`, weights quantized as `quantization` (the flag) and the
     checkpoint's own config say (models/quantization.py); a GGUF's blocks served as they
-    are where models/gguf_serve.py says so (`gguf_ok` False: float layers only)."""
+    are where models/gguf_serve.py says so (`gguf_ok` False: float layers only; `private`:
+    no other process serves this model, gguf_serve.apply)."""
     hf = read_hf_config(model_dir)
     cfg = LlamaConfig.from_hf(hf)
     in_blocks = gguf_serve.resolve(quantization, model_dir, device, gguf_ok)
@@ -85,7 +86,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     model.load_weights(quantization_mod.checkpoint_tensors(tensors, wq), held)
     model.finalize(device, dtype)
     if blocks is not None:
-        gguf_serve.apply(model, blocks, model_dir, device)
+        gguf_serve.apply(model, blocks, model_dir, device, private)
         wq = quantization_mod.WeightQuant(gguf_serve.GGUF, from_checkpoint=True)
     model.eval().requires_grad_(False)
     model.weight_quant = wq

@@ -84,7 +84,8 @@ class ModelRunner:
         if model is None and load is load_model:  # an invariant model on a GPU: blocks with half activations only
             det_fp32 = self.device.type == "cuda" and self.dtype == torch.float32
             model = load_model(model_dir, self.dtype, self.device, model_cfg.quantization,
-                               gguf_ok=not (runner_cfg.enable_deterministic_inference and det_fp32))
+                               gguf_ok=not (runner_cfg.enable_deterministic_inference and det_fp32),
+                               private=runner_cfg.dp_size == 1)  # replicas share the CPU's layouts
         self.model = model or load(model_dir, self.dtype, self.device, model_cfg.quantization)
         if runner_cfg.enable_torch_compile:
             self.model.compiled = CompiledForward(self.model.forward_eager, runner_cfg.torch_compile_max_bs)
