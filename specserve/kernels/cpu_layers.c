@@ -7,10 +7,12 @@
 
    The stream [T, hidden] is updated in place. One OpenMP parallel region runs the whole
    stack: products split their output columns over the threads, norms split rows, RoPE
-   (row, head) pairs, attention (row, KV head, pass over its heads) items; a barrier (cpu_quant.h's `team_wait`) separates the
-   steps. Each row is computed the same way whatever the other rows are (the products' sums
-   run one order; attention visits its keys in kv_index order), so a verify's rows equal
-   decode's.
+   (row, head) pairs, attention (row, KV head, pass over its heads, half of the row's keys)
+   items; a barrier (cpu_quant.h's `team_wait`) separates the steps. Each row is computed
+   the same way whatever the other rows are (the products' sums run one order; attention
+   visits its keys in kv_index order, in two halves merged in one order where the row sees
+   SPLIT_MIN keys or more: a split by the count of keys it sees, which a verify's row and
+   decode's share), so a verify's rows equal decode's.
 
    A layer with norm0 is EAGLE-3's draft layer (models/eagle3.py): its q/k/v product reads
    the tokens' embeddings normed by norm0 beside the stream normed by norm1, and the stream
@@ -34,6 +36,7 @@
 
 #define SUB 4 /* query heads sharing a KV head that one pass over its keys serves (attend) */
 #define AHEAD 16 /* keys: how far ahead attend_heads prefetches cache rows */
+#define SPLIT_MIN 128 /* visible keys from which a query row's keys go in two halves (attend) */
 
 typedef struct {
     QW qkv, o, gate_up, down;
@@ -54,7 +57,8 @@ typedef struct {
     const uint8_t *q_valid;    /* [B * max_new] */
     const uint8_t *mask;       /* [B, max_new, max_kv], or NULL */
     const float *embed;        /* [T, hidden]: the tokens' embeddings, for a layer with norm0 */
-    float *xn, *qkv, *attn, *gate_up, *act, *scores; /* scratch; xn [T, 2 hidden], scores [threads, (SUB + 2) max_kv] */
+    float *xn, *qkv, *attn, *gate_up, *act, *scores; /* scratch; xn [T, 2 hidden], scores [threads, (SUB + 2) max_kv],
+                                                        then the halves' partial sums [T, heads, 2, head_dim + 2] */
     int16_t *xq;               /* [T, max(hidden, heads * head_dim, inter)]: a product's x rounded */
     float *xd, *xs;            /* its scales [T, that / 32] and sums [T, that / 16] (cpu_quant.h) */
 } Batch;
@@ -243,10 +247,14 @@ static void attend_one(const Layer *L, const Batch *b, int64_t bi, int64_t i, co
 #ifdef __AVX512F__
 /* Query heads h0 .. h0 + G of packed row r (request bi's query i), which share KV head kvh,
    each computed as attend_one computes it (its dot, exp_shift, axpy and division, in the
-   same order: the same bits), with each key and value row read once for all G. D is a
-   multiple of 64; scratch holds SUB * max_kv scores, then max_kv int64 cache rows. */
+   same order: the same bits), with each key and value row read once for all G, over the
+   row's visible keys o0 .. o1 - 1 (counted in kv_index order). With `part` (a half of the
+   keys, attend), each head's unnormalised sums, max and sum go to part + g * 2 (D + 2)
+   instead of the output. D is a multiple of 64; scratch holds SUB * max_kv scores, then
+   max_kv int64 cache rows. */
 static inline __attribute__((always_inline)) void attend_heads(const Layer *L, const Batch *b, int64_t bi, int64_t i,
-                                                               int64_t r, int64_t h0, const int G, float *scratch) {
+                                                               int64_t r, int64_t h0, const int G, float *scratch,
+                                                               int64_t o0, int64_t o1, float *part) {
     const int64_t D = b->head_dim, KV = b->kv_heads, H = b->heads, M = b->max_kv, kvh = h0 / (H / KV);
     const int64_t *slots = b->kv_index + bi * M;
     const uint8_t *visible = b->mask ? b->mask + (bi * b->max_new + i) * M : NULL;
@@ -254,9 +262,12 @@ static inline __attribute__((always_inline)) void attend_heads(const Layer *L, c
     const float *q = b->qkv + r * (H + 2 * KV) * D + h0 * D;
     float mx[SUB], sum[SUB];
     for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-    int64_t n = 0;
-    for (int64_t j = 0; j < M; j++) {
+    int64_t n = 0, o = visible ? 0 : o0;
+    for (int64_t j = o; j < M; j++) {
         if (visible && !visible[j]) continue;
+        const int64_t ord = o++; /* the key's place among the row's visible keys */
+        if (ord < o0) continue;
+        if (ord >= o1) break;
         const int64_t row = slots[j] * KV + kvh;
         const float *k = L->k_cache + row * D;
         if (j + AHEAD < M) /* the cache's rows come from memory: ask for a later key's early */
@@ -288,18 +299,45 @@ static inline __attribute__((always_inline)) void attend_heads(const Layer *L, c
                 for (int g = 0; g < G; g++) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scratch[g * M + k]), vv, acc[g][c]);
             }
         }
-        float *out = b->attn + r * H * D + h0 * D + d0;
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + g * D + 16 * c, _mm512_div_ps(acc[g][c], _mm512_set1_ps(sum[g])));
+        if (part) { /* a half: its unnormalised sums, merged by merge_halves */
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_ps(part + g * 2 * (D + 2) + d0 + 16 * c, acc[g][c]);
+        } else {
+            float *out = b->attn + r * H * D + h0 * D + d0;
+            for (int g = 0; g < G; g++)
+                for (int c = 0; c < 4; c++)
+                    _mm512_storeu_ps(out + g * D + 16 * c, _mm512_div_ps(acc[g][c], _mm512_set1_ps(sum[g])));
+        }
     }
+    if (part)
+        for (int g = 0; g < G; g++) {
+            part[g * 2 * (D + 2) + D] = mx[g];
+            part[g * 2 * (D + 2) + D + 1] = sum[g];
+        }
 }
 #endif
+
+/* how many keys request bi's query i sees */
+static int64_t visible_keys(const Batch *b, int64_t bi, int64_t i) {
+    if (!b->mask) return b->max_kv;
+    const uint8_t *visible = b->mask + (bi * b->max_new + i) * b->max_kv;
+    int64_t n = 0;
+    for (int64_t j = 0; j < b->max_kv; j++) n += visible[j] != 0;
+    return n;
+}
+
+/* the halves' partial sums: [T, heads, 2, head_dim + 2], after the threads' scores */
+static float *halves(const Batch *b) {
+    return b->scores + omp_get_num_threads() * (SUB + 2) * b->max_kv;
+}
 
 /* Every query row and head over its visible keys. Where the vectors serve, the heads that
    share a KV head go in passes of up to SUB (fewer only where there would be fewer passes
    than threads), a KV head's passes for every query one after another, so that its cache
-   rows, read from memory by the first, are in cache for the rest; else head by head
-   (attend_one). */
+   rows, read from memory by the first, are in cache for the rest; a row that sees
+   SPLIT_MIN keys or more takes them in two halves by their place among its visible keys
+   (a split that depends on that count alone, so a verify's row splits as decode's does),
+   two items the threads share, merged by merge_halves. Else head by head (attend_one). */
 static void attend(const Layer *L, const Batch *b) {
     const int64_t D = b->head_dim, H = b->heads, W = (H + 2 * b->kv_heads) * D, group = H / b->kv_heads;
     const int64_t queries = b->B * b->max_new, threads = omp_get_num_threads();
@@ -308,19 +346,23 @@ static void attend(const Layer *L, const Batch *b) {
     if (D % 64 == 0) {
         int64_t sub = group < SUB ? group : SUB;
         while (sub > 1 && queries * b->kv_heads * ((group + sub - 1) / sub) < threads) sub = (sub + 1) / 2;
-        const int64_t passes = (group + sub - 1) / sub, items = queries * b->kv_heads * passes;
+        const int64_t passes = (group + sub - 1) / sub, items = queries * b->kv_heads * passes * 2;
+        float *part = halves(b);
 #pragma omp for schedule(static) nowait
         for (int64_t it = 0; it < items; it++) {
-            const int64_t bq = it % queries, rest = it / queries;
+            const int64_t bq = it % queries, half = it / queries % 2, rest = it / queries / 2;
             if (!b->q_valid[bq]) continue;
             const int64_t h0 = rest / passes * group + rest % passes * sub, r = b->q_index[bq];
             const int64_t left = (rest / passes + 1) * group - h0, G = left < sub ? left : sub;
-            const int64_t bi = bq / b->max_new, i = bq % b->max_new;
+            const int64_t bi = bq / b->max_new, i = bq % b->max_new, n = visible_keys(b, bi, i);
+            if (n < SPLIT_MIN && half) continue;
+            const int64_t o0 = n < SPLIT_MIN ? 0 : half * (n / 2), o1 = n < SPLIT_MIN || half ? n : n / 2;
+            float *p = n < SPLIT_MIN ? NULL : part + ((r * H + h0) * 2 + half) * (D + 2);
             switch (G) {
-                case 1: attend_heads(L, b, bi, i, r, h0, 1, scratch); break;
-                case 2: attend_heads(L, b, bi, i, r, h0, 2, scratch); break;
-                case 3: attend_heads(L, b, bi, i, r, h0, 3, scratch); break;
-                default: attend_heads(L, b, bi, i, r, h0, 4, scratch); break;
+                case 1: attend_heads(L, b, bi, i, r, h0, 1, scratch, o0, o1, p); break;
+                case 2: attend_heads(L, b, bi, i, r, h0, 2, scratch, o0, o1, p); break;
+                case 3: attend_heads(L, b, bi, i, r, h0, 3, scratch, o0, o1, p); break;
+                default: attend_heads(L, b, bi, i, r, h0, 4, scratch, o0, o1, p); break;
             }
         }
         return;
@@ -334,6 +376,35 @@ static void attend(const Layer *L, const Batch *b) {
         const int64_t r = b->q_index[bq];
         attend_one(L, b, bi, i, b->qkv + r * W + h * D, h / group, b->attn + r * H * D + h * D, scratch);
     }
+}
+
+/* The rows attend took in two halves: each head's output from its halves' sums,
+   (acc0 e^(m0 - m) + acc1 e^(m1 - m)) / (s0 e^(m0 - m) + s1 e^(m1 - m)), m the larger max */
+static void merge_halves(const Batch *b) {
+#ifdef __AVX512F__
+    const int64_t D = b->head_dim, H = b->heads, queries = b->B * b->max_new;
+    if (D % 64) return;
+    const float *part = halves(b);
+#pragma omp for schedule(static) nowait
+    for (int64_t bq = 0; bq < queries; bq++) {
+        if (!b->q_valid[bq] || visible_keys(b, bq / b->max_new, bq % b->max_new) < SPLIT_MIN) continue;
+        const int64_t r = b->q_index[bq];
+        for (int64_t h = 0; h < H; h++) {
+            const float *p0 = part + (r * H + h) * 2 * (D + 2), *p1 = p0 + D + 2;
+            const float m = p0[D] > p1[D] ? p0[D] : p1[D];
+            const float a0 = expf(p0[D] - m), a1 = expf(p1[D] - m);
+            const __m512 w0 = _mm512_set1_ps(a0), w1 = _mm512_set1_ps(a1);
+            const __m512 total = _mm512_set1_ps(p0[D + 1] * a0 + p1[D + 1] * a1);
+            float *out = b->attn + r * H * D + h * D;
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(p0 + d), w0, _mm512_mul_ps(_mm512_loadu_ps(p1 + d), w1));
+                _mm512_storeu_ps(out + d, _mm512_div_ps(v, total));
+            }
+        }
+    }
+#else
+    (void)b;
+#endif
 }
 
 /* SiLU(gate) * up, this thread's rows, rounded for down_proj */
@@ -367,6 +438,8 @@ static void layer(const Layer *L, const Batch *b, float *stream, TeamBarrier *ba
     rope_store(L, b);
     team_wait(bar, phase);
     attend(L, b);
+    team_wait(bar, phase);
+    merge_halves(b);
     team_wait(bar, phase);
     round_rows(b->attn, HD, b);
     team_wait(bar, phase);

@@ -134,7 +134,7 @@ class Stack:
         bsz, max_new = attn.q_index.shape
         max_kv = attn.kv_index.shape[1]
         width = (s.heads + 2 * s.kv_heads) * s.head_dim
-        scores = nthreads * (SUB + 2) * max_kv  # cpu_layers.c's attention scratch
+        scores = nthreads * (SUB + 2) * max_kv + t * s.heads * 2 * (s.head_dim + 2)  # cpu_layers.c's attention scratch
         scratch = torch.empty(t * (xn + width + s.heads * s.head_dim + 3 * s.inter) + scores)
         sizes = [t * xn, t * width, t * s.heads * s.head_dim, t * 2 * s.inter, t * s.inter, scores]
         parts = torch.split(scratch, sizes)

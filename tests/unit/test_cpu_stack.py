@@ -21,6 +21,9 @@ from tests.unit.model_utils import BareRunner, save_tiny_hf
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler: GGUF weights run dequantized")
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 77, 300, 12]
+SPLIT = 128  # cpu_layers.c SPLIT_MIN: a row that sees this many keys takes them in two halves
+LONG = [(7 * i + 3) % 400 for i in range(SPLIT + 30)]
+_PATH_MASK = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # 0; 0-1; 0-2-3
 
 
 def _blocks(w: torch.Tensor, kind: T) -> quant.QuantWeight:
@@ -63,13 +66,15 @@ def _tree_mask() -> torch.Tensor:
     return torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
 
 
-def test_the_c_stack_follows_the_torch_path(models):
+@pytest.mark.parametrize("prompt", [PROMPT, LONG], ids=["short", "long"])
+def test_the_c_stack_follows_the_torch_path(models, prompt):
     fused, plain = models
     runs = [BareRunner(m) for m in (fused, plain)]
-    calls = [dict(rows=[0], prefix_lens=[0], tokens=[PROMPT]),
-             dict(rows=[0], prefix_lens=[len(PROMPT)], tokens=[[7]], mode=ForwardMode.DECODE),
-             dict(rows=[0], prefix_lens=[len(PROMPT) + 1], tokens=[[9, 10, 11, 12]], masks=[_tree_mask()],
-                  positions=[[11, 12, 12, 13]], mode=ForwardMode.VERIFY)]
+    n = len(prompt)
+    calls = [dict(rows=[0], prefix_lens=[0], tokens=[prompt]),
+             dict(rows=[0], prefix_lens=[n], tokens=[[7]], mode=ForwardMode.DECODE),
+             dict(rows=[0], prefix_lens=[n + 1], tokens=[[9, 10, 11, 12]], masks=[_tree_mask()],
+                  positions=[[n + 1, n + 2, n + 2, n + 3]], mode=ForwardMode.VERIFY)]
     # a product's x is rounded to int16 (kernels/cpu_quant.py): where the two paths' x differ
     # in their last float bits, a value may round one step (2^-15 of its block's largest)
     # apart, and a wider model sums more such steps into a logit
@@ -77,21 +82,28 @@ def test_the_c_stack_follows_the_torch_path(models):
     for call in calls:
         got, want = (r.forward(**call) for r in runs)
         torch.testing.assert_close(got, want, rtol=1e-3, atol=atol)
-    torch.testing.assert_close(runs[0].pool.k[1], runs[1].pool.k[1], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(runs[0].pool.k[1], runs[1].pool.k[1], rtol=1e-3, atol=atol)  # layer 0's products in them
     torch.testing.assert_close(runs[0].pool.v[0], runs[1].pool.v[0], rtol=1e-3, atol=1e-4)
 
 
-def test_a_verifys_rows_equal_decodes_bit_for_bit(models):
+@pytest.mark.parametrize("prompt", [PROMPT, LONG[:SPLIT - 2], LONG], ids=["short", "at-the-split", "long"])
+def test_a_verifys_rows_equal_decodes_bit_for_bit(models, prompt):
+    """Chain and tree verifies against decode, on either side of the keys' split into halves
+    (cpu_layers.c SPLIT_MIN: the verify's rows cross it where the prompt ends just before)."""
     fused, _ = models
-    chain, one_by_one = BareRunner(fused), BareRunner(fused)
-    for r in (chain, one_by_one):
-        r.forward([0], [0], [PROMPT])
-    n = len(PROMPT)
+    chain, tree, one_by_one = BareRunner(fused), BareRunner(fused), BareRunner(fused)
+    for r in (chain, tree, one_by_one):
+        r.forward([0], [0], [prompt])
+    n = len(prompt)
     together = chain.forward([0], [n], [[7, 8, 9]], mode=ForwardMode.VERIFY)
     apart = torch.cat([one_by_one.forward([0], [n + i], [[t]], mode=ForwardMode.DECODE) for i, t in enumerate([7, 8, 9])])
     assert torch.equal(together, apart)
+    # root 7, children 5 and 8, 9 under 8: rows 0, 2 and 3 are the path 7, 8, 9
+    branched = tree.forward([0], [n], [[7, 5, 8, 9]], masks=[_PATH_MASK],
+                            positions=[[n, n + 1, n + 1, n + 2]], mode=ForwardMode.VERIFY)
+    assert torch.equal(branched[[0, 2, 3]], apart)
     both = BareRunner(fused)  # two requests in one decode batch: each row as if alone
-    both.forward([0, 1], [0, 0], [PROMPT, PROMPT[:4]])
+    both.forward([0, 1], [0, 0], [prompt, prompt[:4]])
     batched = both.forward([0, 1], [n, 4], [[7], [8]], mode=ForwardMode.DECODE)
     assert torch.equal(batched[0], apart[0])
 
