@@ -45,7 +45,8 @@ from specserve.kernels import huge_pages
 
 logger = logging.getLogger("specserve")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_quant.h", "cpu_exp.h", "cpu_quant.c", "cpu_layers.c", "cpu_rows.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_quant.h", "cpu_exp.h", "cpu_quant.c", "cpu_layers.c", "cpu_rows.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
 METHODS = {quant.Q4: 0, quant.Q8: 1}  # cpu_quant.h's QW_Q4, QW_Q8
 LAYOUT = 1  # the version of `pack`'s layout, in the files of `map_packed`
