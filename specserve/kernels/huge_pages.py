@@ -61,6 +61,7 @@ class _Chunk:
 _open: list[_Chunk] = []  # the chunk small tensors go into now (at most one)
 
 
+@torch.inference_mode(False)  # chunks outlive the call: never inference tensors, whoever asks first
 def copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of CPU tensor `t` in huge-page memory; `t` itself where that is
     not available (a system without transparent huge pages, an empty tensor)."""

@@ -39,3 +39,12 @@ def test_without_huge_pages_a_tensor_stays_as_it_was(monkeypatch):
     t = torch.ones(10)
     assert huge_pages.copy(t) is t
     assert huge_pages.copy(torch.empty(0)).numel() == 0
+
+
+@needs_thp
+def test_chunks_made_in_inference_mode_serve_outside_it(monkeypatch):
+    monkeypatch.setattr(huge_pages, "_open", [])
+    with torch.inference_mode():
+        first = huge_pages.copy(torch.ones(8, dtype=torch.uint8))  # opens the chunk
+    second = huge_pages.copy(torch.full((8,), 2, dtype=torch.uint8))  # the same chunk, outside the mode
+    assert not first.is_inference() and first.sum() == 8 and second.sum() == 16
