@@ -9,7 +9,7 @@ import torch
 from specserve import Engine
 from specserve.core import quant
 from specserve.core.config import ConfigError
-from specserve.kernels import cpu_quant
+from specserve.kernels import cpu_quant, huge_pages
 from specserve.models import gguf_blocks, gguf_serve, loader
 from specserve.models.layers import Linear
 from specserve.models.loader import load_model
@@ -86,6 +86,21 @@ def test_the_blocks_and_the_embedding_are_the_files_pages_not_copies(smollm2_dir
     assert model.lm_head.weight is table and _file_mapped(table, "model.safetensors")
     floats = load_model(smollm2_dir, torch.float32, CPU, "none")
     assert torch.equal(table, floats.model.embed_tokens.weight)
+
+
+@pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages on this system")
+def test_a_lone_process_copies_the_layouts_into_huge_pages(smollm2_dir):
+    """`private` (one engine process, --dp 1): the kernels' layouts leave the shared file for
+    huge pages, the same bytes; the blocks themselves stay the file's pages."""
+    shared = load_model(smollm2_dir, torch.float32, CPU)
+    shared_layouts = [cpu_quant.pack(m.quantized).data.clone() for m in shared.modules()
+                      if isinstance(m, Linear) and m.quantized is not None]
+    model = load_model(smollm2_dir, torch.float32, CPU, private=True)
+    held = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    for qw, want in zip(held, shared_layouts, strict=True):
+        layout = cpu_quant.pack(qw).data
+        assert not _file_mapped(layout, gguf_serve.CPU_LAYOUT_FILE) and torch.equal(layout, want)
+        assert _file_mapped(qw.data, "blocks.safetensors")
 
 
 @pytest.fixture(scope="module")
