@@ -1,11 +1,13 @@
-"""`specserve bench mtbench`: SGLang's MT-bench table, plain against EAGLE-2 / EAGLE-3 / NGRAM.
+"""`specserve bench mtbench`: SGLang's MT-bench table, plain against EAGLE-2 / EAGLE-3 / NGRAM /
+STANDALONE.
 
 The 80 MT-bench questions (first turn by default; `--turns 2` also runs the second turn, whose
-prompt holds each method's own first answer), chat-templated, greedy (or with `--temperature`
+prompt holds each method's own first answer), or HumanEval's 164 stubs (`--questions humaneval`,
+one turn; bench/prompts.py), chat-templated, greedy (or with `--temperature`
 sampled, question i seeded i, which speculative sampling reproduces token for token), at every
 batch size of `--batch-sizes`. Methods: our plain engine, then EAGLE-2 (`--eagle-draft`), EAGLE-3
-(`--eagle3-draft`, repeatable: one row per head, to compare heads in one run) and NGRAM (`--ngram`)
-when asked for, then Hugging Face transformers
+(`--eagle3-draft`, repeatable: one row per head, to compare heads in one run), NGRAM (`--ngram`)
+and STANDALONE (`--standalone-draft`, a draft model) when asked for, then Hugging Face transformers
 `generate` on the same prompt ids (unless `--no-hf`). One method at a time holds the device:
 each engine is created, warmed up (reversed prompts, as `spec_compare.warm_up`), timed and
 released before the next, and a fresh one is built for every batch size so NGRAM never learns
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,7 +36,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from specserve.args import positive_int
-from specserve.bench.prompts import MT_BENCH
+from specserve.bench.prompts import QUESTION_SETS
+from specserve.bench.prompts import questions as question_set
 from specserve.bench.report import report
 from specserve.bench.spec_compare import WARM_TOKENS, _spec_kwargs, timed_run
 from specserve.bench.spec_compare import engine_kwargs as pairs
@@ -107,12 +109,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="EAGLE-3 draft head: adds the EAGLE-3 rows; repeat it to compare heads in one run "
                         "(rows 'EAGLE-3 (<head directory name>)')")
     p.add_argument("--ngram", action="store_true", help="add the NGRAM rows")
+    p.add_argument("--standalone-draft", default=None,
+                   help="a draft model with the target's tokenizer (path or catalogue name): adds the STANDALONE rows")
     p.add_argument("--spec-args", default="",
                    help="extra flags of every speculative engine, e.g. 'speculative_num_steps=3,"
                         "speculative_eagle_topk=1,speculative_num_draft_tokens=4'")
     p.add_argument("--engine-args", default="",
                    help="flags of every specserve engine, e.g. 'tp_size=2' or 'max_total_tokens=65536'")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers generate")
+    p.add_argument("--questions", default="mtbench", choices=QUESTION_SETS,
+                   help="the question set: MT-bench's 80 questions, or HumanEval's 164 function stubs "
+                        "(one turn each, asked as a chat turn: bench/prompts.py)")
     p.add_argument("--turns", type=int, default=1, choices=(1, 2))
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--num-questions", type=int, default=80)
@@ -134,12 +141,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ---- prompts ---------------------------------------------------------------------------------
-
-def mt_bench_questions(n: int | None = None, path: Path = MT_BENCH) -> list[list[str]]:
-    """The turns of the first n MT-bench questions."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["turns"] for r in rows][:n]
-
 
 def conversation(turns: list[str], answers: list[str]) -> list[dict]:
     """Chat messages for the next turn: every earlier question with its answer, then the next one."""
@@ -178,6 +179,8 @@ def methods_from_args(args: argparse.Namespace) -> list[Method]:
     methods += [Method(label, "EAGLE3", draft) for label, draft in eagle3_labels(args.eagle3_draft or [])]
     if args.ngram:
         methods.append(Method("NGRAM", "NGRAM"))
+    if args.standalone_draft is not None:
+        methods.append(Method("STANDALONE", "STANDALONE", args.standalone_draft))
     if not args.no_hf:
         methods.append(Method(HF, hf=True))
     return methods
@@ -365,7 +368,8 @@ def make_row(args: argparse.Namespace, method: Method, bs: int, answers: Answers
     """One JSON row; `first_plain`: plain at the first batch size, which `identical_to_first_bs`
     counts against (a request's output should not depend on its batch)."""
     tok_s = answers.tokens / answers.seconds
-    return {"bench": "mtbench", "model": args.model, "method": method.label, "algorithm": method.algorithm,
+    return {"bench": "mtbench", "questions": args.questions, "model": args.model, "method": method.label,
+            "algorithm": method.algorithm,
             "draft": method.draft, "batch_size": bs, "device": str(runtime.device),
             "dtype": str(runtime.dtype).removeprefix("torch."), "num_questions": len(answers.ids),
             "turns": args.turns, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
@@ -403,7 +407,8 @@ def summary(rows: list[dict]) -> str:
     spec = [r for r in rows if r["algorithm"]]
     same = (f"; speculative outputs identical to plain: {sum(r['identical_outputs'] for r in spec)}/"
             f"{sum(r['num_questions'] for r in spec)}") if spec else ""
-    return (f"mtbench {first['model']} ({first['device']}, {first['dtype']}, {first['num_questions']} questions x "
+    return (f"{first.get('questions', 'mtbench')} {first['model']}"
+            f" ({first['device']}, {first['dtype']}, {first['num_questions']} questions x "
             f"{first['turns']} turn(s), {_decoding(first)}, max {first['max_new_tokens']} new tokens): fastest "
             + ", ".join(parts) + same)
 
@@ -433,7 +438,9 @@ def plot(rows: list[dict], path: str) -> None:
         ax.bar(xs, [tok_s.get((m, bs), 0.0) for bs in sizes], bar, label=m)
     ax.set_xticks(range(len(sizes)))
     ax.set_xticklabels([f"bs={bs}" for bs in sizes])
-    ax.set(ylabel="tokens/s", title=f"MT-bench, {Path(rows[0]['model']).name} ({rows[0]['device']})")
+    first = rows[0]
+    title = f"{first.get('questions', 'mtbench')}, {Path(first['model']).name} ({first['device']})"
+    ax.set(ylabel="tokens/s", title=title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -452,7 +459,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     for m in methods:
         engine_kwargs(args, m)  # a bad configuration fails before anything is timed
     tok = load_tokenizer(resolve_model_dir(args.tokenizer_path or args.model))
-    questions = mt_bench_questions(args.num_questions)
+    questions = question_set(args.questions, args.num_questions)
+    if args.turns > max(map(len, questions)):
+        raise ValueError(f"--turns {args.turns}: the {args.questions} questions have one turn each")
     width = max(len("method"), *(len(m.label) for m in methods))
     print(table_header(width), flush=True)
     rows: list[dict] = []

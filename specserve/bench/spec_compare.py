@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 
-from specserve.bench.prompts import mt_bench_first_turns
+from specserve.bench.prompts import humaneval_prompts, mt_bench_first_turns
 from specserve.bench.repetitive import repetitive_prompts
 from specserve.bench.report import report
 from specserve.spec import registry
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="draft with a random head of this layout, written for the target")
     p.add_argument("--spec-args", default="", help="extra engine flags, e.g. 'speculative_num_draft_tokens=8'")
     p.add_argument("--engine-args", default="", help="flags of both engines, e.g. 'max_running_requests=64'")
-    p.add_argument("--sets", default="mtbench,repetitive")
+    p.add_argument("--sets", default="mtbench,repetitive", help="of mtbench, repetitive, humaneval")
     p.add_argument("--rounds", type=int, default=1, help="time both engines this many times, alternating")
     add_run_args(p, num_prompts=10, max_new_tokens=128, output="bench_spec.jsonl")
     return p
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         draft = random_head(args, tmp) if args.random_head else args.draft
         spec = Engine(args.model, **common, **_spec_kwargs(args, draft))
-    sets = {"mtbench": mt_bench_first_turns, "repetitive": repetitive_prompts}
+    sets = {"mtbench": mt_bench_first_turns, "repetitive": repetitive_prompts, "humaneval": humaneval_prompts}
     for name in args.sets.split(","):
         texts = sets[name](args.num_prompts)
         prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]

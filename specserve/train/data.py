@@ -18,8 +18,8 @@ A prompt is a chat (OpenAI-style messages) that ends on a user turn:
     ShareGPT has about 44k later turns besides its ~15.6k first ones, so this is how to
     get more on-policy answers out of the same package.
 Prompts are deduplicated and every chat any of whose user turns is equal to or contains
-an MT-bench question (either turn; whitespace and case normalised) is dropped, so a head
-is never trained on the prompts it is benchmarked with.
+a benchmark question (MT-bench's either turn, a HumanEval ask; whitespace and case
+normalised) is dropped, so a head is never trained on the prompts it is benchmarked with.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from specserve.bench.prompts import MT_BENCH
+from specserve.bench.prompts import benchmark_turns
 from specserve.models.catalogue import cache_root, file_lock
 
 logger = logging.getLogger("specserve")
@@ -116,10 +116,9 @@ def normalise(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def benchmark_questions(path: Path = MT_BENCH) -> list[str]:
-    """Every turn of every MT-bench question, normalised (the copy the bench package ships)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [normalise(turn) for row in rows for turn in row["turns"]]
+def benchmark_questions() -> list[str]:
+    """Every turn of every benchmark question (MT-bench, HumanEval: bench/prompts.py), normalised."""
+    return [normalise(turn) for turn in benchmark_turns()]
 
 
 def contains_any(text: str, needles: list[str]) -> bool:

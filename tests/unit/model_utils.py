@@ -103,10 +103,10 @@ def tiny_engine(target: Path, tokenizer_dir: Path, **flags):
 def held_out_greedy(engine, plain, max_new_tokens: int) -> tuple[list[list[int]], list[dict]]:
     """Two MT-bench questions the shipped head never trained on (14 and 15), greedy: the
     plain engine's outputs (batched) and `engine`'s results (one request at a time)."""
-    from specserve.bench.mtbench import mt_bench_questions
+    from specserve.bench.prompts import questions
 
     tok = engine.tokenizer
-    prompts = [tok.encode_chat([{"role": "user", "content": q[0]}]) for q in mt_bench_questions(16)[-2:]]
+    prompts = [tok.encode_chat([{"role": "user", "content": q[0]}]) for q in questions("mtbench", 16)[-2:]]
     params = {"temperature": 0, "max_new_tokens": max_new_tokens}
     want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
     return want, [engine.generate(input_ids=p, sampling_params=params) for p in prompts]

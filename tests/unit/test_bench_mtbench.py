@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from specserve.bench import mtbench
+from specserve.bench import mtbench, prompts
 from specserve.bench.repetitive import repetitive_prompts
 from specserve.models.draft_layouts import save_eagle3
 from tests.unit.model_utils import save_tiny_hf
@@ -41,7 +41,7 @@ def _save_tokenizer(path: Path, vocab_size: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict[str, Path]:
+def tiny(tmp_path_factory) -> dict:
     """A tiny random Llama target with a tokenizer, and a random EAGLE-3 head for it."""
     root = tmp_path_factory.mktemp("mtbench")
     vocab = _save_tokenizer(root / "tok", 512)
@@ -49,7 +49,8 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
                           num_hidden_layers=4)  # EAGLE-3's default aux layers need 4
     for f in (root / "tok").iterdir():
         f.rename(target / f.name)
-    return {"target": target, "eagle3": save_eagle3(root / "eagle3", target, draft_vocab=128), "root": root}
+    return {"target": target, "eagle3": save_eagle3(root / "eagle3", target, draft_vocab=128), "root": root,
+            "vocab": vocab}
 
 
 def _argv(tiny, out: Path, *extra: str) -> list[str]:
@@ -167,7 +168,7 @@ def test_second_turn_prompts_hold_the_first_answer(tiny):
     from specserve.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny["target"])
-    questions = mtbench.mt_bench_questions(2)
+    questions = prompts.questions("mtbench", 2)
     first = mtbench.turn_prompts(tok, questions, [[], []], 0)
     assert first == [tok.encode_chat([{"role": "user", "content": q[0]}]) for q in questions]
     answers = [[tok.encode(text, add_special_tokens=False)] for text in (" Paris is the capital.", " Tokyo!")]
@@ -177,7 +178,7 @@ def test_second_turn_prompts_hold_the_first_answer(tiny):
         assert text.startswith(tok.decode(one, skip_special_tokens=False))  # the first turn, then
         assert text.index(q[0]) < text.index(tok.decode(ans[0])) < text.index(q[1])  # its answer, then q2
         assert text.endswith("<|im_start|>assistant\n")
-    assert len(mtbench.mt_bench_questions()) == 80 and all(len(q) == 2 for q in mtbench.mt_bench_questions())
+    assert len(prompts.questions("mtbench")) == 80 and all(len(q) == 2 for q in prompts.questions("mtbench"))
 
 
 def test_two_turns(tiny, tmp_path):
@@ -196,7 +197,7 @@ def test_run_turns_feeds_each_answer_into_the_next_prompt(tiny):
     from specserve.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny["target"])
-    questions = mtbench.mt_bench_questions(3)
+    questions = prompts.questions("mtbench", 3)
     seen: list[list[list[int]]] = []
 
     def fake(prompts):  # answer i of a turn: the token ids of "answer-<turn>-<i>"
@@ -222,6 +223,44 @@ def test_transformers_rows(tiny, tmp_path):
         assert r["accept_length"] is None and r["algorithm"] is None and r["tok_s"] > 0
         # same prompt ids, same greedy answers: also at bs=2, where transformers left-pads
         assert r["identical_outputs"] == 2, r
+
+
+def test_standalone_rows_on_humaneval(tiny, tmp_path):
+    """--standalone-draft adds a STANDALONE row (a smaller model of the target's vocabulary
+    drafting), lossless; --questions humaneval asks HumanEval's stubs, one turn each."""
+    draft = save_tiny_hf("llama", tmp_path / "draft", vocab_size=tiny["vocab"], max_position_embeddings=2048,
+                         num_hidden_layers=1, seed=3)
+    argv = _argv(tiny, tmp_path, "--standalone-draft", str(draft), "--questions", "humaneval", "--no-hf",
+                 "--num-questions", "3", "--max-new-tokens", "5", "--batch-sizes", "1,2",
+                 "--spec-args", "speculative_adaptive=off")
+    assert mtbench.main(argv) == 0
+    rows = _rows(tmp_path)
+    assert [(r["method"], r["batch_size"]) for r in rows] == [
+        ("plain", 1), ("STANDALONE", 1), ("plain", 2), ("STANDALONE", 2)]
+    for r in rows:
+        assert r["questions"] == "humaneval" and r["num_questions"] == 3
+        assert r["identical_outputs"] == 3 and r["identical_to_first_bs"] == 3, r
+    assert rows[1]["algorithm"] == "STANDALONE" and rows[1]["draft"] == str(draft)
+    assert mtbench.summary(rows).startswith("humaneval ")
+    with pytest.raises(ValueError, match="one turn each"):
+        mtbench.main(_argv(tiny, tmp_path, "--questions", "humaneval", "--turns", "2", "--no-hf"))
+
+
+def test_question_sets():
+    """HumanEval's 164 stubs, each asked as one chat turn holding the stub whole; every turn
+    of both sets is a benchmark turn (what training data may never hold)."""
+    from specserve.bench.prompts import HUMANEVAL, benchmark_turns
+
+    humaneval = prompts.questions("humaneval")
+    assert len(humaneval) == 164 and all(len(q) == 1 for q in humaneval)
+    first = json.loads(HUMANEVAL.read_text().splitlines()[0])
+    assert first["task_id"] == "HumanEval/0" and first["prompt"] in humaneval[0][0]
+    assert humaneval[0][0].startswith("Complete the following Python function")
+    assert prompts.questions("humaneval", 2) == humaneval[:2]
+    turns = benchmark_turns()
+    assert len(turns) == 80 * 2 + 164 and humaneval[5][0] in turns
+    with pytest.raises(ValueError, match="unknown question set"):
+        prompts.questions("gsm8k")
 
 
 def test_bad_draft_fails_loudly(tiny, tmp_path):
