@@ -382,7 +382,8 @@ def skinny(x: torch.Tensor, weight: torch.Tensor | QuantWeight, *, norm_weight: 
     out = torch.empty(t, n, dtype=out_dtype or x.dtype, device=x.device)
     if residual is not None:
         assert residual.shape == (t, n) and residual.dtype == x.dtype, (residual.shape, residual.dtype)
-        residual = residual.contiguous()
+        if residual.stride(1) != 1:  # rows read at residual.stride(0): 0 broadcasts one row (a bias)
+            residual = residual.contiguous()
     norm = norm_weight is not None
     assert norm_weight is None or norm_weight.shape == (k,), norm_weight.shape
     block_t = 16 if t <= 16 else 32

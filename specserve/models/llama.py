@@ -187,8 +187,8 @@ class Attention(nn.Module):
 
     @property
     def few_tokens_ready(self) -> bool:
-        """Whether `forward_few_tokens` can run: no q/k norms, no q/k/v bias."""
-        return self.q_norm is None and self.qkv_proj.bias is None
+        """Whether `forward_few_tokens` can run: no q/k norms (a q/k/v bias is fine)."""
+        return self.q_norm is None
 
     def forward_few_tokens(self, stream: torch.Tensor, norm: RMSNorm | None, fb: ForwardBatch,
                            rope: RopeAt,
@@ -198,15 +198,20 @@ class Attention(nn.Module):
         qkv GEMV and the residual add on o_proj's (kernels/matvec.py, kernels/skinny.py), and
         for 2 or more tokens RoPE and the KV write too (kernels/qkv_rope.py); needs a pooled
         KV cache. Under tensor parallelism rank 0 alone adds the residual, and the all-reduce
-        after o_proj sums it once with every rank's share."""
+        after o_proj sums it once with every rank's share. A q/k/v bias (Qwen2) rides on the
+        qkv GEMV as its residual add, broadcast over the tokens (each rank adds its shard's);
+        RoPE and the KV write then take their own launch at any token count."""
         h, kv, pool = self.heads, self.kv_heads, fb.kv_pool
         norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         caches = pool.k[self.layer_id], pool.v[self.layer_id], fb.out_slots
         scales = pool.k_scale, pool.v_scale  # an fp8 cache's (cache/kv_pool.py)
-        q = kernels.qkv_rope_store(stream, self.qkv_proj.out_in_weight, h, rope, *caches, norm_weight=norm_weight,
-                                   eps=eps, k_scale=scales[0], v_scale=scales[1])
-        if q is None:  # one token (or an odd head dim): the GEMV, then RoPE and the KV write
-            qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=norm_weight, eps=eps)
+        bias = self.qkv_proj.bias
+        q = None if bias is not None else kernels.qkv_rope_store(
+            stream, self.qkv_proj.out_in_weight, h, rope, *caches, norm_weight=norm_weight, eps=eps,
+            k_scale=scales[0], v_scale=scales[1])
+        if q is None:  # one token, an odd head dim or a bias: the GEMV, then RoPE and the KV write
+            qkv = kernels.gemv(stream, self.qkv_proj.out_in_weight, norm_weight=norm_weight, eps=eps,
+                               residual=None if bias is None else bias.expand(stream.shape[0], -1))
             q = kernels.rope_store_kv(qkv.view(-1, h + 2 * kv, self.head_dim), h, *rope.tables(), *caches,
                                       k_scale=scales[0], v_scale=scales[1])
         out = fb.attn_backend.forward(q, None, None, self.layer_id, fb, self.scale)

@@ -344,10 +344,28 @@ def _logits(model, fused: bool) -> list[torch.Tensor]:
     return [prefill, decode]
 
 
-@pytest.mark.parametrize("kind,skinny", [("llama", False), ("qwen3", False), ("llama", True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 5])
+def test_a_bias_rides_on_the_gemv_as_a_broadcast_residual(t, dtype):
+    """Qwen2's q/k/v bias on the few-token path: the bias broadcast over the tokens as the
+    GEMV's residual (a row stride of 0, no copy), after the pre-norm, is the norm, then
+    F.linear, then the bias added (the rounding of the residual add)."""
+    n, k = 96, 576
+    x = torch.randn(t, k, device=DEV).to(dtype)
+    w = torch.randn(n, k, device=DEV).div(k ** 0.5).to(dtype)
+    bias, norm = torch.randn(n, device=DEV).to(dtype), _norm(k, dtype)
+    got = kernels.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, residual=bias.expand(t, n))
+    with kernels.fused_kernels(False), torch.no_grad():
+        ref = bias + F.linear(norm(x), w)
+    _close(got, ref)
+
+
+@pytest.mark.parametrize("kind,skinny", [("llama", False), ("qwen3", False), ("llama", True), ("qwen2", True),
+                                         ("qwen2", False)])
 def test_tiny_model_fused_matches_torch(tmp_path, kind, skinny, monkeypatch):
     """skinny: the 9-token extend runs the few-token layers too (the default; without,
-    SPECSERVE_SKINNY=0, it runs the separate norms and F.linear)."""
+    SPECSERVE_SKINNY=0, it runs the separate norms and F.linear). qwen2: a q/k/v bias, on
+    the few-token layers as the qkv GEMV's broadcast residual."""
     monkeypatch.setenv("SPECSERVE_SKINNY", "1" if skinny else "0")
     model = load_model(save_tiny_hf(kind, tmp_path / kind), torch.float32, DEV)
     model.aux_layers = (0, 1, 2)  # exercises the residual-stream capture too
