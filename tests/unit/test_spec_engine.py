@@ -184,6 +184,32 @@ def test_standalone_graph_shaped_drafting_reads_nothing_back(smollm2_dir, refere
     assert calls["graphed"] > 10 and calls["eager"] > 0  # prompts catch up eagerly, verifies through the graph
 
 
+def test_standalone_catches_up_after_plain_steps_in_rounds_of_the_graph(smollm2_dir, reference, monkeypatch):
+    """Plain steps (the governor's) leave the draft behind by their tokens: a catch-up of
+    up to CATCH_UP_ROUNDS replays' worth runs through the graph-shaped path in rounds of L
+    tokens, each round's requests those with tokens left, and stays token-identical."""
+    from specserve.spec.standalone import proposer as standalone
+
+    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
+                    speculative_draft_model_path=str(smollm2_dir), speculative_num_steps=3,
+                    speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    _graph_shaped(engine, max_bs=8)
+    worker = engine.scheduler.spec
+    p, chunks, steps = worker.proposer, [], [0]
+
+    def speculate(bs, hint=None):  # two speculative steps, then a stretch of 1 to 9 plain ones
+        steps[0] += 1
+        return steps[0] % 11 in (0, 1, 5, 6)
+    monkeypatch.setattr(worker.governor, "speculate", speculate)
+    real = p._catch_up_graphed
+    monkeypatch.setattr(p, "_catch_up_graphed", lambda reqs, spans: (chunks.append(spans), real(reqs, spans))[1])
+    _check(engine, reference)
+    assert all(e - s <= p.catch_up_len for spans in chunks for s, e in spans)
+    rounds = [spans for spans in chunks if any(e - s == p.catch_up_len for s, e in spans)]
+    assert len(rounds) > 3, chunks  # spans longer than L were fed L at a time
+    assert standalone.CATCH_UP_ROUNDS * p.catch_up_len > 9
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the sync check need a GPU")
 @pytest.mark.parametrize("tree", [(3, 1, 4), (3, 2, 6), (5, 1, 6)])
 def test_standalone_on_cuda_replays_graphs_and_never_syncs_while_drafting(smollm2_dir, reference, tree, monkeypatch):

@@ -16,8 +16,9 @@ one-hot, which is what makes sampling lossless.
 
 Nothing is read back inside a step: the drafts stay on the device, and the slots of the
 catch-up and of the chain's nodes are gathered from the table there. On CUDA the
-catch-up (up to num_steps + 1 tokens per request: what one verify commits; longer ones,
-a prompt's or after the governor's plain steps, run eagerly), each chain DECODE and the
+catch-up (num_steps + 1 tokens per request a replay: what one verify commits; up to
+CATCH_UP_ROUNDS replays in turn after the governor's plain steps; longer ones, a
+prompt's, run eagerly), each chain DECODE and the
 whole tree pass replay CUDA graphs (`extend_graphs.py`, `runner/cuda_graph.py`,
 `tree_graphs.py`); a draft of tens of layers is hundreds of launches a forward.
 """
@@ -47,6 +48,9 @@ from specserve.spec.tree.graphs import TreeDraftGraphs
 from specserve.spec.tree.root_states import RootStates
 
 Span = tuple[int, int]  # positions [start, end) a request's catch-up feeds
+# A catch-up of up to this many graph replays runs graphed (a longer one eagerly: a prompt's):
+# an eager forward of a draft of tens of layers costs more launches than several replays.
+CATCH_UP_ROUNDS = 8
 
 
 def kv_shape(spec: SpecConfig) -> tuple[int, int, int]:
@@ -145,10 +149,23 @@ class StandaloneProposer(Proposer):
         children (logp, ids) [B, k], or None when a graph wrote them into `self.roots`."""
         spans = [(self.draft_kv_len[r.rid], r.kv_len + 1) for r in reqs]
         g = self.extend_graphs
-        if g is not None and g.can_run(len(reqs)) and max(e - s for s, e in spans) <= g.L:
-            self._catch_up_graphed(reqs, spans)
+        if g is not None and g.can_run(len(reqs)) and max(e - s for s, e in spans) <= g.L * CATCH_UP_ROUNDS:
+            self._catch_up_in_rounds(reqs, spans)
             return None
         return self._catch_up_eager(reqs, spans)
+
+    def _catch_up_in_rounds(self, reqs: list[Req], spans: list[Span]) -> None:
+        """Spans of up to L tokens in one replay; longer ones (after the governor's plain
+        steps) in rounds of L: each round feeds the next L tokens of every span not yet
+        fed, so a request's root states are written by the round that holds its last
+        token (an earlier round's are overwritten)."""
+        assert self.extend_graphs is not None, "graphed: the catch-up is captured"
+        L = self.extend_graphs.L
+        while reqs:
+            chunks = [(s, min(e, s + L)) for s, e in spans]
+            self._catch_up_graphed(reqs, chunks)
+            left = [i for i, ((_, e), (_, c)) in enumerate(zip(spans, chunks)) if c < e]
+            reqs, spans = [reqs[i] for i in left], [(chunks[i][1], spans[i][1]) for i in left]
 
     def _catch_up_graphed(self, reqs: list[Req], spans: list[Span]) -> None:
         """The catch-up padded to L tokens a request (padding: token 0 at position 0 into
