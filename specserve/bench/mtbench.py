@@ -407,7 +407,7 @@ def summary(rows: list[dict]) -> str:
     spec = [r for r in rows if r["algorithm"]]
     same = (f"; speculative outputs identical to plain: {sum(r['identical_outputs'] for r in spec)}/"
             f"{sum(r['num_questions'] for r in spec)}") if spec else ""
-    return (f"{first.get('questions', 'mtbench')} {first['model']}"
+    return (f"{first['questions']} {first['model']}"
             f" ({first['device']}, {first['dtype']}, {first['num_questions']} questions x "
             f"{first['turns']} turn(s), {_decoding(first)}, max {first['max_new_tokens']} new tokens): fastest "
             + ", ".join(parts) + same)
@@ -439,7 +439,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xticks(range(len(sizes)))
     ax.set_xticklabels([f"bs={bs}" for bs in sizes])
     first = rows[0]
-    title = f"{first.get('questions', 'mtbench')}, {Path(first['model']).name} ({first['device']})"
+    title = f"{first['questions']}, {Path(first['model']).name} ({first['device']})"
     ax.set(ylabel="tokens/s", title=title)
     ax.legend()
     fig.tight_layout()

@@ -26,13 +26,17 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def mt_bench_first_turns(n: int | None = None, path: Path = MT_BENCH) -> list[str]:
-    return [r["turns"][0] for r in _rows(path)][:n]
+def mt_bench_first_turns(n: int | None = None) -> list[str]:
+    return [q[0] for q in questions("mtbench", n)]
+
+
+def humaneval_stubs() -> list[str]:
+    return [r["prompt"] for r in _rows(HUMANEVAL)]
 
 
 def humaneval_prompts(n: int | None = None) -> list[str]:
     """The first n HumanEval stubs, each as the chat turn that asks to complete it."""
-    return [HUMANEVAL_ASK.format(stub=r["prompt"]) for r in _rows(HUMANEVAL)][:n]
+    return [HUMANEVAL_ASK.format(stub=stub) for stub in humaneval_stubs()[:n]]
 
 
 def questions(name: str, n: int | None = None) -> list[list[str]]:
@@ -45,5 +49,6 @@ def questions(name: str, n: int | None = None) -> list[list[str]]:
 
 
 def benchmark_turns() -> list[str]:
-    """Every turn of every question of every set (what training data must never contain)."""
-    return [turn for name in QUESTION_SETS for q in questions(name) for turn in q]
+    """What training data must never contain: every MT-bench turn and every HumanEval stub
+    (a prompt holding the stub, asked our way or another, holds the benchmark)."""
+    return [turn for q in questions("mtbench") for turn in q] + humaneval_stubs()

@@ -18,7 +18,7 @@ A prompt is a chat (OpenAI-style messages) that ends on a user turn:
     ShareGPT has about 44k later turns besides its ~15.6k first ones, so this is how to
     get more on-policy answers out of the same package.
 Prompts are deduplicated and every chat any of whose user turns is equal to or contains
-a benchmark question (MT-bench's either turn, a HumanEval ask; whitespace and case
+a benchmark question (MT-bench's either turn, a HumanEval stub; whitespace and case
 normalised) is dropped, so a head is never trained on the prompts it is benchmarked with.
 """
 from __future__ import annotations

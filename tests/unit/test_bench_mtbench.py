@@ -247,8 +247,8 @@ def test_standalone_rows_on_humaneval(tiny, tmp_path):
 
 
 def test_question_sets():
-    """HumanEval's 164 stubs, each asked as one chat turn holding the stub whole; every turn
-    of both sets is a benchmark turn (what training data may never hold)."""
+    """HumanEval's 164 stubs, each asked as one chat turn holding the stub whole; every
+    MT-bench turn and every stub is what training data may never hold."""
     from specserve.bench.prompts import HUMANEVAL, benchmark_turns
 
     humaneval = prompts.questions("humaneval")
@@ -258,7 +258,7 @@ def test_question_sets():
     assert humaneval[0][0].startswith("Complete the following Python function")
     assert prompts.questions("humaneval", 2) == humaneval[:2]
     turns = benchmark_turns()
-    assert len(turns) == 80 * 2 + 164 and humaneval[5][0] in turns
+    assert len(turns) == 80 * 2 + 164 and first["prompt"] in turns
     with pytest.raises(ValueError, match="unknown question set"):
         prompts.questions("gsm8k")
 

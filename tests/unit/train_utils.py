@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from specserve.bench.prompts import MT_BENCH, humaneval_prompts
+from specserve.bench.prompts import MT_BENCH, humaneval_prompts, humaneval_stubs
 from specserve.models.draft_layouts import read_tensors
 from tests.unit.model_utils import save_tiny_hf
 
@@ -51,7 +51,8 @@ def make_tiny(root: Path) -> tuple[Path, Path, Path]:
         {"prompt": "  " + bench.upper().replace(" ", "   ") + " "},  # an MT-bench question: dropped
         {"conversations": [{"from": "human", "value": f"please answer: {bench}"}]},  # contains one: dropped
         {"messages": [{"role": "user", "content": PROMPTS[0].lower()}]},  # a duplicate: dropped
-        {"prompt": humaneval_prompts(3)[2]},  # a HumanEval ask: dropped
+        {"prompt": humaneval_prompts(3)[2]},  # a HumanEval ask (it holds the stub): dropped
+        {"prompt": "fix my code:" + humaneval_stubs()[4]},  # a HumanEval stub asked another way: dropped
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root, target, data
