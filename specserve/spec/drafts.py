@@ -19,8 +19,6 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from specserve.core.h2d import h2d_many
-
 
 @dataclass
 class Drafts:
@@ -61,22 +59,6 @@ class Drafts:
         """Linear chains root -> d1 -> d2 ... (possibly of different lengths)."""
         return Drafts.from_lists([[r] + d for r, d in zip(roots, drafts)],
                                  [list(range(-1, len(d))) for d in drafts])
-
-    @staticmethod
-    def device_chains(roots: list[int], drafted: torch.Tensor, counts: list[int]) -> Drafts:
-        """Chains root -> d1 -> d2 ... of counts[b] nodes (root included; max(counts) =
-        M + 1) from drafts [B, M] on the device; shorter chains are padded as `chains` pads
-        them. One host->device copy, nothing read back."""
-        bsz, n = drafted.shape[0], drafted.shape[1] + 1
-        assert max(counts) == n, "the longest chain fills the drafted columns"
-        parents = [[i - 1 if i < c else 0 for i in range(n)] for c in counts]
-        valid = [[int(i < c) for i in range(n)] for c in counts]
-        root, parent_ids, is_valid = h2d_many([roots, sum(parents, []), sum(valid, [])], drafted.device)
-        tokens = torch.cat([root[:, None], drafted], 1)
-        mask = is_valid.view(bsz, n).bool()
-        if min(counts) < n:  # padding nodes: token 0 (they hang off the root)
-            tokens = torch.where(mask, tokens, 0)
-        return Drafts(tokens, parent_ids.view(bsz, n), mask, list(counts))
 
     @staticmethod
     def roots(tokens: list[int], device: torch.device | str = "cpu") -> Drafts:

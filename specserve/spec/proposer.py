@@ -13,7 +13,7 @@ speculative step costs before each decode step (and `drafts_pay` whether draftin
 pay, where the proposer can tell), and `cacheable` how much of a leaving
 request's KV the prefix cache may keep.
 
-`DraftsAhead` is pipelined drafting on the device (EAGLE's): the next step's drafts are
+`DraftsAhead` is pipelined drafting on the device (EAGLE's and STANDALONE's): the next step's drafts are
 queued from the verify's accepted paths before the host reads the verify back, so the
 worker can launch step k+1 before it commits step k (pipeline.py). The worker checks for
 it once, with isinstance; a proposer without it is told of each step by `on_verified`.
@@ -133,12 +133,13 @@ class DraftsAhead(ABC):
         """Whether `draft_ahead` can run for a batch of `bsz`."""
 
     @abstractmethod
-    def draft_ahead(self, reqs: list[Req], walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor,
+    def draft_ahead(self, reqs: list[Req], walk: GreedyWalk, features: torch.Tensor | None, slots: torch.Tensor,
                     trees: bool, row_start: torch.Tensor) -> torch.Tensor:
         """on_verified's work (and with `trees` the next propose's) queued from a greedy
         walk on the device, before the verify is read back; slots and features [B, N, ...]
-        are the verify's, row_start [2B] the requests' table rows then kv_lens, on the
-        device. Returns the kv_lens [B] after the commit, on the device."""
+        are the verify's (features None unless the runner captures them: a draft LLM),
+        row_start [2B] the requests' table rows then kv_lens, on the device. Returns the
+        kv_lens [B] after the commit, on the device."""
 
     @abstractmethod
     def keep_ahead(self, reqs: list[Req], rows: list[int], index: torch.Tensor) -> None:
@@ -150,9 +151,10 @@ class DraftsAhead(ABC):
         """Whether the next propose over `reqs` takes trees drafted ahead (then it reads no
         host state: pipeline.py)."""
 
-    @abstractmethod
     def adopt_ahead(self, reqs: list[Req], drafts: Drafts) -> None:
-        """`drafts` are the next trees of `reqs`, drafted inside a whole-step graph."""
+        """`drafts` are the next trees of `reqs`, drafted inside a whole-step graph (only
+        where `whole_step` gives graphs)."""
+        raise NotImplementedError(f"{type(self).__name__} has no whole-step graphs")
 
     def whole_step(self, runner: ModelRunner, kv: KVManager, max_bs: int) -> WholeStep | None:
         """Graphs of the whole pipelined step for batches up to `max_bs`, where this

@@ -226,9 +226,8 @@ class SpecWorker:
         fb = self.runner.device_verify_batch(drafts.tokens.reshape(-1), positions, flat, rows, starts,
                                              drafts.tree_mask(), self.kv.table.table)
         logits, features = self.runner.forward_with_features(fb)
-        assert features is not None, "a proposer that drafts ahead has the runner capture features"
-        ahead = _DraftAhead(ahead_drafter, reqs, features.view(b, n, -1), fb.out_slots.view(b, n), True,
-                            torch.cat([rows, starts]))
+        feats = features.view(b, n, -1) if features is not None else None  # a draft LLM reads none
+        ahead = _DraftAhead(ahead_drafter, reqs, feats, fb.out_slots.view(b, n), True, torch.cat([rows, starts]))
         pending = accept_greedy_later(drafts, logits.view(b, n, -1), ahead)
         assert ahead.kv_after is not None, "a greedy walk runs the hook before its read-back"
         return InFlightSpec(reqs, slots, pending, ahead.kv_after)
@@ -411,11 +410,11 @@ class _OpenStep(NamedTuple):
 
 class _DraftAhead:
     """`accept`'s before-read hook: the proposer's draft_ahead over this step's requests,
-    features [B, N, F] and slots [B, N], row_start [2B] their table rows then kv_lens (on
-    the device); `ran` once it was called (greedy walks only), `kv_after` [B] the kv_lens
-    it left."""
+    features [B, N, F] (None: a draft LLM's, which reads none) and slots [B, N],
+    row_start [2B] their table rows then kv_lens (on the device); `ran` once it was called
+    (greedy walks only), `kv_after` [B] the kv_lens it left."""
 
-    def __init__(self, proposer: DraftsAhead, reqs: list[Req], features: torch.Tensor, slots: torch.Tensor,
+    def __init__(self, proposer: DraftsAhead, reqs: list[Req], features: torch.Tensor | None, slots: torch.Tensor,
                  trees: bool, row_start: torch.Tensor) -> None:
         self.proposer, self.reqs, self.features, self.slots, self.trees = proposer, reqs, features, slots, trees
         self.row_start = row_start

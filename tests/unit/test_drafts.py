@@ -28,18 +28,6 @@ def test_ragged_chains_are_padded_with_invalid_nodes():
     assert first[1].tolist() == [-1, -1, -1, -1]  # padding is never a child
 
 
-def test_device_chains_are_the_host_chains():
-    """STANDALONE's chains drafted on the device: the same padded trees as `chains`."""
-    drafted = torch.tensor([[3, 4, 5], [6, 7, 8], [9, 9, 9]])
-    for counts in ([4, 4, 4], [4, 2, 3]):
-        d = Drafts.device_chains([1, 2, 0], drafted, counts)
-        want = Drafts.chains([1, 2, 0], [row[:n - 1] for row, n in zip(drafted.tolist(), counts)])
-        for field in ("tokens", "parents", "valid"):
-            assert torch.equal(getattr(d, field), getattr(want, field)), (counts, field)
-        assert d.counts == want.counts == counts
-        assert torch.equal(d.tree_mask(), want.tree_mask())
-
-
 @st.composite
 def trees(draw):
     n = draw(st.integers(1, 12))

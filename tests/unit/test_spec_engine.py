@@ -213,28 +213,33 @@ def test_standalone_catches_up_after_plain_steps_in_rounds_of_the_graph(smollm2_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the sync check need a GPU")
 @pytest.mark.parametrize("tree", [(3, 1, 4), (3, 2, 6), (5, 1, 6)])
 def test_standalone_on_cuda_replays_graphs_and_never_syncs_while_drafting(smollm2_dir, reference, tree, monkeypatch):
-    """The captured catch-up, chain DECODE and tree-pass graphs: token-identical, a
-    self-draft accepted at the depth bound, and no proposal synchronises with the GPU
-    (torch's sync debug mode turns any synchronising call into an error)."""
+    """The captured catch-up and tree-pass graphs, greedy steps pipelined (drafted ahead
+    before each verify's read-back): token-identical, a self-draft accepted at the depth
+    bound, and neither a proposal nor a draft-ahead synchronises with the GPU (torch's
+    sync debug mode turns any synchronising call into an error)."""
     steps, topk, n = tree
     engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
                     speculative_draft_model_path=str(smollm2_dir), speculative_num_steps=steps,
                     speculative_eagle_topk=topk, speculative_num_draft_tokens=n,
                     cuda_graph_max_bs=8, cuda_graph_max_prefill_tokens=512)  # the batches here: fewer captures
-    p = engine.scheduler.spec.proposer
-    assert p.extend_graphs is not None and (p.tree.graphs if p.tree is not None else p.decode_graphs) is not None
-    propose = p.propose
+    worker, p = engine.scheduler.spec, engine.scheduler.spec.proposer
+    assert p.extend_graphs is not None and p.tree.graphs is not None and worker.pipeline
+    calls = {"draft_ahead": 0}
+    for name in ("propose", "draft_ahead"):
+        real = getattr(p, name)
 
-    def propose_checked(*args):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return propose(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    monkeypatch.setattr(p, "propose", propose_checked)
+        def checked(*args, real=real, name=name):
+            calls[name] = calls.get(name, 0) + 1
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return real(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.setattr(p, name, checked)
     results = _check(engine, reference)
     assert min(r["meta_info"]["spec_accept_length"] for r in results) >= 3.0  # a short answer's last verify is cut
     assert engine.scheduler.spec.stats.avg_accept_length > 0.75 * min(steps + 1, n)  # the depth bound
+    assert calls["draft_ahead"] > 10, calls
 
 
 @pytest.mark.parametrize("algo,steps,topk,n", [("EAGLE", 3, 1, 4), ("EAGLE3", 3, 2, 6)])

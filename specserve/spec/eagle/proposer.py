@@ -58,6 +58,7 @@ from specserve.spec.eagle import LAYOUTS, batch_tree, step_graphs
 from specserve.spec.eagle.backlog import RING, DraftBacklog
 from specserve.spec.eagle.prefill_graphs import DraftPrefillGraphs
 from specserve.spec.proposer import DraftsAhead, Proposer, Verified, WholeStep
+from specserve.spec.tree.ahead import TreesAhead
 from specserve.spec.tree.draft import TreeDrafter, Trees, TreeStep, frontier_batch, top_children
 from specserve.spec.tree.extend_graphs import DraftExtendGraphs
 from specserve.spec.tree.graphs import TreeDraftGraphs
@@ -100,8 +101,7 @@ class EagleProposer(Proposer, DraftsAhead):
         self.catchup_graphs: DraftExtendGraphs | None = None  # after the governor's plain steps (backlog.py)
         self.backlog = DraftBacklog(kv.table.table.shape[0], self._feature_width(runner), runner.dtype, runner.device)
         self.prefill_graphs: DraftPrefillGraphs | None = None  # after one request's prefill chunk
-        # (request ids, their trees) drafted ahead for the next propose over exactly those requests
-        self._ahead: tuple[list[str], Drafts] | None = None
+        self.trees_ahead = TreesAhead()  # the next propose's trees, drafted ahead
         if self._can_capture(runner):
             self.tree.graphs = self._capture_tree(runner, max_running) if steps > 1 else None
             if self.batch_tree is not None:
@@ -120,7 +120,7 @@ class EagleProposer(Proposer, DraftsAhead):
         self.roots.ready.discard(req.rid)
         self.backlog.forget(req)
         if not req.finished:  # retracted: it comes back under its id, and its tree drafted ahead is stale
-            self._ahead = None  # (a finished request's id never returns; the others' trees stay: keep_ahead)
+            self.trees_ahead.clear()  # (a finished request's id never returns; the others' trees stay: keep_ahead)
 
     # -- keeping the draft KV in sync -----------------------------------------------------
     def on_extend(self, batch: ScheduleBatch, features: torch.Tensor | None) -> None:
@@ -171,7 +171,7 @@ class EagleProposer(Proposer, DraftsAhead):
         sampled go to the backlog (device writes queued behind the forward), and the draft
         extends over them when speculation resumes (`propose`), or now when a backlog
         fills its ring."""
-        self._ahead = None  # trees drafted ahead are from before this token
+        self.trees_ahead.clear()  # trees drafted ahead are from before this token
         if self.backlog.push(reqs, step):
             self._catch_up(reqs)
 
@@ -222,7 +222,7 @@ class EagleProposer(Proposer, DraftsAhead):
     def can_draft_ahead(self, bsz: int) -> bool:
         return self.extend_graphs is not None and self.extend_graphs.can_run(bsz)
 
-    def draft_ahead(self, reqs: list[Req], walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor,
+    def draft_ahead(self, reqs: list[Req], walk: GreedyWalk, features: torch.Tensor | None, slots: torch.Tensor,
                     trees: bool, row_start: torch.Tensor) -> torch.Tensor:
         """on_verified (and with `trees` the next propose) from the device, before the
         verify is read back: `walk` over full trees [B, N], features [B, N, F] their
@@ -230,14 +230,15 @@ class EagleProposer(Proposer, DraftsAhead):
         requests' table rows, then their kv_lens before the verify (the host's may lag:
         spec/pipeline.py). Returns kv_len after the commit [B], on the device. On CUDA one
         kernel does the bookkeeping (kernels/ahead.py)."""
+        assert features is not None, _FEATURES
         b = len(reqs)
         roots, kv_lens, _, _ = self._commit_ahead(walk, features, slots, row_start, inline=False)
         self.roots.mark(reqs)
-        self._ahead = None
+        self.trees_ahead.clear()
         if trees and self.tree.graphed(b):
             drafts = self.tree.draft_ahead(reqs, roots, kv_lens)
             if drafts is not None:
-                self._ahead = ([r.rid for r in reqs], drafts)
+                self.trees_ahead.hold(reqs, drafts)
         return kv_lens
 
     def draft_ahead_inline(self, walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor,
@@ -264,7 +265,7 @@ class EagleProposer(Proposer, DraftsAhead):
     def adopt_ahead(self, reqs: list[Req], drafts: Drafts) -> None:
         """`reqs` have root states and `drafts` are their next trees (draft_ahead_inline's)."""
         self.roots.mark(reqs)
-        self._ahead = ([r.rid for r in reqs], drafts)
+        self.trees_ahead.hold(reqs, drafts)
 
     def _commit_ahead(self, walk: GreedyWalk, features: torch.Tensor, slots: torch.Tensor, row_start: torch.Tensor,
                       inline: bool, shift: int = 0, kv_out: torch.Tensor | None = None
@@ -300,14 +301,11 @@ class EagleProposer(Proposer, DraftsAhead):
     def keep_ahead(self, reqs: list[Req], rows: list[int], index: torch.Tensor) -> None:
         """The next step continues over `reqs`, rows `rows` (`index` on the device) of the
         requests drafted ahead; the others ended. Their trees are kept for its propose."""
-        assert self._ahead is not None, "has_drafted_ahead: trees were drafted ahead"
-        rids, drafts = self._ahead
-        assert [rids[i] for i in rows] == [r.rid for r in reqs], "continues the requests drafted ahead"
-        self._ahead = ([r.rid for r in reqs], drafts.select(rows, index))
+        self.trees_ahead.keep(reqs, rows, index)
 
     def has_drafted_ahead(self, reqs: list[Req]) -> bool:
         """Whether the next propose over `reqs` takes trees drafted ahead (no pass of its own)."""
-        return self._ahead is not None and self._ahead[0] == [r.rid for r in reqs]
+        return self.trees_ahead.has(reqs)
 
     def _extend_ahead(self, paths: DevicePaths, features: torch.Tensor, slots: torch.Tensor,
                       row_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,11 +337,10 @@ class EagleProposer(Proposer, DraftsAhead):
     # -- drafting -------------------------------------------------------------------------
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         self._catch_up(reqs)  # after plain steps
-        ahead, self._ahead = self._ahead, None
         nodes = max(budgets)  # the batch tree's N for a step graph's run of it (batch_tree.py), else max_nodes
-        if ahead is not None and ahead[0] == [r.rid for r in reqs] and min(budgets) > 1 \
-                and ahead[1].num_nodes == nodes:
-            return ahead[1]
+        ahead = self.trees_ahead.take(reqs, nodes)
+        if ahead is not None and min(budgets) > 1:
+            return ahead
         active = [b for b, n in enumerate(budgets) if n > 1]  # budget 1: root only
         if not active:
             return Drafts.roots([r.last_id for r in reqs], self.runner.device)

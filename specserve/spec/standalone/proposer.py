@@ -1,33 +1,38 @@
 """STANDALONE: a small LLM with the target's vocabulary drafts a chain (topk 1) or a tree.
 
 The draft has its own KV pool addressed by the target's slots and table, so it needs no
-allocation of its own. Per request it tracks `draft_kv_len`: positions below it hold
-valid draft KV. Each step:
+allocation of its own; past the target's slots it has one root slot per table row
+(ahead.py). Per request it tracks `draft_kv_len`: positions below it hold valid draft
+KV in the slots the table row gives them. Each step:
   1. a catch-up forward over [draft_kv_len, kv_len] (the committed tokens it has not
-     seen, then the root) leaves the root's top-k children in `RootStates`;
-  2. a chain feeds d1, d2, ... at positions kv_len + 1, ... (DECODE forwards), writing
-     their KV into the verify slots of chain nodes 1, 2, ... (already in the table); a
-     tree (topk > 1) is expanded by `tree_draft.TreeDrafter` on scratch slots (each
-     branch attends to the request's row plus its own ancestors), and only the root's
-     draft KV is kept.
-After verify the first min(committed, fed) nodes keep valid draft KV, because accepted
-chain nodes stay at their positions. Drafting is greedy: verification treats drafts as
-one-hot, which is what makes sampling lossless.
+     seen, then the root, whose KV goes into its verify slot, already in the table)
+     leaves the root's top-k children in `RootStates`;
+  2. `tree.draft.TreeDrafter` expands a tree (a chain: topk 1) on scratch slots, each
+     branch attending to the request's row plus its own ancestors.
+After verify the root keeps its draft KV (draft_kv_len = kv_len at propose + 1).
+Drafting is greedy: verification treats drafts as one-hot, which is what makes sampling
+lossless.
 
-Nothing is read back inside a step: the drafts stay on the device, and the slots of the
-catch-up and of the chain's nodes are gathered from the table there. On CUDA the
-catch-up (num_steps + 1 tokens per request a replay: what one verify commits; up to
-CATCH_UP_ROUNDS replays in turn after the governor's plain steps; longer ones, a
-prompt's, run eagerly), each chain DECODE and the
-whole tree pass replay CUDA graphs (`extend_graphs.py`, `runner/cuda_graph.py`,
-`tree_graphs.py`); a draft of tens of layers is hundreds of launches a forward.
+Nothing is read back inside a step: the drafts stay on the device, and the catch-up's
+slots are gathered from the table there. On CUDA the catch-up (num_steps + 2 tokens per
+request a replay; up to CATCH_UP_ROUNDS replays in turn after the governor's plain
+steps; longer ones, a prompt's, run eagerly) and the whole tree pass replay CUDA graphs
+(`tree/extend_graphs.py`, `tree/graphs.py`); a draft of tens of layers is hundreds of
+launches a forward.
+
+Drafting ahead (spec/pipeline.py: CUDA graphs, greedy walks): `draft_ahead` runs between
+a verify's walk and its read-back. It writes the committed positions' slots into the
+table rows, catches the draft up through the bonus token (the next root, whose KV goes
+into the row's root slot: ahead.py) and queues the next trees; the host then reads the
+step back while the GPU drafts, and the next step's verify is launched before this one
+is committed. draft_kv_len after it is the new kv_len: the next root is fed again by the
+next catch-up, into its verify slot.
 """
 from __future__ import annotations
 
 import torch
 
 from specserve.cache.kv_pool import KVPool
-from specserve.cache.req_table import slots_at
 from specserve.core.batch import ScheduleBatch
 from specserve.core.config import SpecConfig
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
@@ -38,10 +43,12 @@ from specserve.engine.speculation import Decoded
 from specserve.models.llama import LlamaConfig
 from specserve.models.loader import load_model, random_model, read_hf_config
 from specserve.models.quantization import draft_flag
-from specserve.runner.cuda_graph import CudaGraphRunner
 from specserve.runner.model_runner import ModelRunner, make_backend
+from specserve.spec.accept import GreedyWalk
 from specserve.spec.drafts import Drafts
-from specserve.spec.proposer import Proposer, Verified
+from specserve.spec.proposer import DraftsAhead, Proposer, Verified
+from specserve.spec.standalone.ahead import catch_up_ahead
+from specserve.spec.tree.ahead import TreesAhead
 from specserve.spec.tree.draft import TreeDrafter, TreeStep, frontier_batch, top_children
 from specserve.spec.tree.extend_graphs import DraftExtendGraphs
 from specserve.spec.tree.graphs import TreeDraftGraphs
@@ -60,44 +67,41 @@ def kv_shape(spec: SpecConfig) -> tuple[int, int, int]:
     return c.num_layers, c.kv_heads_per_rank, c.head_dim
 
 
-class StandaloneProposer(Proposer):
+class StandaloneProposer(Proposer, DraftsAhead):
     def __init__(self, spec: SpecConfig, runner: ModelRunner, kv: KVManager, max_running: int) -> None:
         path = spec.draft_path  # checked at start-up (spec/standalone: resolve)
         load = random_model if spec.draft_load_format == "dummy" else load_model  # random weights: benchmarks
         self.model = load(path, runner.dtype, runner.device,
                           draft_flag(spec.draft_model_quantization, runner.model.weight_quant))
         c = self.model.config
-        self.pool = KVPool(runner.num_slots, c.num_layers, c.kv_heads_per_rank, c.head_dim, runner.kv_dtype,
-                           runner.device)
-        self.backend = make_backend(spec.draft_attention_backend or runner.attn_backend_name, runner.device)
         self.runner, self.kv, self.table = runner, kv, kv.table.table
+        rows = self.table.shape[0]
+        # the target's slots, then a root slot per table row (ahead.py): root_slot0 + row
+        self.pool = KVPool(runner.num_slots + rows, c.num_layers, c.kv_heads_per_rank, c.head_dim, runner.kv_dtype,
+                           runner.device)
+        self.root_slot0 = runner.num_slots + 1
+        self.backend = make_backend(spec.draft_attention_backend or runner.attn_backend_name, runner.device)
         self.num_steps, self.topk, self.max_nodes = spec.tree
-        self.tree = TreeDrafter(kv, self._tree_step, self.topk, self.num_steps) if self.topk > 1 else None
-        self.scratch_per_req = self.topk * (self.num_steps - 1) if self.tree else 0
-        self.roots = RootStates(self.table.shape[0], self.topk, 0, runner.dtype, runner.device)
-        self.catch_up_len = self.num_steps + 1  # the most tokens one verify commits
+        self.tree = TreeDrafter(kv, self._tree_step, self.topk, self.num_steps)  # a chain: topk 1
+        self.scratch_per_req = self.topk * (self.num_steps - 1)
+        self.roots = RootStates(rows, self.topk, 0, runner.dtype, runner.device)
+        self.catch_up_len = self.num_steps + 2  # a step's root, its accepted nodes and the bonus (ahead.py)
         self.extend_graphs: DraftExtendGraphs | None = None  # the catch-up
-        self.decode_graphs: CudaGraphRunner | None = None  # a chain's DECODE forwards
         self.draft_kv_len: dict[str, int] = {}
-        self._fed: dict[str, tuple[int, int]] = {}  # rid -> (kv_len at propose, nodes whose draft KV was written)
+        self._fed: dict[str, int] = {}  # rid -> kv_len at a propose that fed the root into its verify slot
+        self.trees_ahead = TreesAhead()  # the next propose's trees, drafted ahead
         if runner.device.type == "cuda" and not runner.runner_cfg.disable_cuda_graph \
                 and self.backend.supports_cuda_graph:
             self._capture(runner.graph_max_bs(max_running))
 
     def _capture(self, max_bs: int) -> None:
-        """Graphs of the catch-up, and of the tree pass or the chain's DECODE forwards."""
-        dev = self.runner.device
+        """Graphs of the catch-up and of the drafting pass."""
         with torch.inference_mode():
             self.extend_graphs = DraftExtendGraphs(self.model, self.backend, self.pool, self.table, max_bs,
                                                    self.catch_up_len, 0, self.topk, None, self.roots,
                                                    table_slots=True)
-            if self.tree is not None:
-                self.tree.graphs = TreeDraftGraphs(self.tree, self.roots, max_bs, self.max_nodes, dev)
-            elif self.num_steps > 1:
-                self.decode_graphs = CudaGraphRunner(self.model, self.backend, self.runner.vocab_size, dev, max_bs)
-                zero = torch.zeros(1, dtype=torch.int64, device=dev)
-                self.decode_graphs.capture(ForwardBatch(ForwardMode.DECODE, zero, zero, zero, zero, [0], [1],
-                                                        self.table, self.pool, self.backend))
+            if self.num_steps > 1:
+                self.tree.graphs = TreeDraftGraphs(self.tree, self.roots, max_bs, self.max_nodes, self.runner.device)
 
     def add_request(self, req: Req) -> None:
         self.draft_kv_len[req.rid] = 0  # a cached prefix may lack draft KV: recompute it
@@ -105,25 +109,23 @@ class StandaloneProposer(Proposer):
     def remove_request(self, req: Req) -> None:
         self.draft_kv_len.pop(req.rid, None)
         self._fed.pop(req.rid, None)
+        if not req.finished:  # retracted: it comes back under its id, and its tree drafted ahead is stale
+            self.trees_ahead.clear()
 
     def cacheable(self, req: Req) -> int | None:
         return None  # a borrower recomputes its draft KV (add_request)
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
-        for req in reqs:
-            self._fed[req.rid] = (req.kv_len, 0)
+        ahead = self.trees_ahead.take(reqs, self.max_nodes)
+        if ahead is not None and min(budgets) > 1:
+            return ahead  # the root's draft KV is in its root slot: nothing fed is kept
         active = [b for b, n in enumerate(budgets) if n > 1]  # budget 1: root only (penalties)
         if not active:
             return Drafts.roots([r.last_id for r in reqs], self.runner.device)
         act = [reqs[b] for b in active]
-        first = self._catch_up(act)
-        if self.tree is not None:
-            drafts, fed = self._draft_tree(act, first), [1] * len(act)
-        else:
-            counts = [min(budgets[b], self.num_steps + 1) for b in active]  # nodes, root included
-            drafts, fed = self._draft_chain(act, counts, first), [n - 1 for n in counts]
-        for req, n in zip(act, fed):
-            self._fed[req.rid] = (req.kv_len, n)
+        drafts = self._draft_tree(act, self._catch_up(act))
+        for req in act:
+            self._fed[req.rid] = req.kv_len
         if len(act) == len(reqs):
             return drafts
         return Drafts.roots([r.last_id for r in reqs], self.runner.device).with_rows(active, drafts)
@@ -132,16 +134,41 @@ class StandaloneProposer(Proposer):
         pass  # the draft catches up lazily in propose()
 
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
-        for req, tokens in zip(reqs, verified.committed):
-            kv_len, fed = self._fed.pop(req.rid)
-            if fed:
-                self.draft_kv_len[req.rid] = kv_len + min(len(tokens), fed)
+        for req in reqs:
+            fed = self._fed.pop(req.rid, None)
+            if verified.extended:  # draft_ahead fed the committed tokens, the next root into its root slot
+                self.draft_kv_len[req.rid] = req.kv_len
+            elif fed is not None:  # the root's draft KV is in its verify slot, which the commit keeps
+                self.draft_kv_len[req.rid] = fed + 1
 
     def on_decoded(self, reqs: list[Req], step: Decoded) -> None:
-        pass  # the draft catches up lazily in propose()
+        self.trees_ahead.clear()  # trees drafted ahead are from before this token; the draft catches up in propose()
 
+    # -- drafting ahead (pipeline.py) -------------------------------------------------------
     def can_draft_ahead(self, bsz: int) -> bool:
-        return False  # it catches up from host ids in propose()
+        return self.extend_graphs is not None and self.extend_graphs.can_run(bsz) and self.tree.graphed(bsz)
+
+    def draft_ahead(self, reqs: list[Req], walk: GreedyWalk, features: torch.Tensor | None, slots: torch.Tensor,
+                    trees: bool, row_start: torch.Tensor) -> torch.Tensor:
+        """The commit's table writes, the catch-up through the bonus and (with `trees`) the
+        next trees, queued from the walk before the verify is read back (ahead.py)."""
+        g = self.extend_graphs
+        assert g is not None, "can_draft_ahead: the catch-up is captured"
+        work = catch_up_ahead(walk, slots, row_start, self.table, self.root_slot0, g.L)
+        g.replay(work.inputs, None, work.prefix)
+        self.roots.mark(reqs)
+        self.trees_ahead.clear()
+        if trees:
+            drafts = self.tree.draft_ahead(reqs, work.roots, work.kv_after)
+            if drafts is not None:
+                self.trees_ahead.hold(reqs, drafts)
+        return work.kv_after
+
+    def keep_ahead(self, reqs: list[Req], rows: list[int], index: torch.Tensor) -> None:
+        self.trees_ahead.keep(reqs, rows, index)
+
+    def has_drafted_ahead(self, reqs: list[Req]) -> bool:
+        return self.trees_ahead.has(reqs)
 
     # -- the catch-up ---------------------------------------------------------------------
     def _catch_up(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -202,28 +229,9 @@ class StandaloneProposer(Proposer):
         return top_children(self._logits(fb), self.topk, None)
 
     # -- drafting -------------------------------------------------------------------------
-    def _draft_chain(self, reqs: list[Req], counts: list[int],
-                     first: tuple[torch.Tensor, torch.Tensor] | None) -> Drafts:
-        """Chains of counts[b] nodes: d1 from the catch-up, then DECODE forwards that feed
-        chain node s (d_s at kv_len + s, KV into its verify slot) for d_{s+1}. A request
-        whose chain is complete feeds into the scratch slot 0 instead (its outputs unused)."""
-        b, dev, stride = len(reqs), self.runner.device, self.table.stride(0)
-        feeds = range(1, max(counts) - 1)
-        pos = [[r.kv_len + s for r in reqs] for s in feeds]
-        index = [[r.row * stride + r.kv_len + s if s < n - 1 else -1 for r, n in zip(reqs, counts)] for s in feeds]
-        rows, pos_d, index_d = h2d_many([[r.row for r in reqs], sum(pos, []), sum(index, [])], dev)
-        drafted = [first[1][:, 0] if first is not None else self.roots.ids[rows, 0]]
-        if feeds:
-            slots = slots_at(self.table, index_d).view(len(feeds), b)
-            pos_d = pos_d.view(len(feeds), b)
-            for i in range(len(feeds)):
-                fb = ForwardBatch(ForwardMode.DECODE, drafted[-1], pos_d[i], slots[i], rows, pos[i], [1] * b,
-                                  self.table, self.pool, self.backend, logit_rows=self.runner.arange(b))
-                drafted.append(self._logits(fb).argmax(-1))
-        return Drafts.device_chains([r.last_id for r in reqs], torch.stack(drafted, 1), counts)
-
     def _draft_tree(self, reqs: list[Req], first: tuple[torch.Tensor, torch.Tensor] | None) -> Drafts:
-        assert self.tree is not None, "trees for topk > 1"
+        """Trees (chains at topk 1) from the root states: `first` the roots' children, or
+        None when a graph wrote them into `self.roots`."""
         if self.tree.graphed(len(reqs)):  # the graph reads the root states
             if first is not None:
                 self.roots.write(h2d([r.row for r in reqs], self.runner.device), *first, None)
@@ -240,10 +248,7 @@ class StandaloneProposer(Proposer):
 
     @torch.inference_mode()
     def _logits(self, fb: ForwardBatch) -> torch.Tensor:
-        """The draft's float32 logits at fb.logit_rows (a DECODE through its graph when captured)."""
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(fb):
-            return graphs.replay(fb)[0]
+        """The draft's float32 logits at fb.logit_rows, eagerly."""
         self.backend.init_forward_metadata(fb)
         hidden, _ = self.model(fb)
         return self.model.compute_logits(hidden[fb.logit_rows])

@@ -105,13 +105,14 @@ class DraftExtendGraphs:
         self._go(bs, b, features, prefix_lens)
 
     @torch.inference_mode()
-    def replay(self, index: list[torch.Tensor], features: torch.Tensor, prefix_lens: list[int] | torch.Tensor) -> None:
-        """The same from device tensors: `index` = [ids, positions, slots, feature rows]
-        (each [B*L]), [rows, last] (each [B]); root states go to `rows`. The inputs and
+    def replay(self, index: list[torch.Tensor], features: torch.Tensor | None,
+               prefix_lens: list[int] | torch.Tensor) -> None:
+        """The same from device tensors: `index` = [ids, positions, slots (with
+        `table_slots`, flat table indices: -1 for padding), feature rows] (each [B*L]),
+        [rows, last] (each [B]); root states go to `rows`. The inputs and
         the padding go into the flat static buffer in one scatter (one launch where a copy
         per buffer took a dozen: after every plain step at batch 64 that host work is
         not hidden)."""
-        assert not self.table_slots, "replay() takes slots, not table indices"
         ids, pos, slots, feat_rows, rows, last = index
         b = rows.shape[0]
         bs = self.size_for(b)
@@ -125,7 +126,8 @@ class DraftExtendGraphs:
     def _scatter_plan(self, b: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat positions, constant padding values) of a replay over B requests padded to
         bs; see `replay`. Padding tokens: id 0, position 0, slot 0, feature row 0; padding
-        requests: their own first token as "last", root states into the scratch row."""
+        requests: their own first token as "last", root states into the scratch row. With
+        `table_slots` the padding tokens' table index is -1 (the scratch slot 0)."""
         plan = self._plans.get(b)
         if plan is None:
             L, dev = self.L, self.index.device
@@ -133,7 +135,9 @@ class DraftExtendGraphs:
             span = lambda k, lo, hi: torch.arange(starts[k] + lo, starts[k] + hi)  # noqa: E731
             real = [span(k, 0, b * L) for k in range(4)] + [span(k, 0, b) for k in range(4, 7)]
             padding = [span(k, b * L, bs * L) for k in range(4)] + [span(5, b, bs), span(6, b, bs)]
-            values = [torch.zeros(4 * (bs - b) * L, dtype=torch.int64), torch.arange(b, bs) * L,
+            tokens = torch.zeros(4, (bs - b) * L, dtype=torch.int64)
+            tokens[2] = -1 if self.table_slots else 0
+            values = [tokens.view(-1), torch.arange(b, bs) * L,
                       torch.full((bs - b,), self.roots.scratch_row, dtype=torch.int64)]
             dest = torch.cat(real + padding + [span(4, b, bs)]).to(dev)
             plan = self._plans[b] = (dest, torch.cat(values).to(dev))
