@@ -84,6 +84,9 @@ def config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     smem, sms = device_limits(device)
     if w_bytes == 4 and device.type == "cuda":  # the interpreter keeps the larger tiles: fewer programs
         return f32_config(n, k, gated, sms)
+    mid = _mid_width(n, k, gated, block_t, w_bytes, smem)
+    if mid is not None:
+        return mid
     if not gated and k > 1024 and triton.cdiv(n, 16) < sms // 2 and n < 16384:  # SmolLM2's down_proj
         return Config(16, 512, 1, triton.cdiv(k, 512))
     if not gated and k <= 1024 and n < 16384 and (block_t == 16 or not norm):
@@ -101,6 +104,24 @@ def config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     # A wide model's lm_head: 3 stages, which stream it faster than 4
     most = 3 if n >= 16384 and k > 2048 and not gated else 4
     return Config(block_n, block_k, max(1, min(most, smem // stage)))
+
+
+def _mid_width(n: int, k: int, gated: bool, block_t: int, w_bytes: int, smem: int) -> Config | None:
+    """Qwen2.5's 0.5B and 1.5B layers off the TMA path (hidden 896 and 1536), from a sweep
+    at 4 tokens (docs/benchmarks.md): a down_proj with rows past 2048 on 32 or 64 rows a
+    program, 128 deep, K split 4 ways (the 16-row tiles leave its 896 or 1536 rows on too
+    few programs, and one 512-deep tile a part is slower); a gated layer with rows 1025 to
+    4096 deep on 32 rows by 128 (half the 64 x 256 tiles); a narrow lm_head (rows up to
+    2048) at up to 16 tokens on 64 rows a program. None: the general tiles."""
+    if w_bytes != 2:
+        return None
+    if not gated and k > 2048 and n <= 2048:
+        return Config(64 if n >= 1024 else 32, 128, 4, 4)
+    if gated and 1024 < k <= 4096:
+        return Config(32, 128, max(1, min(4, smem // ((2 * 32 + block_t) * 128 * w_bytes))))
+    if not gated and n >= 16384 and 1024 < k <= 2048 and block_t == 16:
+        return Config(64, 128, max(1, min(4, smem // ((64 + block_t) * 128 * w_bytes))))
+    return None
 
 
 def f32_config(n: int, k: int, gated: bool, sms: int) -> Config:

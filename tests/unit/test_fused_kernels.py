@@ -218,6 +218,21 @@ def test_skinny_split_k_is_the_unfused_chain(t, n, k, split, dtype, monkeypatch)
     assert not skinny._counts(DEV).any()
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])  # 2-byte weights' tiles
+@pytest.mark.parametrize("t,n,k", [(4, 40, 2200), (5, 24, 1100)])
+def test_skinny_mid_width_tiles_are_the_unfused_chain(t, n, k, dtype):
+    """Qwen2.5's layer shapes' launches (skinny_config._mid_width): a long row's 32-row,
+    128-deep tiles with K split 4 ways (the last part's final tile partly past K), and a
+    gated layer's 32 x 128 tiles, give every fused form as the torch ops do."""
+    from specserve.kernels import skinny
+
+    if k > 2048:
+        assert tuple(skinny._config(n, k, False, False, 2, 16, DEV))[:4] == (32, 128, 4, 4)
+    assert tuple(skinny._config(n, k, True, True, 2, 16, DEV))[:2] == (32, 128)
+    _random_forms(t, n, k, dtype)
+    assert not skinny._counts(DEV).any()
+
+
 @pytest.mark.parametrize("t,n,k", [(5, 20, 1100), (16, 96, 576), (23, 33, 300)])
 def test_skinny_float32_tiles_are_the_unfused_chain(t, n, k, monkeypatch):
     """float32 on a GPU's launch shapes (skinny_config.f32_config for 132 SMs: 16 x 32

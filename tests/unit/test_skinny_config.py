@@ -18,7 +18,7 @@ from specserve import kernels  # noqa: E402
 
 
 def test_skinny_config_fits_the_device(monkeypatch):
-    """Llama-8B's and SmolLM2's layers, half and float32 weights, 16 and 32 padded tokens,
+    """Llama-8B's, SmolLM2's and Qwen2.5's layers, half and float32 weights, 16 and 32 padded tokens,
     with and without the norm: every stage (weight tile or gated pair, x tile) fits an
     H100's 227 KB with at least one stage; a looped layer that is narrow gets BLOCK_N down
     to 16 before it runs on few programs (an H100 refused 4 stages of gate_up's pair, and
@@ -30,7 +30,8 @@ def test_skinny_config_fits_the_device(monkeypatch):
     monkeypatch.setattr(skinny_config, "device_limits", lambda device: (budget, sms))
     shapes = [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True), (4096, 14336, False),
               (128256, 4096, False), (960, 576, False), (576, 576, False), (1536, 576, True), (576, 1536, False),
-              (49152, 576, False)]
+              (49152, 576, False), (2048, 1536, False), (8960, 1536, True), (1536, 8960, False),
+              (151936, 1536, False), (896, 4864, False), (4864, 896, True), (151936, 896, False)]
     for (n, k, gated), w_bytes, block_t, norm in itertools.product(shapes, (2, 4), (16, 32), (False, True)):
         dev = torch.device("cuda") if w_bytes == 4 else DEV  # float32's tiles are a GPU's
         block_n, block_k, stages, split, _ = skinny._config(n, k, gated, norm, w_bytes, block_t, dev)
@@ -42,10 +43,16 @@ def test_skinny_config_fits_the_device(monkeypatch):
         if block_k >= k:  # one tile
             assert stages == 1 and k <= 1024 and n < 16384 and not gated and not (norm and block_t == 32), (n, k, norm)
         else:
-            assert block_n == 16 or -(-n // block_n) >= sms // 2, (n, block_n)
+            assert block_n == 16 or -(-n // block_n) * split >= sms // 2, (n, block_n)
     assert skinny._config(576, 576, False, False, 2, 16, DEV)[1:3] == (1024, 1)  # o_proj: one tile
     assert skinny._config(576, 1536, False, False, 2, 16, DEV)[0] == 16  # down_proj: 36 programs, not 9
     assert skinny._config(128256, 4096, False, True, 2, 16, DEV).stages == 3  # a wide lm_head: 3 stages
+    # Qwen2.5's 1.5B and 0.5B off the TMA path: long rows split 4 ways, gated 32 x 128, a narrow head 64 rows
+    assert tuple(skinny._config(1536, 8960, False, False, 2, 16, DEV))[:4] == (64, 128, 4, 4)
+    assert tuple(skinny._config(896, 4864, False, False, 2, 32, DEV))[:4] == (32, 128, 4, 4)
+    assert tuple(skinny._config(8960, 1536, True, True, 2, 16, DEV))[:2] == (32, 128)
+    assert skinny._config(151936, 1536, False, True, 2, 16, DEV).block_n == 64
+    assert skinny._config(151936, 1536, False, True, 2, 32, DEV).block_n == 128  # 32 tokens: as fast either way
     gpu = torch.device("cuda")
     assert skinny._config(960, 576, False, True, 4, 16, gpu).split == 5  # float32 qkv: 300 programs
     assert skinny._config(1536, 576, True, True, 4, 16, gpu).split == 3  # float32 gate_up: 288
