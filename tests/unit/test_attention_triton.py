@@ -100,6 +100,33 @@ def test_split_merge_ignores_what_empty_splits_left():
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_merges_its_splits_in_the_last_to_finish(monkeypatch):
+    """With splits, the decode launch merges them itself (the last split of each request
+    and kv head to count in): no merge launch after it, the output that launch gives
+    (rows with empty splits and NaN left where they write nothing), and every count back
+    at 0 for the next launch."""
+    from specserve.attention import triton_decode as td
+
+    g = torch.Generator().manual_seed(5)
+    bsz, heads, kv_heads, dim, splits = 3, 6, 2, 24, 16
+    pool = [torch.randn(400, kv_heads, dim, generator=g).to(DEV) for _ in range(2)]
+    table = (torch.randperm(399, generator=g)[:3 * 120] + 1).view(3, 120).to(DEV)
+    rows, seq = torch.arange(3, device=DEV), torch.tensor([1, 70, 120], dtype=torch.int32, device=DEV)
+    q = torch.randn(bsz, heads, dim, generator=g).to(DEV)
+    outs = []
+    merges = []
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(td, "FUSED_MERGE", fused)
+            m.setattr(td, "reduce_splits", lambda *a, real=td.reduce_splits: merges.append(fused) or real(*a))
+            out = torch.full((bsz, heads, dim), float("nan"), device=DEV)
+            td.decode_attention(q, *pool, out, table, rows, seq, dim ** -0.5, splits)
+        outs.append(out)
+    assert merges == [False]  # a merge launch after the unfused launch only
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    assert not td.split_counts(DEV).any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (4, 4, 32), (4, 2, 64), (2, 1, 24)])
 def test_extend_ragged_with_and_without_prefix(heads, kv_heads, dim, dtype):
