@@ -5,10 +5,7 @@ are one [BLOCK_H, D] block, so each K/V block is loaded once per kv head (GQA). 
 positions [0, seq_len) are cut into NUM_SPLITS contiguous chunks (flash-decoding): with
 one split the kernel writes the normalised output directly; with more, each split writes
 its normalised partial output and log-sum-exp, and the last of a (request, kv head)'s
-splits to finish merges them (`_count_in`, as the few-token products sum their K parts:
-kernels/skinny.py `split_sum`), in split order whoever came last, so a layer's attention
-is one launch; `reduce_splits` (`_reduce_kernel`) is the same merge as a launch of its
-own, for the verify kernel's splits. Splits
+splits to finish merges them (`split_merge.py`), so a layer's attention is one launch. Splits
 are whole key blocks, so a short sequence leaves the last ones empty: those programs
 write a log-sum-exp of -inf and return at once (at a few hundred keys most splits are
 empty, and any work in them would be paid in every layer of every step). Lengths
@@ -26,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.attention import split_merge
+from specserve.attention.split_merge import count_in
 from specserve.attention.triton_kernels import (
     LOG2E,
     block_d,
@@ -41,17 +40,6 @@ from specserve.kernels.pdl import wait_and_release
 
 BLOCK_N = 64  # keys per loop step
 MAX_SPLITS = 16
-MAX_COUNTED = 1 << 16  # (request, kv head) pairs a launch may merge in itself (`_count_in`)
-FUSED_MERGE = True  # the last split merges (tests turn it off: `reduce_splits` after the launch)
-_COUNTS: dict[torch.device, torch.Tensor] = {}  # device -> the splits' counts, all 0 between launches
-
-
-def split_counts(device: torch.device) -> torch.Tensor:
-    """The device's per-(request, kv head) counts of finished splits: one zeroed buffer,
-    allocated once so CUDA graphs keep its address; every launch leaves it 0."""
-    if device not in _COUNTS:
-        _COUNTS[device] = torch.zeros(MAX_COUNTED, dtype=torch.int32, device=device)
-    return _COUNTS[device]
 
 
 @triton.jit
@@ -69,48 +57,6 @@ def _slots(table, tail, n0, end, tail_start, BLOCK_N: tl.constexpr, HAS_TAIL: tl
 
 
 @triton.jit
-def _merge(MidO, MidLse, b, h, mask_h, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-           NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The merged output [BLOCK_H, BLOCK_D] of heads h of row b: sum_s 2^lse_s o_s / sum_s
-    2^lse_s, added in split order. An empty split (lse -inf) weighs 0 and its o, never
-    written, is dropped by a select (it may hold anything, NaN included). Read past L1
-    (.cg): the splits may be other SMs' programs of the same launch."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    lse_at = MidLse + b * stride_lb + h * stride_lh
-    hs = mask_h[:, None] & (offs_s < NUM_SPLITS)[None, :]
-    lse = tl.load(lse_at[:, None] + offs_s[None, :], mask=hs, other=float("-inf"), cache_modifier=".cg")
-    top = tl.where(mask_h, tl.max(lse, 1), 0.0)  # a head past the row's has no split: keep it finite
-    acc = tl.zeros([h.shape[0], BLOCK_D], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        ls = tl.load(lse_at + s, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(MidO + b * stride_mb + h[:, None] * stride_mh + s * stride_ms + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.exp2(ls - top)[:, None] * tl.where((ls > float("-inf"))[:, None], o, 0.0)
-    return acc / tl.where(mask_h, tl.sum(tl.exp2(lse - top[:, None]), 1), 1.0)[:, None]
-
-
-@triton.jit
-def _count_in(MidO, MidLse, Final, Counts, b, kvh, heads, mask_h, stride_mb, stride_mh, stride_ms, stride_lb,
-              stride_lh, stride_fb, stride_fh, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_D: tl.constexpr):
-    """A split's end, its partial output and lse stored: count it in on Counts[b, kvh]; the
-    split that counts NUM_SPLITS merges them all into Final and sets the count back to 0
-    for the next launch (launches on one stream never overlap). The barrier puts every
-    thread's stores before the counting atomic (acq_rel, GPU scope)."""
-    tl.debug_barrier()
-    at = Counts + b * tl.num_programs(1) + kvh
-    if tl.atomic_add(at, 1, sem="acq_rel") == NUM_SPLITS - 1:
-        o = _merge(MidO, MidLse, b, heads, mask_h, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                   NUM_SPLITS, triton.next_power_of_2(NUM_SPLITS), HEAD_DIM, BLOCK_D)
-        offs_d = tl.arange(0, BLOCK_D)
-        tl.store(Final + b * stride_fb + heads[:, None] * stride_fh + offs_d[None, :], o.to(Final.dtype.element_ty),
-                 mask=mask_h[:, None] & (offs_d < HEAD_DIM)[None, :])
-        tl.store(at, 0)
-
-
-@triton.jit
 def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_len, Out, Lse, Final, Counts, qk_scale,
                    v_scale, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr, stride_tail,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
@@ -119,7 +65,7 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_
                    STORE_LSE: tl.constexpr, FUSED: tl.constexpr, PREC: tl.constexpr, HAS_TAIL: tl.constexpr,
                    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     """Out/Lse: the splits' partial outputs and lse (STORE_LSE), or the output itself (one
-    split). FUSED: the last split merges them into Final (`_count_in`)."""
+    split). FUSED: the last split merges them into Final (`split_merge.count_in`)."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,8 +89,9 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_
             wait_and_release(USE_PDL)
             tl.store(Lse + b * stride_lb + heads * stride_lh + split, float("-inf"), mask=mask_h)
             if FUSED:
-                _count_in(Out, Lse, Final, Counts, b, kvh, heads, mask_h, stride_ob, stride_oh, stride_os, stride_lb,
-                          stride_lh, stride_fb, stride_fh, NUM_SPLITS, HEAD_DIM, BLOCK_D)
+                count_in(Out + b * stride_ob + heads * stride_oh, Lse + b * stride_lb + heads * stride_lh,
+                         Final + b * stride_fb + heads * stride_fh, mask_h, Counts + b * tl.num_programs(1) + kvh,
+                         stride_os, NUM_SPLITS, HEAD_DIM, BLOCK_D)
         return
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -187,38 +134,9 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
         if FUSED:
-            _count_in(Out, Lse, Final, Counts, b, kvh, heads, mask_h, stride_ob, stride_oh, stride_os, stride_lb,
-                      stride_lh, stride_fb, stride_fh, NUM_SPLITS, HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def _reduce_kernel(MidO, MidLse, Out, heads, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                   stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[b, h] for BLOCK_H heads of row b: `_merge` of their splits (split 0 is never empty)."""
-    wait_and_release(USE_PDL)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = h < heads
-    out = _merge(MidO, MidLse, b, h, mask_h, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, NUM_SPLITS,
-                 BLOCK_S, HEAD_DIM, BLOCK_D)
-    offs_d = tl.arange(0, BLOCK_D)
-    tl.store(Out + b * stride_ob + h[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=mask_h[:, None] & (offs_d < HEAD_DIM)[None, :])
-
-
-def reduce_splits(mid: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
-    """out [rows, H, D] from the splits' partial outputs mid [rows, H, S, D] and their
-    log2-sum-exps lse [rows, H, S]. A program takes as many heads of a row as fit in ~4k
-    elements: one per (row, head) would give a large verify at a large batch tens of
-    thousands of programs a layer, each with too few elements to pay for its scheduling."""
-    rows, heads, dim = out.shape
-    bd, bs = block_d(dim), triton.next_power_of_2(num_splits)
-    bh = min(triton.next_power_of_2(heads), max(1, 4096 // (bs * bd)))
-    _reduce_kernel[(rows, triton.cdiv(heads, bh))](
-        mid, lse, out, heads, *mid.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=bs, BLOCK_H=bh, HEAD_DIM=dim, BLOCK_D=bd, num_warps=4,
-        **pdl_flags(out.device))
+            count_in(Out + b * stride_ob + heads * stride_oh, Lse + b * stride_lb + heads * stride_lh,
+                     Final + b * stride_fb + heads * stride_fh, mask_h, Counts + b * tl.num_programs(1) + kvh,
+                     stride_os, NUM_SPLITS, HEAD_DIM, BLOCK_D)
 
 
 def decode_warps(dim: int, dtype: torch.dtype) -> int:
@@ -259,11 +177,11 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         dst = torch.empty(bsz, heads, num_splits, dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
         dst_strides, lse_strides = dst.stride()[:3], lse.stride()[:2]
-    fused = num_splits > 1 and FUSED_MERGE and bsz * k_pool.shape[1] <= MAX_COUNTED
+    fused = split_merge.fused(num_splits, bsz * k_pool.shape[1])
     _decode_kernel[(bsz, k_pool.shape[1], num_splits)](
         q, k_pool, v_pool, req_to_token, req_rows, seq_lens, tail if has_tail else req_rows,
         tail_start if has_tail else seq_lens, tail.shape[1] if tail is not None else 0, dst, lse, out,
-        split_counts(q.device) if fused else seq_lens, scale * LOG2E * k_scale, v_scale,
+        split_merge.split_counts(q.device) if fused else seq_lens, scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         req_to_token.stride(0), tail.stride(0) if tail is not None else 0, *dst_strides, *lse_strides,
         out.stride(0), out.stride(1),
@@ -272,4 +190,4 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         PREC=dot_precision(compute_dtype(q, k_pool)), HAS_TAIL=has_tail, KV_FP8=is_fp8(k_pool.dtype),
         num_warps=decode_warps(dim, q.dtype), num_stages=2, **pdl_flags(q.device))
     if num_splits > 1 and not fused:
-        reduce_splits(dst, lse, out, num_splits)
+        split_merge.reduce_splits(dst, lse, out, num_splits)

@@ -12,10 +12,11 @@ n_b new tokens times the GROUP query heads that share the kv head (row r = token
 r // GROUP, head r % GROUP), cut into blocks of at most MAX_ROWS (32 in float32: `tiles`),
 so each K/V block is loaded once per (kv head, row block), and the keys [0, prefix_b + n_b)
 are cut into NUM_SPLITS chunks (flash-decoding) whose partial outputs and log-sum-exps
-`triton_decode._reduce_kernel` merges. Key j < prefix_b is visible to every row; new key
-j = prefix_b + m to row (token i) iff mask[i, m] (the request's tree mask, from one flat
-uint8 buffer at mask_indptr[b]) or, without a mask, m <= i (causal). K/V are read through
-req_to_token (the new tokens' slots are already in the table). The split count depends
+the last split of a (request, row block, kv head) to finish merges (`split_merge.py`).
+Key j < prefix_b is visible to every row; new key j = prefix_b + m to row (token i) iff
+mask[i, m] (the request's tree mask, from one flat uint8 buffer at mask_indptr[b]) or,
+without a mask, m <= i (causal). K/V are read through req_to_token (the new tokens'
+slots are already in the table). The split count depends
 only on (batch size, kv heads) and the row-block count only on max_extend and the dtype,
 so capture and replay launch the same grid. Without a custom mask (causal) a row block
 stops at its last token's key: the keys after it are visible to none of its rows.
@@ -26,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.triton_decode import MAX_SPLITS, reduce_splits
+from specserve.attention import split_merge
+from specserve.attention.split_merge import count_in
+from specserve.attention.triton_decode import MAX_SPLITS
 from specserve.attention.triton_kernels import (
     LOG2E,
     block_d,
@@ -88,13 +91,15 @@ def _visible(n0, end, prefix, n_new, tok, mask_r, mask_base, BLOCK_N: tl.constex
 
 @triton.jit
 def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts, Mask, MaskIndptr,
-                  Out, Lse, qk_scale, v_scale,
+                  Out, Lse, Final, Counts, qk_scale, v_scale,
                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
-                  stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                  stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_RB: tl.constexpr,
-                  STORE_LSE: tl.constexpr, CUSTOM_MASK: tl.constexpr, PREC: tl.constexpr, KV_FP8: tl.constexpr,
-                  USE_PDL: tl.constexpr):
+                  STORE_LSE: tl.constexpr, FUSED: tl.constexpr, CUSTOM_MASK: tl.constexpr, PREC: tl.constexpr,
+                  KV_FP8: tl.constexpr, USE_PDL: tl.constexpr):
+    """Out/Lse: the splits' partial outputs and lse (STORE_LSE), or the output itself (one
+    split). FUSED: the last split of the program's rows merges them into Final."""
     b = tl.program_id(0) // NUM_RB
     rb = tl.program_id(0) % NUM_RB
     kvh = tl.program_id(1)
@@ -119,6 +124,11 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
         if STORE_LSE:
             wait_and_release(USE_PDL)
             tl.store(Lse + t_rows * stride_lt + heads * stride_lh + split, float("-inf"), mask=mask_r)
+            if FUSED:
+                count_in(Out + t_rows * stride_ot + heads * stride_oh, Lse + t_rows * stride_lt + heads * stride_lh,
+                         Final + t_rows * stride_ft + heads * stride_fh, mask_r,
+                         Counts + tl.program_id(0) * tl.num_programs(1) + kvh, stride_os, NUM_SPLITS, HEAD_DIM,
+                         BLOCK_D)
         return
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -163,6 +173,10 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
     if STORE_LSE:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(Lse + t_rows * stride_lt + heads * stride_lh + split, lse, mask=mask_r)
+        if FUSED:
+            count_in(Out + t_rows * stride_ot + heads * stride_oh, Lse + t_rows * stride_lt + heads * stride_lh,
+                     Final + t_rows * stride_ft + heads * stride_fh, mask_r,
+                     Counts + tl.program_id(0) * tl.num_programs(1) + kvh, stride_os, NUM_SPLITS, HEAD_DIM, BLOCK_D)
 
 
 def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
@@ -192,14 +206,16 @@ def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     cdt = compute_dtype(q, k_pool)
     max_rows, block_n, warps = tiles(dim, cdt)
     block_r, num_rb = row_blocks(max_extend, group, max_rows)
-    _short_kernel[(len(req_rows) * num_rb, k_pool.shape[1], num_splits)](
+    grid = (len(req_rows) * num_rb, k_pool.shape[1], num_splits)
+    fused = split_merge.fused(num_splits, grid[0] * grid[1])
+    _short_kernel[grid](
         q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, q_starts, mask, mask_indptr,
-        dst, lse, scale * LOG2E * k_scale, v_scale,
+        dst, lse, out, split_merge.split_counts(q.device) if fused else extend_lens, scale * LOG2E * k_scale, v_scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        req_to_token.stride(0), *dst_strides, *lse_strides,
+        req_to_token.stride(0), *dst_strides, *lse_strides, out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, BLOCK_R=block_r,
-        BLOCK_N=block_n, BLOCK_D=bd, NUM_SPLITS=num_splits, NUM_RB=num_rb,
-        STORE_LSE=num_splits > 1, CUSTOM_MASK=custom, PREC=dot_precision(cdt), KV_FP8=is_fp8(k_pool.dtype),
+        BLOCK_N=block_n, BLOCK_D=bd, NUM_SPLITS=num_splits, NUM_RB=num_rb, STORE_LSE=num_splits > 1, FUSED=fused,
+        CUSTOM_MASK=custom, PREC=dot_precision(cdt), KV_FP8=is_fp8(k_pool.dtype),
         num_warps=warps, num_stages=2, **pdl_flags(q.device))
-    if num_splits > 1:
-        reduce_splits(dst, lse, out, num_splits)
+    if num_splits > 1 and not fused:
+        split_merge.reduce_splits(dst, lse, out, num_splits)

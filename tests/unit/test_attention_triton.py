@@ -84,7 +84,7 @@ def test_decode_ragged_lengths(heads, kv_heads, dim, splits, dtype):
 def test_split_merge_ignores_what_empty_splits_left():
     # an empty split writes lse -inf and no o: the merge loads its o with the others' and
     # must drop it, whatever the memory held (NaN here)
-    from specserve.attention.triton_decode import reduce_splits
+    from specserve.attention.split_merge import reduce_splits
     g = torch.Generator().manual_seed(3)
     rows, heads, splits, dim = 3, 6, 16, 24
     mid = torch.randn(rows, heads, splits, dim, generator=g)
@@ -100,31 +100,41 @@ def test_split_merge_ignores_what_empty_splits_left():
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_merges_its_splits_in_the_last_to_finish(monkeypatch):
-    """With splits, the decode launch merges them itself (the last split of each request
-    and kv head to count in): no merge launch after it, the output that launch gives
-    (rows with empty splits and NaN left where they write nothing), and every count back
-    at 0 for the next launch."""
-    from specserve.attention import triton_decode as td
+def test_split_launches_merge_their_splits_in_the_last_to_finish(monkeypatch):
+    """With splits, a decode or a short verify launch merges them itself (the last split of
+    each group of rows to count in): no merge launch after it, the output that launch
+    gives (rows with empty splits, NaN left where they write nothing), and every count
+    back at 0 for the next launch."""
+    from specserve.attention import split_merge
+    from specserve.attention.triton_decode import decode_attention
+    from specserve.attention.triton_verify import short_extend_attention
 
     g = torch.Generator().manual_seed(5)
-    bsz, heads, kv_heads, dim, splits = 3, 6, 2, 24, 16
+    heads, kv_heads, dim, splits = 6, 2, 24, 16
     pool = [torch.randn(400, kv_heads, dim, generator=g).to(DEV) for _ in range(2)]
     table = (torch.randperm(399, generator=g)[:3 * 120] + 1).view(3, 120).to(DEV)
-    rows, seq = torch.arange(3, device=DEV), torch.tensor([1, 70, 120], dtype=torch.int32, device=DEV)
-    q = torch.randn(bsz, heads, dim, generator=g).to(DEV)
-    outs = []
-    merges = []
-    for fused in (True, False):
-        with monkeypatch.context() as m:
-            m.setattr(td, "FUSED_MERGE", fused)
-            m.setattr(td, "reduce_splits", lambda *a, real=td.reduce_splits: merges.append(fused) or real(*a))
-            out = torch.full((bsz, heads, dim), float("nan"), device=DEV)
-            td.decode_attention(q, *pool, out, table, rows, seq, dim ** -0.5, splits)
-        outs.append(out)
-    assert merges == [False]  # a merge launch after the unfused launch only
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
-    assert not td.split_counts(DEV).any()
+    rows, i32 = torch.arange(3, device=DEV), dict(dtype=torch.int32, device=DEV)
+    seq, prefix, extend = torch.tensor([1, 70, 120], **i32), torch.tensor([0, 60, 113], **i32), torch.tensor([1, 5, 7], **i32)
+    q_dec = torch.randn(3, heads, dim, generator=g).to(DEV)
+    q_ver = torch.randn(13, heads, dim, generator=g).to(DEV)
+    launches = {
+        "decode": (q_dec, lambda out: decode_attention(q_dec, *pool, out, table, rows, seq, dim ** -0.5, splits)),
+        "verify": (q_ver, lambda out: short_extend_attention(q_ver, *pool, out, table, rows, prefix, extend,
+                                                              torch.tensor([0, 1, 6], **i32), 7, dim ** -0.5, splits)),
+    }
+    for name, (q, launch) in launches.items():
+        outs, merges = [], []
+        for fused in (True, False):
+            with monkeypatch.context() as m:
+                m.setattr(split_merge, "FUSED_MERGE", fused)
+                m.setattr(split_merge, "reduce_splits",
+                          lambda *a, real=split_merge.reduce_splits, fused=fused: merges.append(fused) or real(*a))
+                out = torch.full(q.shape, float("nan"), device=DEV)
+                launch(out)
+            outs.append(out)
+        assert merges == [False], name  # a merge launch after the unfused launch only
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+        assert not split_merge.split_counts(DEV).any(), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
