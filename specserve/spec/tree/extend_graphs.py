@@ -36,6 +36,7 @@ import torch
 
 from specserve.cache.req_table import slots_at
 from specserve.core.forward_batch import ForwardBatch, ForwardMode
+from specserve.core.h2d import h2d_many
 from specserve.models.layers import activation_dtype
 from specserve.runner.cuda_graph import capture_each, capture_sizes, pad_device_prefix
 from specserve.spec.tree.draft import top_children
@@ -139,8 +140,9 @@ class DraftExtendGraphs:
             tokens[2] = -1 if self.table_slots else 0
             values = [tokens.view(-1), torch.arange(b, bs) * L,
                       torch.full((bs - b,), self.roots.scratch_row, dtype=torch.int64)]
-            dest = torch.cat(real + padding + [span(4, b, bs)]).to(dev)
-            plan = self._plans[b] = (dest, torch.cat(values).to(dev))
+            # non_blocking: a plan first built inside a pipelined step must not wait for the GPU
+            dest, pad = h2d_many([torch.cat(real + padding + [span(4, b, bs)]), torch.cat(values)], dev)
+            plan = self._plans[b] = (dest, pad)
         return plan
 
     def static_index(self) -> list[torch.Tensor]:
