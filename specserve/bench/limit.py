@@ -1,7 +1,8 @@
 """`specserve bench limit`: how close batch-1 decode gets to the GPUs' memory bandwidth.
 
-A Llama-3.1-8B-shaped (or --shape 70b) model with random bf16 weights (--load-format dummy: made on the
-device, no download) decodes after a short prompt at batch size 1 through the server's own
+A Llama-3.1-8B-shaped model (or --shape 70b; smollm2 and qwen2.5-1.5b, the shapes of the
+default model and of the catalogue's 1.5B) with random bf16 weights (--load-format dummy:
+made on the device, no download) decodes after a short prompt at batch size 1 through the server's own
 Scheduler (its attention backend, CUDA graphs and overlapped decode; and once more with
 overlap off, in the same run). Achieved bandwidth = bytes one step must read (every weight
 once, one embedding row, the KV so far) / step time, compared with a device-to-device copy
@@ -48,12 +49,25 @@ LLAMA_31_8B: dict[str, Any] = {
 
 LLAMA_31_70B: dict[str, Any] = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672,
                                  "num_hidden_layers": 80, "num_attention_heads": 64}
-SHAPES = {"8b": LLAMA_31_8B, "70b": LLAMA_31_70B}
+SMOLLM2_135M: dict[str, Any] = {  # the default model's shape: launches, not bytes, set its pace
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}
+QWEN25_15B: dict[str, Any] = {  # the catalogue's 1.5B (Qwen2: q/k/v bias, 151936 tokens)
+    "architectures": ["Qwen2ForCausalLM"], "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 32768, "attention_bias": True,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+SHAPES = {"8b": LLAMA_31_8B, "70b": LLAMA_31_70B, "smollm2": SMOLLM2_135M, "qwen2.5-1.5b": QWEN25_15B}
+NAMES = {"8b": "llama-3.1-8b", "70b": "llama-3.1-70b", "smollm2": "smollm2-135m", "qwen2.5-1.5b": "qwen2.5-1.5b"}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve bench limit")
-    p.add_argument("--shape", default="8b", choices=tuple(SHAPES), help="Llama-3.1 shape of the random model")
+    p.add_argument("--shape", default="8b", choices=tuple(SHAPES),
+                   help="shape of the random model: Llama-3.1 8B or 70B, SmolLM2-135M, Qwen2.5-1.5B")
     p.add_argument("--tp-sizes", default="1",
                    help="tensor-parallel sizes to time in turn, e.g. 1,2 (each on GPUs 0..N-1, one process each)")
     p.add_argument("--quantizations", default="none",
@@ -154,7 +168,7 @@ def _measure(args: argparse.Namespace) -> dict:
     step_s, kv_mid, verify_ratio, graph_us = _decode(runner, sched.kv, args.prompt_len, args.steps)
     weights = step_bytes(model, kv_mid, runner.kv_pool.k[0].element_size())
     bw = weights / overlap_s
-    return {"bench": "limit", "model": f"llama-3.1-{args.shape}-shaped", "dtype": "bfloat16", "batch_size": 1,
+    return {"bench": "limit", "model": f"{NAMES[args.shape]}-shaped", "dtype": "bfloat16", "batch_size": 1,
             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "step_bytes": weights,
             "device": torch.cuda.get_device_name(device), "attention_backend": type(runner.attn_backend).__name__,
             "cuda_graphs": runner.graphs is not None, "pdl": kernels.pdl_enabled(device),
@@ -168,7 +182,7 @@ def _measure(args: argparse.Namespace) -> dict:
 
 
 def _scheduler(model_dir: Path, args: argparse.Namespace):
-    """The server's scheduler on random weights (--load-format dummy) of the 8B shape."""
+    """The server's scheduler on random weights (--load-format dummy) of the chosen shape."""
     from specserve.args import parse_config
     from specserve.engine.protocol import EngineStart
     from specserve.engine.scheduler import Scheduler

@@ -23,3 +23,15 @@ def test_a_prompt_past_the_context_is_refused_with_a_clear_line(capsys) -> None:
             limit.main(argv)
         assert stop.value.code == 2
         assert "must be at least 1 and add up to at most 4070" in capsys.readouterr().err
+
+
+def test_every_shape_is_a_config_the_loader_reads() -> None:
+    """The random models' shapes: Llama-3.1 8B and 70B, the default model's and the
+    catalogue's Qwen2.5 1.5B (q/k/v bias, untied head), as the loader reads them."""
+    from specserve.models.llama import LlamaConfig
+
+    layers = {name: LlamaConfig.from_hf(shape).num_layers for name, shape in limit.SHAPES.items()}
+    assert layers == {"8b": 32, "70b": 80, "smollm2": 30, "qwen2.5-1.5b": 28}
+    qwen = LlamaConfig.from_hf(limit.SHAPES["qwen2.5-1.5b"])
+    assert (qwen.hidden_size, qwen.num_kv_heads, qwen.head_dim, qwen.vocab_size) == (1536, 2, 128, 151936)
+    assert set(limit.NAMES) == set(limit.SHAPES)
