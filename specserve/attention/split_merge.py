@@ -70,15 +70,14 @@ def _merge(o_rows, lse_rows, mask, stride_s, NUM_SPLITS: tl.constexpr, BLOCK_S: 
 
 @triton.jit
 def count_in(o_rows, lse_rows, final_rows, mask, count_at, stride_s, NUM_SPLITS: tl.constexpr,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+             BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """A split's end, its partials stored: count it in at count_at; the split that counts
     NUM_SPLITS merges the rows (`_merge`) into final_rows [R] (each row's output) and sets
     the count back to 0. The barrier puts every thread's stores before the counting
-    atomic (acq_rel, GPU scope)."""
+    atomic (acq_rel, GPU scope). BLOCK_S: NUM_SPLITS to the next power of 2."""
     tl.debug_barrier()
     if tl.atomic_add(count_at, 1, sem="acq_rel") == NUM_SPLITS - 1:
-        o = _merge(o_rows, lse_rows, mask, stride_s, NUM_SPLITS, triton.next_power_of_2(NUM_SPLITS), HEAD_DIM,
-                   BLOCK_D)
+        o = _merge(o_rows, lse_rows, mask, stride_s, NUM_SPLITS, BLOCK_S, HEAD_DIM, BLOCK_D)
         offs_d = tl.arange(0, BLOCK_D)
         tl.store(final_rows[:, None] + offs_d[None, :], o.to(final_rows.dtype.element_ty),
                  mask=mask[:, None] & (offs_d < HEAD_DIM)[None, :])

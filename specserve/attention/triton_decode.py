@@ -62,6 +62,7 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_S: tl.constexpr,
                    STORE_LSE: tl.constexpr, FUSED: tl.constexpr, PREC: tl.constexpr, HAS_TAIL: tl.constexpr,
                    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     """Out/Lse: the splits' partial outputs and lse (STORE_LSE), or the output itself (one
@@ -91,7 +92,7 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_
             if FUSED:
                 count_in(Out + b * stride_ob + heads * stride_oh, Lse + b * stride_lb + heads * stride_lh,
                          Final + b * stride_fb + heads * stride_fh, mask_h, Counts + b * tl.num_programs(1) + kvh,
-                         stride_os, NUM_SPLITS, HEAD_DIM, BLOCK_D)
+                         stride_os, NUM_SPLITS, BLOCK_S, HEAD_DIM, BLOCK_D)
         return
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -136,7 +137,7 @@ def _decode_kernel(Q, K, V, ReqToToken, ReqRows, SeqLens, Tail, TailStart, tail_
         if FUSED:
             count_in(Out + b * stride_ob + heads * stride_oh, Lse + b * stride_lb + heads * stride_lh,
                      Final + b * stride_fb + heads * stride_fh, mask_h, Counts + b * tl.num_programs(1) + kvh,
-                     stride_os, NUM_SPLITS, HEAD_DIM, BLOCK_D)
+                     stride_os, NUM_SPLITS, BLOCK_S, HEAD_DIM, BLOCK_D)
 
 
 def decode_warps(dim: int, dtype: torch.dtype) -> int:
@@ -186,7 +187,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         req_to_token.stride(0), tail.stride(0) if tail is not None else 0, *dst_strides, *lse_strides,
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
-        BLOCK_D=bd, NUM_SPLITS=num_splits, STORE_LSE=num_splits > 1, FUSED=fused,
+        BLOCK_D=bd, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        STORE_LSE=num_splits > 1, FUSED=fused,
         PREC=dot_precision(compute_dtype(q, k_pool)), HAS_TAIL=has_tail, KV_FP8=is_fp8(k_pool.dtype),
         num_warps=decode_warps(dim, q.dtype), num_stages=2, **pdl_flags(q.device))
     if num_splits > 1 and not fused:

@@ -95,7 +95,8 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tr,
                   stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_RB: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                  NUM_RB: tl.constexpr,
                   STORE_LSE: tl.constexpr, FUSED: tl.constexpr, CUSTOM_MASK: tl.constexpr, PREC: tl.constexpr,
                   KV_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     """Out/Lse: the splits' partial outputs and lse (STORE_LSE), or the output itself (one
@@ -127,8 +128,8 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
             if FUSED:
                 count_in(Out + t_rows * stride_ot + heads * stride_oh, Lse + t_rows * stride_lt + heads * stride_lh,
                          Final + t_rows * stride_ft + heads * stride_fh, mask_r,
-                         Counts + tl.program_id(0) * tl.num_programs(1) + kvh, stride_os, NUM_SPLITS, HEAD_DIM,
-                         BLOCK_D)
+                         Counts + tl.program_id(0) * tl.num_programs(1) + kvh, stride_os, NUM_SPLITS, BLOCK_S,
+                         HEAD_DIM, BLOCK_D)
         return
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -176,7 +177,8 @@ def _short_kernel(Q, K, V, ReqToToken, ReqRows, PrefixLens, ExtendLens, QStarts,
         if FUSED:
             count_in(Out + t_rows * stride_ot + heads * stride_oh, Lse + t_rows * stride_lt + heads * stride_lh,
                      Final + t_rows * stride_ft + heads * stride_fh, mask_r,
-                     Counts + tl.program_id(0) * tl.num_programs(1) + kvh, stride_os, NUM_SPLITS, HEAD_DIM, BLOCK_D)
+                     Counts + tl.program_id(0) * tl.num_programs(1) + kvh, stride_os, NUM_SPLITS, BLOCK_S,
+                     HEAD_DIM, BLOCK_D)
 
 
 def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
@@ -214,7 +216,8 @@ def short_extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         req_to_token.stride(0), *dst_strides, *lse_strides, out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, BLOCK_R=block_r,
-        BLOCK_N=block_n, BLOCK_D=bd, NUM_SPLITS=num_splits, NUM_RB=num_rb, STORE_LSE=num_splits > 1, FUSED=fused,
+        BLOCK_N=block_n, BLOCK_D=bd, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        NUM_RB=num_rb, STORE_LSE=num_splits > 1, FUSED=fused,
         CUSTOM_MASK=custom, PREC=dot_precision(cdt), KV_FP8=is_fp8(k_pool.dtype),
         num_warps=warps, num_stages=2, **pdl_flags(q.device))
     if num_splits > 1 and not fused:
