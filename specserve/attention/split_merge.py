@@ -11,7 +11,8 @@ itself in on a per-(program group) counter once its partials are stored, and the
 that counts NUM_SPLITS merges the group's rows, whoever came last, and sets the counter
 back to 0 for the next launch, as the few-token products sum their K parts
 (kernels/skinny.py `split_sum`). A layer's attention is then one launch. `reduce_splits`
-is the same merge as a launch of its own (FUSED_MERGE off, or more groups than counters).
+is the same merge as a launch of its own (SPECSERVE_SPLIT_MERGE=0, read at import, or more
+groups than counters).
 
 Launches on one stream never overlap where they count: with programmatic dependent
 launch a kernel starts early but counts only after its wait, which waits for the kernel
@@ -24,11 +25,12 @@ import triton
 import triton.language as tl
 
 from specserve.attention.triton_kernels import block_d
+from specserve.core import env
 from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
 
 MAX_COUNTED = 1 << 16  # program groups (all splits of the same rows) one launch may merge itself
-FUSED_MERGE = True  # the last split merges (off: `reduce_splits` after the launch)
+FUSED_MERGE = env.split_merge_allowed()  # the last split merges (SPECSERVE_SPLIT_MERGE=0: `reduce_splits` after)
 _COUNTS: dict[torch.device, torch.Tensor] = {}  # device -> the groups' counts, all 0 between launches
 
 

@@ -88,6 +88,12 @@ def l2_prefetch_allowed() -> bool:
     return _on("SPECSERVE_L2_PREFETCH")
 
 
+def split_merge_allowed() -> bool:
+    """SPECSERVE_SPLIT_MERGE=0 merges attention's key splits in a launch of their own
+    instead of in the splitting launch (attention/split_merge.py)."""
+    return _on("SPECSERVE_SPLIT_MERGE")
+
+
 def torch_compile_mode() -> str:
     """SPECSERVE_TORCH_COMPILE_MODE: inductor's mode for --enable-torch-compile (default "default")."""
     return os.environ.get("SPECSERVE_TORCH_COMPILE_MODE", "default")
