@@ -115,12 +115,11 @@ class WholeStep(Protocol):
         ...
 
     def launch(self, reqs: list[Req], slots: torch.Tensor, first: Drafts | None) -> torch.Tensor:
-        """Queue one step; the walk's packed rows [B, 2N + 1] on the device."""
+        """Queue one step (and hand its proposer the next trees); the walk's packed rows
+        [B, 2N + 1] on the device."""
         ...
 
     def keep_rows(self, b: int, rows: torch.Tensor) -> None: ...
-
-    def trees(self, b: int) -> Drafts: ...
 
     def kv_after(self, b: int) -> torch.Tensor: ...
 
@@ -150,11 +149,6 @@ class DraftsAhead(ABC):
     def has_drafted_ahead(self, reqs: list[Req]) -> bool:
         """Whether the next propose over `reqs` takes trees drafted ahead (then it reads no
         host state: pipeline.py)."""
-
-    def adopt_ahead(self, reqs: list[Req], drafts: Drafts) -> None:
-        """`drafts` are the next trees of `reqs`, drafted inside a whole-step graph (only
-        where `whole_step` gives graphs)."""
-        raise NotImplementedError(f"{type(self).__name__} has no whole-step graphs")
 
     def whole_step(self, runner: ModelRunner, kv: KVManager, max_bs: int) -> WholeStep | None:
         """Graphs of the whole pipelined step for batches up to `max_bs`, where this

@@ -237,15 +237,14 @@ class SpecWorker:
         """_launch as one replay of the step graph: `prev` left its kv_len and trees in the
         graph's buffers (rows `keep` of them when some of its requests ended); a first
         step brings the host's."""
-        g, ahead = self.step_graphs, self.ahead
-        assert g is not None and ahead is not None, "_graphed checked them"
+        g = self.step_graphs
+        assert g is not None, "_graphed checked it"
         b, n = len(reqs), g.nodes(len(reqs))
         first = self.proposer.propose(reqs, [n] * b) if prev is None else None
         if keep is not None:
             assert prev is not None, "rows are kept from the step in flight"
             g.keep_rows(len(prev.reqs), keep)
-        packed = g.launch(reqs, torch.cat(slots), first)
-        ahead.adopt_ahead(reqs, g.trees(b))
+        packed = g.launch(reqs, torch.cat(slots), first)  # hands the proposer its next trees
         return InFlightSpec(reqs, slots, read_later(packed), g.kv_after(b), graphed=True)
 
     def _land(self, done: InFlightSpec) -> tuple[list[Req], int]:

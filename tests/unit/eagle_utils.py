@@ -116,3 +116,44 @@ class SomePlain(SpecGovernor):
     def speculate(self, bs: int, hint: bool | None = None) -> bool:
         self.modes.append(len(self.modes) % self.period < 2)
         return self.modes[-1]
+
+
+def step_until(sched, done, limit: int = 200) -> list:
+    """The scheduler's outputs, stepping it until done() (at most `limit` steps)."""
+    outs = []
+    for _ in range(limit):
+        if done():
+            return outs
+        outs += sched.step()
+    raise AssertionError("the scheduler did not get there")
+
+
+def collect(outs: list) -> dict[str, list[int]]:
+    """Token ids per request id from scheduler outputs."""
+    got: dict[str, list[int]] = {}
+    for out in outs:
+        got.setdefault(out.rid, []).extend(out.token_ids)
+    return got
+
+
+def arrival_and_abort_while_in_flight(eng: Engine, prompts: list[list[int]], ref: list[list[int]]) -> None:
+    """Request "a" runs until a step is in flight; "b" arrives (prefilled while it is) and is
+    aborted once a step in flight carries it (which reads that step back first): a's
+    output is plain decoding's `ref[0]`, b's its prefix, no step left in flight, no slot."""
+    from specserve.core.messages import GenerateReq
+    from specserve.offline import make_sampling_params
+
+    sched = eng.scheduler
+    params = make_sampling_params({"temperature": 0, "max_new_tokens": 30})
+    outs = sched.add_request(GenerateReq("a", prompts[0], params))
+    outs += step_until(sched, lambda: sched.spec.in_flight)
+    outs += sched.add_request(GenerateReq("b", prompts[1], params))
+    outs += step_until(sched, lambda: any(r.rid == "b" and sched.spec.holds(r) for r in sched.running))
+    outs += sched.abort("b")
+    assert not any(r.rid == "b" for r in sched.running)
+    outs += step_until(sched, lambda: not sched.has_work)
+    got = collect(outs)
+    assert got["a"] == ref[0]
+    assert got["b"] == ref[1][:len(got["b"])] and len(got["b"]) < 30  # aborted part-way, exact so far
+    assert not sched.spec.in_flight
+    clean(eng)

@@ -24,13 +24,16 @@ from specserve.spec.governor import SpecGovernor
 from specserve.spec.pipeline import InFlightSpec
 from tests.unit.eagle_utils import (
     SomePlain,
+    arrival_and_abort_while_in_flight,
     clean,
+    collect,
     count_calls,
     engine,
     perfect_engine,
     prompts,
     run,
     spec_flags,
+    step_until,
     tiny_target,
     use_static_paths,
     use_step_graphs,
@@ -224,42 +227,13 @@ def test_a_stop_token_inside_a_step_drops_its_place_in_the_next(tiny, smollm2_di
     assert counts.get("drop", 0) >= 1, counts
 
 
-def _step_until(sched, done, limit: int = 200) -> list:
-    outs = []
-    for _ in range(limit):
-        if done():
-            return outs
-        outs += sched.step()
-    raise AssertionError("the scheduler did not get there")
-
-
-def _collect(outs: list) -> dict[str, list[int]]:
-    got: dict[str, list[int]] = {}
-    for out in outs:
-        got.setdefault(out.rid, []).extend(out.token_ids)
-    return got
-
-
 def test_an_arrival_and_an_abort_while_a_step_is_in_flight(tiny, smollm2_dir, monkeypatch):
     """A request arriving is prefilled while a step is in flight, which is read back before
     the larger batch speculates; aborting a request the step in flight carries reads that
     step back first. Outputs stay exact."""
     target, heads, ps, ref = tiny
-    eng = _pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, {})
-    sched = eng.scheduler
-    params = make_sampling_params(_greedy(30))
-    outs = sched.add_request(GenerateReq("a", ps[0], params))
-    outs += _step_until(sched, lambda: sched.spec.in_flight)
-    outs += sched.add_request(GenerateReq("b", ps[1], params))
-    outs += _step_until(sched, lambda: any(r.rid == "b" and sched.spec.holds(r) for r in sched.running))
-    outs += sched.abort("b")
-    assert not any(r.rid == "b" for r in sched.running)
-    outs += _step_until(sched, lambda: not sched.has_work)
-    got = _collect(outs)
-    assert got["a"] == ref[0]
-    assert got["b"] == ref[1][:len(got["b"])] and len(got["b"]) < 30  # aborted part-way, exact so far
-    assert not sched.spec.in_flight
-    clean(eng)
+    arrival_and_abort_while_in_flight(_pipelined(target, smollm2_dir, "EAGLE3", heads["EAGLE3"], monkeypatch, {}),
+                                      ps, ref)
 
 
 def test_plain_steps_between_pipelined_ones(tmp_path, smollm2_dir, monkeypatch):
@@ -310,9 +284,9 @@ def test_the_governor_hears_of_every_drained_step(tiny, smollm2_dir, graphed, mo
     for half in (range(4), range(4, 8)):  # the second half arrives while a step is in flight
         for i in half:
             outs += sched.add_request(GenerateReq(f"r{i}", ps[i], make_sampling_params(params[i])))
-        outs += _step_until(sched, lambda: sched.spec.in_flight)
-    outs += _step_until(sched, lambda: not sched.has_work)
-    got = _collect(outs)
+        outs += step_until(sched, lambda: sched.spec.in_flight)
+    outs += step_until(sched, lambda: not sched.has_work)
+    got = collect(outs)
     assert [got[f"r{i}"] for i in range(8)] == [r[:p["max_new_tokens"]] for r, p in zip(ref, params)]
     assert counts["drain"] >= 1, counts
     drafted = sum(len(ids) - 1 for ids in got.values())  # the first token of each came from its prefill

@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.core.messages import GenerateReq
-from specserve.offline import make_sampling_params
 from specserve.spec.pipeline import InFlightSpec
-from tests.unit.eagle_utils import SomePlain, clean, count_calls, engine, prompts, run, spec_flags, tiny_target
+from tests.unit.eagle_utils import (
+    SomePlain,
+    arrival_and_abort_while_in_flight,
+    count_calls,
+    engine,
+    prompts,
+    run,
+    spec_flags,
+    tiny_target,
+)
 from tests.unit.model_utils import save_tiny_hf
 
 pytestmark = pytest.mark.slow
@@ -112,32 +119,8 @@ def test_stop_tokens_and_plain_steps_while_pipelined(tiny, smollm2_dir, monkeypa
     assert max(o["meta_info"]["spec_accept_length"] for o in outs) > 3.0
 
 
-def _step_until(sched, done, limit: int = 200) -> list:
-    outs = []
-    for _ in range(limit):
-        if done():
-            return outs
-        outs += sched.step()
-    raise AssertionError("the scheduler did not get there")
-
-
 def test_an_arrival_and_an_abort_while_a_step_is_in_flight(tiny, smollm2_dir, monkeypatch):
     """A request arriving is prefilled while a step is in flight; aborting a request the
     step in flight carries reads that step back first. Outputs stay exact."""
     target, draft, ps, ref = tiny
-    eng = _pipelined(target, draft, smollm2_dir, "tree", monkeypatch, {})
-    sched = eng.scheduler
-    params = make_sampling_params(_greedy(30))
-    outs = sched.add_request(GenerateReq("a", ps[0], params))
-    outs += _step_until(sched, lambda: sched.spec.in_flight)
-    outs += sched.add_request(GenerateReq("b", ps[1], params))
-    outs += _step_until(sched, lambda: any(r.rid == "b" and sched.spec.holds(r) for r in sched.running))
-    outs += sched.abort("b")
-    outs += _step_until(sched, lambda: not sched.has_work)
-    got: dict[str, list[int]] = {}
-    for out in outs:
-        got.setdefault(out.rid, []).extend(out.token_ids)
-    assert got["a"] == ref[0]
-    assert got["b"] == ref[1][:len(got["b"])] and len(got["b"]) < 30  # aborted part-way, exact so far
-    assert not sched.spec.in_flight
-    clean(eng)
+    arrival_and_abort_while_in_flight(_pipelined(target, draft, smollm2_dir, "tree", monkeypatch, {}), ps, ref)

@@ -249,7 +249,8 @@ class EagleProposer(Proposer, DraftsAhead):
         commit's table write, the draft extend and `tree`'s drafting pass over `scratch`
         [num_steps - 1, B*k], slots the caller keeps. Writes kv_len after the commit into
         `kv_out` [B] (which may be the tensor row_start's second half was copied from) and
-        the next trees into `out` (tokens, parents, mask); the caller then calls `adopt_ahead`."""
+        the next trees into `out` (tokens, parents, mask); the caller then calls `adopt_ahead`
+        (step_graphs.py's launch)."""
         b = slots.shape[0]
         roots, _, tails, states = self._commit_ahead(walk, features, slots, row_start, inline=True,
                                                      shift=tree.shift, kv_out=kv_out)

@@ -191,7 +191,8 @@ class StepGraphs:
         `nodes(B)`). `first`: the trees to verify when the step starts a run (the host's
         kv_len and sampling params are then written too); None continues from the last
         replay's state, which drafted the same tree shape. Returns the walk's packed rows
-        [B, 2N + 1] on the device, valid until the next launch."""
+        [B, 2N + 1] on the device, valid until the next launch. The proposer is handed the
+        new trees (`EagleProposer.adopt_ahead`)."""
         b, trees = len(reqs), self._trees_for(len(reqs))
         g, n = self.size_for(b), trees.n
         assert first is not None or trees is self._last, "a run keeps one tree shape"
@@ -204,9 +205,12 @@ class StepGraphs:
             self._start_run(reqs, first, trees)
         sampled = not all(r.params.greedy for r in reqs)
         if not self.capture:
-            return self._step(g, sampled)[:b]
-        self.graphs[(g, sampled)].replay()
-        return self.walks[(g, sampled)][:b]
+            walks = self._step(g, sampled)
+        else:
+            self.graphs[(g, sampled)].replay()
+            walks = self.walks[(g, sampled)]
+        self.proposer.adopt_ahead(reqs, self.trees(b))
+        return walks[:b]
 
     def _start_run(self, reqs: list[Req], drafts: Drafts, trees: _Trees) -> None:
         """The state a run's first replay starts from: kv_lens, sampling params, trees."""
