@@ -6,13 +6,15 @@ into NUM_SPLITS chunks, one program each; a split stores its normalised partial 
 split that saw no key, whose output it never writes). The merged output is
 sum_s 2^lse_s o_s / sum_s 2^lse_s, added in split order (`_merge`).
 
-By default the splitting launch merges them itself (`count_in`): each program counts
+`reduce_splits` merges them in a launch of its own, by default. With SPECSERVE_SPLIT_MERGE=1
+(read at import) the splitting launch merges them itself (`count_in`): each program counts
 itself in on a per-(program group) counter once its partials are stored, and the one
 that counts NUM_SPLITS merges the group's rows, whoever came last, and sets the counter
 back to 0 for the next launch, as the few-token products sum their K parts
-(kernels/skinny.py `split_sum`). A layer's attention is then one launch. `reduce_splits`
-is the same merge as a launch of its own (SPECSERVE_SPLIT_MERGE=0, read at import, or more
-groups than counters).
+(kernels/skinny.py `split_sum`). That saves a launch a layer but measured 1-5% slower a
+step on an H200 (docs/benchmarks.md): with programmatic dependent launch the separate
+merge starts early, and the last split's atomic, barrier and merge lengthen the layer's
+critical path more than the launch costs. More groups than counters take `reduce_splits`.
 
 Launches on one stream never overlap where they count: with programmatic dependent
 launch a kernel starts early but counts only after its wait, which waits for the kernel
@@ -30,7 +32,7 @@ from specserve.kernels import pdl_flags
 from specserve.kernels.pdl import wait_and_release
 
 MAX_COUNTED = 1 << 16  # program groups (all splits of the same rows) one launch may merge itself
-FUSED_MERGE = env.split_merge_allowed()  # the last split merges (SPECSERVE_SPLIT_MERGE=0: `reduce_splits` after)
+FUSED_MERGE = env.split_merge_allowed()  # the last split merges (SPECSERVE_SPLIT_MERGE=1; else `reduce_splits`)
 _COUNTS: dict[torch.device, torch.Tensor] = {}  # device -> the groups' counts, all 0 between launches
 
 

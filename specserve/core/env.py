@@ -89,9 +89,10 @@ def l2_prefetch_allowed() -> bool:
 
 
 def split_merge_allowed() -> bool:
-    """SPECSERVE_SPLIT_MERGE=0 merges attention's key splits in a launch of their own
-    instead of in the splitting launch (attention/split_merge.py)."""
-    return _on("SPECSERVE_SPLIT_MERGE")
+    """SPECSERVE_SPLIT_MERGE=1 merges attention's key splits in the splitting launch itself
+    instead of in a launch of their own (attention/split_merge.py; off by default: it
+    measured slower)."""
+    return os.environ.get("SPECSERVE_SPLIT_MERGE", "0") == "1"
 
 
 def torch_compile_mode() -> str:
