@@ -138,14 +138,15 @@ class Drafts:
         return first, sibling
 
 
-HOST_NODES = 16  # a CPU tree of up to this many nodes: its mask in one pass over the nodes
+HOST_NODES = 63  # a CPU tree of up to this many nodes: its mask from int64 bitsets (`_host_mask`)
+HOST_LOOP = 256  # trees x nodes up to which Python ints beat numpy's per-node ops
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[B, N] parents -> [B, N, N] bool ancestor-or-self relation, by repeated squaring of
     the one-step relation (self + parent): ceil(log2 N) batched matmuls on the parents'
     device, no per-node loop (trees live on the GPU; a loop would be N launches per step).
-    A small tree on the CPU takes `_host_mask`: the same relation without the matmuls."""
+    A small tree on the CPU takes `_host_mask`: the same relation as bitsets."""
     bsz, n = parents.shape
     if not parents.is_cuda and n <= HOST_NODES:
         mask = _host_mask(parents)
@@ -162,16 +163,28 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 
 
 def _host_mask(parents: torch.Tensor) -> torch.Tensor | None:
-    """ancestor_mask in numpy, one pass in node order: a node reaches itself and what its
-    parent reaches. None unless every parent comes before its child (the module's rule)."""
+    """ancestor_mask on the host, one pass in node order: a node reaches itself and what
+    its parent reaches, each node's set an int64 bitset (bit j: node j), unpacked at the
+    end. None unless every parent comes before its child (the module's rule). A few trees
+    (batch 1) run as Python ints: each numpy call costs about what a tree's whole pass does."""
     par = parents.numpy()
     bsz, n = par.shape
     if not (par[:, 1:] < np.arange(1, n)).all():
         return None
-    reach = np.zeros((bsz, n, n), dtype=bool)
-    reach[:, np.arange(n), np.arange(n)] = True
-    for i in range(1, n):
-        p = par[:, i]
-        has = np.nonzero(p >= 0)[0]
-        reach[has, i] |= reach[has, p[has]]
-    return torch.from_numpy(reach)
+    if bsz * n <= HOST_LOOP:
+        reach = []
+        for row in par.tolist():
+            bits = [1] * n
+            for i in range(1, n):
+                p = row[i]
+                bits[i] = (bits[p] if p >= 0 else 0) | (1 << i)
+            reach.append(bits)
+        sets = np.array(reach, dtype=np.int64)
+    else:
+        sets = np.zeros((bsz, n), dtype=np.int64)
+        sets[:, 0] = 1
+        rows = np.arange(bsz)
+        for i in range(1, n):
+            p = par[:, i]
+            sets[:, i] = np.where(p >= 0, sets[rows, np.maximum(p, 0)], 0) | (1 << i)
+    return torch.from_numpy((sets[:, :, None] >> np.arange(n, dtype=np.int64)) & 1 != 0)

@@ -58,14 +58,19 @@ def test_mask_is_ancestor_closure_and_lists_cover_every_child(parents):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(trees(), min_size=1, max_size=3))
 def test_the_host_mask_is_the_matmul_mask(rows):
-    """A small tree on the CPU takes drafts._host_mask; the matmul closure gives the same."""
+    """A small tree on the CPU takes drafts._host_mask, as Python ints for few trees and
+    as numpy bitsets for many; the matmul closure gives the same."""
     from specserve.spec import drafts
 
     n = max(map(len, rows))
     parents = torch.tensor([row + [0] * (n - len(row)) for row in rows])  # padding hangs off the root
-    host = drafts.ancestor_mask(parents)
-    saved, drafts.HOST_NODES = drafts.HOST_NODES, 0
+    ints = drafts.ancestor_mask(parents)
+    saved = drafts.HOST_NODES, drafts.HOST_LOOP
     try:
-        assert torch.equal(host, drafts.ancestor_mask(parents))
+        drafts.HOST_LOOP = 0
+        bitsets = drafts.ancestor_mask(parents)
+        drafts.HOST_NODES = 0
+        assert torch.equal(ints, drafts.ancestor_mask(parents))
+        assert torch.equal(bitsets, ints)
     finally:
-        drafts.HOST_NODES = saved
+        drafts.HOST_NODES, drafts.HOST_LOOP = saved
