@@ -75,7 +75,7 @@ SMALL_COMMIT = 128  # slots a step's commit reads as a Python list (`commit_kv`)
 
 
 def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: list[list[int]],
-              kept: list[int], write_table: bool = True) -> list[list[int]]:
+              kept: list[int], write_table: bool = True, in_node_order: bool = False) -> list[list[int]]:
     """Keep the KV of paths[b][:kept[b]] at positions kv_len.. of each request's row, free
     the rest of `slots`, advance kv_len; return each request's kept slots (host ints).
 
@@ -84,7 +84,10 @@ def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: 
     step. All rows are written in one index write; the step's slots are read as one list.
     `write_table` False: the device wrote them already (EAGLE's draft_ahead), possibly a
     few more for a request that finished inside its path (past its kv_len: never read);
-    the host twin is written here (req_table.py)."""
+    the host twin is written here (req_table.py). `in_node_order`: the table (both copies)
+    holds each request's `slots` in node order from its kv_len (the step wrote them so for
+    the verify), so a request that kept nodes 0 .. k-1 (a chain accepted from its root) has
+    its rows right already: its write, a host->device copy and a launch, is skipped."""
     # Python touches the kept nodes alone (a few a request); the dropped rest (at batch 64
     # with 32-node trees ~1900 slots a step) are picked by one mask op. A few dozen slots
     # (batch 1) are read once as a list instead: each CPU tensor op costs microseconds of a
@@ -109,7 +112,11 @@ def commit_kv(kv: KVManager, reqs: list[Req], slots: list[torch.Tensor], paths: 
         keep_all.append(kept_slots[start:start + k])
         start += k
     rows, starts = [r.row for r in reqs], [r.kv_len for r in reqs]
-    (kv.table.write_many if write_table else kv.table.mirror)(rows, starts, keep_all)
+    if not write_table:
+        kv.table.mirror(rows, starts, keep_all)
+    else:
+        todo = [b for b in range(len(reqs)) if not (in_node_order and paths[b][:kept[b]] == list(range(kept[b])))]
+        kv.table.write_many([rows[b] for b in todo], [starts[b] for b in todo], [keep_all[b] for b in todo])
     kv.allocator.free(dropped)
     for req, k in zip(reqs, kept):
         req.kv_len += k

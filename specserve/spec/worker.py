@@ -351,7 +351,8 @@ class SpecWorker:
             committed.append(done)
             self._record(req, len(done), drafted[b])
         ran = ahead is not None and ahead.ran  # then the table already holds the committed slots
-        kept = commit_kv(self.kv, reqs, slots, result.paths, [len(c) for c in committed], write_table=not ran)
+        kept = commit_kv(self.kv, reqs, slots, result.paths, [len(c) for c in committed], write_table=not ran,
+                         in_node_order=True)
         return committed, result.paths, kept
 
     def _accept(self, drafts, logits: torch.Tensor, sb, before_read=None) -> AcceptResult:
