@@ -114,8 +114,10 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
 def _accept_greedy(drafts: Drafts, logits: torch.Tensor, rows: list[int] | None,
                    before_read: BeforeRead | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """(paths, tokens) of the greedy walk for `rows` (None: all), with one read back (on
-    the CPU, the walk itself runs on the host: spec/walk_host.py)."""
-    if rows is None and before_read is None and not logits.is_cuda and not kernels.use_fused(logits):
+    the CPU, and for trees drafted on the host, the walk itself runs on the host:
+    spec/walk_host.py)."""
+    on_host = not drafts.tokens.is_cuda and (logits.is_cuda or not kernels.use_fused(logits))
+    if rows is None and before_read is None and on_host:
         return walk_host(drafts, logits)
     packed, walk = walk_greedy(drafts, logits, rows)
     if before_read is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from specserve import kernels
@@ -22,14 +23,18 @@ def _trees(rng: random.Random, batch: int, vocab: int) -> Drafts:
     return Drafts.from_lists(tokens, parents)
 
 
-def test_the_host_walk_equals_the_vectorised_one():
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_host_walk_equals_the_vectorised_one(fused):
+    """With the fused kernels on (the GPU's path for trees drafted on the host, here under
+    Triton's interpreter) the host walk takes its targets from kernels/argmax.py."""
     rng = random.Random(0)
     walked = 0
-    with kernels.fused_kernels(False):
-        for seed in range(200):
+    with kernels.fused_kernels(fused):
+        for seed in range(40 if fused else 200):
             drafts = _trees(rng, rng.randint(1, 4), vocab=3)  # a small vocabulary: many hits
             logits = torch.randn(drafts.batch_size, drafts.num_nodes, 3, generator=torch.Generator().manual_seed(seed))
-            want = _parse_walk(walk_greedy(drafts, logits, None)[0].tolist(), drafts.num_nodes)
+            with kernels.fused_kernels(False):
+                want = _parse_walk(walk_greedy(drafts, logits, None)[0].tolist(), drafts.num_nodes)
             assert walk_host(drafts, logits) == want
             walked += sum(len(p) > 1 for p in want[0])
-    assert walked > 100  # most trees accepted some drafts: the rule was exercised
+    assert walked > (20 if fused else 100)  # most trees accepted some drafts: the rule was exercised
