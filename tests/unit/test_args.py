@@ -5,6 +5,7 @@ Covers specserve/args.py, specserve/args_check.py and specserve/env.py. Every te
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -354,9 +355,14 @@ def test_token_map_ignored_for_eagle3(caplog: pytest.LogCaptureFixture) -> None:
             "vocabulary") in caplog.text
 
 
-def test_token_map_is_refused_for_standalone() -> None:
-    assert error_of("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d",
-                    "--speculative-token-map", "freq.pt") == (
+def test_token_map_is_taken_by_eagle_and_standalone_and_refused_elsewhere(monkeypatch) -> None:
+    from specserve.spec import registry
+
+    flags = ("--speculative-draft-model-path", "d", "--speculative-token-map", "freq.pt")
+    assert cfg("--speculative-algorithm", "STANDALONE", *flags).spec.token_map == "freq.pt"
+    refusing = dataclasses.replace(registry.get("STANDALONE"), token_map="refused")  # as a plug-in may
+    monkeypatch.setitem(registry._ALGORITHMS, "STANDALONE", refusing)
+    assert error_of("--speculative-algorithm", "STANDALONE", *flags) == (
         "--speculative-token-map (FR-Spec) is supported for --speculative-algorithm EAGLE only")
 
 

@@ -136,6 +136,36 @@ def test_the_kv_budget_counts_a_draft_llms_pool():
     assert seen == [KVPool.bytes_per_slot(30, 3, 64, torch.bfloat16) + KVPool.bytes_per_slot(4, 2, 128, torch.bfloat16)]
 
 
+@pytest.mark.parametrize("graph_shaped", [False, True])
+def test_standalone_with_a_token_map_drafts_from_it_and_stays_exact(smollm2_dir, reference, tmp_path, graph_shaped):
+    """FR-Spec (--speculative-token-map) with the target as its own draft, a (3, 2, 6) tree:
+    the draft's lm_head keeps the map's rows (shuffled, so a pick must be mapped back to
+    its token id). A map holding every token of the answers keeps acceptance at the depth
+    bound; one without them leaves only roots accepted; both stay token-identical."""
+    answers = sorted({t for out in reference for t in out})
+    rest = [t for t in range(49152) if t not in set(answers)]
+    g = torch.Generator().manual_seed(0)
+    maps = [("hot", answers + rest[:4000], 3.0)] + ([] if graph_shaped else [("cold", rest[:4000], None)])
+    for name, ids, accepted in maps:
+        ids = [ids[i] for i in torch.randperm(len(ids), generator=g).tolist()]
+        torch.save(ids, tmp_path / f"{name}.pt")
+        engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED,
+                        speculative_algorithm="STANDALONE", speculative_draft_model_path=str(smollm2_dir),
+                        speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6,
+                        speculative_token_map=str(tmp_path / f"{name}.pt"))
+        p = engine.scheduler.spec.proposer
+        assert p.model.lm_head.weight.shape[0] == len(ids) and p.token_map.tolist() == ids
+        if graph_shaped:
+            _graph_shaped(engine, max_bs=8)
+        results = _check(engine, reference, batch_sizes=(1, 8) if name == "hot" and not graph_shaped else (8,))
+        lengths = [r["meta_info"]["spec_accept_length"] for r in results]
+        if accepted is not None:
+            assert min(lengths) >= accepted, lengths
+        else:
+            assert max(lengths) < 1.01, lengths  # no draft is ever a token of the answers
+        engine.shutdown()
+
+
 def _graph_shaped(engine: Engine, max_bs: int = 8) -> None:
     """Give a STANDALONE proposer the padded catch-up and tree-pass paths its CUDA graphs
     capture, run eagerly (the same static buffers, padding and table-index slots)."""
@@ -144,7 +174,7 @@ def _graph_shaped(engine: Engine, max_bs: int = 8) -> None:
 
     p = engine.scheduler.spec.proposer
     p.extend_graphs = DraftExtendGraphs(p.model, p.backend, p.pool, p.table, max_bs, p.catch_up_len, 0, p.topk,
-                                        None, p.roots, capture=False, table_slots=True)
+                                        p.token_map, p.roots, capture=False, table_slots=True)
     if p.tree is not None:
         p.tree.graphs = TreeDraftGraphs(p.tree, p.roots, max_bs, p.max_nodes, p.runner.device, capture=False)
 

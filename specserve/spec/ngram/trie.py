@@ -77,11 +77,13 @@ class NgramTrie:
         kids, freq, stamps, ver = self.kids, self.freq, self.stamp, self.ver
         self.tick += 1
         stamp = self.tick
-        new: list[int] = []  # deepest first, reversed at the end
-        new_vers: list[int] = []
-        for a, v in zip(reversed([ROOT] + anchors), reversed([0] + vers)):  # longest first
-            if ver[a] != v:
-                a = self._restore(list(recent)[len(new) - len(anchors):], stamp)
+        depth = len(anchors)
+        new = [0] * (depth + 1)  # new[d]: the (d+1)-gram ending at `token`
+        new_vers = [0] * (depth + 1)
+        for d in range(depth, -1, -1):  # longest first (eviction order depends on it)
+            a = anchors[d - 1] if d else ROOT
+            if d and ver[a] != vers[d - 1]:
+                a = self._restore(list(recent)[-d:], stamp)
             k = kids[a]
             c = k.pop(token, -1)
             if c < 0:
@@ -90,13 +92,11 @@ class NgramTrie:
                 freq[c] += 1
                 stamps[c] = stamp
                 k[token] = c  # re-inserted: now the most recent child
-            new.append(c)
-            new_vers.append(ver[c])
-        if len(new) == self.branch_length:  # a full-length n-gram is never extended
-            new.pop(0)
-            new_vers.pop(0)
-        new.reverse()
-        new_vers.reverse()
+            new[d] = c
+            new_vers[d] = ver[c]
+        if depth + 1 == self.branch_length:  # a full-length n-gram is never extended
+            new.pop()
+            new_vers.pop()
         return new, new_vers
 
     def _new(self, parent: int, token: int, stamp: int) -> int:

@@ -1,8 +1,9 @@
 """STANDALONE: a small LLM with the target's tokenizer drafts a chain (topk 1) or a tree.
 
 proposer.py is the proposer; this file is the registry entry: a required draft path (or
-random draft weights for benchmarks), checked at start-up for its vocabulary, its own KV
-pool sized with the target's, and SGLang's (3, 1, 4) when the tree flags are omitted.
+random draft weights for benchmarks), checked at start-up for its vocabulary (and an
+FR-Spec `--speculative-token-map`, which cuts the draft's lm_head), its own KV pool sized
+with the target's, and SGLang's (3, 1, 4) when the tree flags are omitted.
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def resolve(spec: SpecConfig, model_dir: Path, target: LlamaConfig) -> SpecConfi
     if draft_vocab != target.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft_vocab}) differs from the target's "
                          f"({target.vocab_size}): STANDALONE needs a draft with the same tokenizer")
+    if spec.token_map is not None:  # FR-Spec: checked before any weight loads
+        from specserve.models.token_map import load_token_map
+
+        load_token_map(spec.token_map, target.vocab_size)
     return replace(spec, draft_dir=draft)
 
 
@@ -56,4 +61,4 @@ def draft_kv_shape(spec: SpecConfig, target: LlamaConfig) -> tuple[int, int, int
 STANDALONE = register(Algorithm(
     name="STANDALONE", make_proposer=make_proposer, summary="a small LLM with the same tokenizer drafts",
     draft_model="required", dummy_draft=True, draft_headroom_mb=6 * 1024, defaults=defaults, resolve=resolve,
-    draft_kv_shape=draft_kv_shape))
+    draft_kv_shape=draft_kv_shape, token_map="supported"))

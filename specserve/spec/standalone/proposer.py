@@ -11,7 +11,8 @@ KV in the slots the table row gives them. Each step:
      branch attending to the request's row plus its own ancestors.
 After verify the root keeps its draft KV (draft_kv_len = kv_len at propose + 1).
 Drafting is greedy: verification treats drafts as one-hot, which is what makes sampling
-lossless.
+lossless. With an FR-Spec token map (`--speculative-token-map`) the draft's lm_head holds
+the map's rows only, and every pick (catch-up, tree pass) is mapped back to a token id.
 
 Nothing is read back inside a step: the drafts stay on the device, and the catch-up's
 slots are gathered from the table there. On CUDA the catch-up (num_steps + 2 tokens per
@@ -43,6 +44,7 @@ from specserve.engine.speculation import Decoded
 from specserve.models.llama import LlamaConfig
 from specserve.models.loader import load_model, random_model, read_hf_config
 from specserve.models.quantization import draft_flag
+from specserve.models.token_map import load_token_map, truncate_head
 from specserve.runner.model_runner import ModelRunner, make_backend
 from specserve.spec.accept import GreedyWalk
 from specserve.spec.drafts import Drafts
@@ -74,6 +76,9 @@ class StandaloneProposer(Proposer, DraftsAhead):
         self.model = load(path, runner.dtype, runner.device,
                           draft_flag(spec.draft_model_quantization, runner.model.weight_quant))
         c = self.model.config
+        # FR-Spec: the draft's head cut to the map's rows; its picks mapped back to token ids
+        self.token_map = truncate_head(self.model, load_token_map(spec.token_map, runner.vocab_size)) \
+            if spec.token_map is not None else None
         self.runner, self.kv, self.table = runner, kv, kv.table.table
         rows = self.table.shape[0]
         # the target's slots, then a root slot per table row (ahead.py): root_slot0 + row
@@ -82,7 +87,8 @@ class StandaloneProposer(Proposer, DraftsAhead):
         self.root_slot0 = runner.num_slots + 1
         self.backend = make_backend(spec.draft_attention_backend or runner.attn_backend_name, runner.device)
         self.num_steps, self.topk, self.max_nodes = spec.tree
-        self.tree = TreeDrafter(kv, self._tree_step, self.topk, self.num_steps)  # a chain: topk 1
+        # topk 1: a chain
+        self.tree = TreeDrafter(kv, self._tree_step, self.topk, self.num_steps, token_map=self.token_map)
         self.scratch_per_req = self.topk * (self.num_steps - 1)
         self.roots = RootStates(rows, self.topk, 0, runner.dtype, runner.device)
         self.catch_up_len = self.num_steps + 2  # a step's root, its accepted nodes and the bonus (ahead.py)
@@ -98,7 +104,7 @@ class StandaloneProposer(Proposer, DraftsAhead):
         """Graphs of the catch-up and of the drafting pass."""
         with torch.inference_mode():
             self.extend_graphs = DraftExtendGraphs(self.model, self.backend, self.pool, self.table, max_bs,
-                                                   self.catch_up_len, 0, self.topk, None, self.roots,
+                                                   self.catch_up_len, 0, self.topk, self.token_map, self.roots,
                                                    table_slots=True)
             if self.num_steps > 1:
                 self.tree.graphs = TreeDraftGraphs(self.tree, self.roots, max_bs, self.max_nodes, self.runner.device)
@@ -226,7 +232,7 @@ class StandaloneProposer(Proposer, DraftsAhead):
                                                         self.runner.device)
         fb = ForwardBatch(ForwardMode.DRAFT_EXTEND, ids_d, pos_d, self.table.view(-1)[index_d], rows,
                           [s for s, _ in spans], lens, self.table, self.pool, self.backend, logit_rows=last_d)
-        return top_children(self._logits(fb), self.topk, None)
+        return top_children(self._logits(fb), self.topk, self.token_map)
 
     # -- drafting -------------------------------------------------------------------------
     def _draft_tree(self, reqs: list[Req], first: tuple[torch.Tensor, torch.Tensor] | None) -> Drafts:
