@@ -1,4 +1,4 @@
-"""The `specserve` console script: `serve`, `bench`, `train-draft`."""
+"""The `specserve` console script: `serve`, `bench`, `train-draft`, `token-map`."""
 from __future__ import annotations
 
 import sys
@@ -13,6 +13,7 @@ commands:
   serve [flags]        start the OpenAI-compatible server (the flags of python -m specserve.launch_server)
   bench <name> [...]   benchmarks: {", ".join(BENCHES)} (specserve bench --help)
   train-draft [...]    train an EAGLE-3 / EAGLE-2 draft head for a target (train-draft --help)
+  token-map [...]      an FR-Spec token map for --speculative-token-map (token-map --help)
 """
 
 
@@ -34,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.train.cli import main as train_draft
 
         return train_draft(rest)
+    if cmd == "token-map":
+        from specserve.train.token_map_cli import main as token_map
+
+        return token_map(rest)
     print(f"error: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
     return 2
 
