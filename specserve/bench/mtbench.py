@@ -7,7 +7,8 @@ one turn; bench/prompts.py), chat-templated, greedy (or with `--temperature`
 sampled, question i seeded i, which speculative sampling reproduces token for token), at every
 batch size of `--batch-sizes`. Methods: our plain engine, then EAGLE-2 (`--eagle-draft`), EAGLE-3
 (`--eagle3-draft`, repeatable: one row per head, to compare heads in one run), NGRAM (`--ngram`)
-and STANDALONE (`--standalone-draft`, a draft model) when asked for, then Hugging Face transformers
+and STANDALONE (`--standalone-draft`, a draft model; with `--standalone-token-map` also a row with
+that FR-Spec map) when asked for, then Hugging Face transformers
 `generate` on the same prompt ids (unless `--no-hf`). One method at a time holds the device:
 each engine is created, warmed up (reversed prompts, as `spec_compare.warm_up`), timed and
 released before the next, and a fresh one is built for every batch size so NGRAM never learns
@@ -71,6 +72,7 @@ class Method:
     algorithm: str | None = None  # --speculative-algorithm; None: no speculation
     draft: str | None = None  # --speculative-draft-model-path (EAGLE, EAGLE3)
     hf: bool = False
+    token_map: str | None = None  # --speculative-token-map (FR-Spec): the row's own, beside --spec-args
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram", action="store_true", help="add the NGRAM rows")
     p.add_argument("--standalone-draft", default=None,
                    help="a draft model with the target's tokenizer (path or catalogue name): adds the STANDALONE rows")
+    p.add_argument("--standalone-token-map", default=None,
+                   help="an FR-Spec token map (specserve token-map): adds STANDALONE (FR-Spec) rows beside the "
+                        "STANDALONE ones (needs --standalone-draft)")
     p.add_argument("--spec-args", default="",
                    help="extra flags of every speculative engine, e.g. 'speculative_num_steps=3,"
                         "speculative_eagle_topk=1,speculative_num_draft_tokens=4'")
@@ -181,6 +186,11 @@ def methods_from_args(args: argparse.Namespace) -> list[Method]:
         methods.append(Method("NGRAM", "NGRAM"))
     if args.standalone_draft is not None:
         methods.append(Method("STANDALONE", "STANDALONE", args.standalone_draft))
+        if args.standalone_token_map is not None:
+            methods.append(Method("STANDALONE (FR-Spec)", "STANDALONE", args.standalone_draft,
+                                  token_map=args.standalone_token_map))
+    elif args.standalone_token_map is not None:
+        raise ValueError("--standalone-token-map needs --standalone-draft")
     if not args.no_hf:
         methods.append(Method(HF, hf=True))
     return methods
@@ -207,7 +217,8 @@ def engine_kwargs(args: argparse.Namespace, method: Method) -> dict[str, Any]:
     if registry.get(method.algorithm).draft_model != "none" and not method.draft:
         raise ValueError(f"{method.label}: no draft model path given ({method.draft!r})")
     spec = SimpleNamespace(algorithm=method.algorithm, spec_args=args.spec_args)
-    return kw | _spec_kwargs(spec, method.draft)
+    fr_spec = {"speculative_token_map": method.token_map} if method.token_map is not None else {}
+    return kw | _spec_kwargs(spec, method.draft) | fr_spec
 
 
 def start_engine(args: argparse.Namespace, method: Method) -> Engine:

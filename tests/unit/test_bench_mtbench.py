@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specserve.bench import mtbench, prompts
 from specserve.bench.repetitive import repetitive_prompts
@@ -242,6 +243,18 @@ def test_standalone_rows_on_humaneval(tiny, tmp_path):
         assert r["identical_outputs"] == 3 and r["identical_to_first_bs"] == 3, r
     assert rows[1]["algorithm"] == "STANDALONE" and rows[1]["draft"] == str(draft)
     assert mtbench.summary(rows).startswith("humaneval ")
+    torch.save(list(range(0, tiny["vocab"], 2)), tmp_path / "half.pt")  # FR-Spec: every other token
+    fr = tmp_path / "fr"
+    fr.mkdir()
+    argv = _argv(tiny, fr, "--standalone-draft", str(draft), "--standalone-token-map", str(tmp_path / "half.pt"),
+                 "--questions", "humaneval", "--no-hf", "--num-questions", "2", "--max-new-tokens", "5",
+                 "--batch-sizes", "1", "--spec-args", "speculative_adaptive=off")
+    assert mtbench.main(argv) == 0
+    rows = _rows(fr)
+    assert [r["method"] for r in rows] == ["plain", "STANDALONE", "STANDALONE (FR-Spec)"]
+    assert all(r["identical_outputs"] == 2 for r in rows), rows
+    with pytest.raises(ValueError, match="needs --standalone-draft"):
+        mtbench.main(_argv(tiny, tmp_path, "--standalone-token-map", str(tmp_path / "half.pt"), "--no-hf"))
     with pytest.raises(ValueError, match="one turn each"):
         mtbench.main(_argv(tiny, tmp_path, "--questions", "humaneval", "--turns", "2", "--no-hf"))
 
