@@ -113,9 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram", action="store_true", help="add the NGRAM rows")
     p.add_argument("--standalone-draft", default=None,
                    help="a draft model with the target's tokenizer (path or catalogue name): adds the STANDALONE rows")
-    p.add_argument("--standalone-token-map", default=None,
-                   help="an FR-Spec token map (specserve token-map): adds STANDALONE (FR-Spec) rows beside the "
-                        "STANDALONE ones (needs --standalone-draft)")
+    p.add_argument("--standalone-token-map", default=None, help="an FR-Spec map (specserve token-map): adds "
+                   "STANDALONE (FR-Spec) rows beside the STANDALONE ones")
     p.add_argument("--spec-args", default="",
                    help="extra flags of every speculative engine, e.g. 'speculative_num_steps=3,"
                         "speculative_eagle_topk=1,speculative_num_draft_tokens=4'")
@@ -186,9 +185,8 @@ def methods_from_args(args: argparse.Namespace) -> list[Method]:
         methods.append(Method("NGRAM", "NGRAM"))
     if args.standalone_draft is not None:
         methods.append(Method("STANDALONE", "STANDALONE", args.standalone_draft))
-        if args.standalone_token_map is not None:
-            methods.append(Method("STANDALONE (FR-Spec)", "STANDALONE", args.standalone_draft,
-                                  token_map=args.standalone_token_map))
+        if (fr_spec := args.standalone_token_map) is not None:
+            methods.append(Method("STANDALONE (FR-Spec)", "STANDALONE", args.standalone_draft, token_map=fr_spec))
     elif args.standalone_token_map is not None:
         raise ValueError("--standalone-token-map needs --standalone-draft")
     if not args.no_hf:
@@ -216,9 +214,8 @@ def engine_kwargs(args: argparse.Namespace, method: Method) -> dict[str, Any]:
         return kw
     if registry.get(method.algorithm).draft_model != "none" and not method.draft:
         raise ValueError(f"{method.label}: no draft model path given ({method.draft!r})")
-    spec = SimpleNamespace(algorithm=method.algorithm, spec_args=args.spec_args)
-    fr_spec = {"speculative_token_map": method.token_map} if method.token_map is not None else {}
-    return kw | _spec_kwargs(spec, method.draft) | fr_spec
+    kw |= {"speculative_token_map": method.token_map} if method.token_map else {}
+    return kw | _spec_kwargs(SimpleNamespace(algorithm=method.algorithm, spec_args=args.spec_args), method.draft)
 
 
 def start_engine(args: argparse.Namespace, method: Method) -> Engine:
