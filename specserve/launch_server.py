@@ -95,11 +95,22 @@ def _serve(cfg: Config) -> int:
             if watch is not None:
                 watch.close()
     if stopper.why is not None:
+        why = stopper.why
         if watch is not None:
-            watch.report(stopper.why)
-        print(f"error: {stopper.why}", file=sys.stderr)
+            why = _first_cause(watch, why)
+            watch.report(why)
+        print(f"error: {why}", file=sys.stderr)
         return 1
     return 0
+
+
+def _first_cause(watch: NodeWatch, why: str) -> str:
+    """`why` a rank here died, or another host's report of its own rank's death first when
+    one comes (engine/nodes.py): rank 0 fails in a collective when any rank is gone."""
+    if why.startswith("node "):  # the watch's own news: another host's report already
+        return why
+    remote = watch.remote_report()
+    return why if remote is None else f"{remote}; then here: {why}"
 
 
 class _Stopper:

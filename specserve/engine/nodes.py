@@ -8,6 +8,10 @@ a store that no longer answers (node 0 is gone) is a failure: `on_failure` is ca
 with what happened, and the launcher takes its own processes and server down. So a rank
 that dies on any host ends every host within seconds, even where the other ranks sit in
 a collective that would wait for it until NCCL's timeout.
+
+A rank that dies on one host makes rank 0's next collective fail on node 0, often before
+the dead rank's host has reported: node 0's launcher then asks for another host's report
+(`remote_report`, up to REMOTE_WAIT_S) and names that first, its own rank's exit after.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from datetime import timedelta
 HEARTBEAT_S = 0.5
 STALE_S = 10.0
 CLOSE_WAIT_S = 5.0  # for the watch thread's last store call
+REMOTE_WAIT_S = 2.0  # for another host's report when a rank here died (a follower reports within HEARTBEAT_S)
 
 
 class NodeWatch:
@@ -39,6 +44,22 @@ class NodeWatch:
             self.store.set("down", f"node {self.node}: {what}")
         except Exception:  # noqa: BLE001 - the store may be gone already; nothing to tell
             pass
+
+    def remote_report(self, wait_s: float = REMOTE_WAIT_S) -> str | None:
+        """Another host's "down" report, waiting up to `wait_s` for one; None if none came
+        (or the store is gone)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if self.store.check(["down"]):
+                    what = self.store.get("down").decode()
+                    if not what.startswith(f"node {self.node}:"):
+                        return what
+            except Exception:  # noqa: BLE001 - the store is gone: nobody else can report
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
 
     def close(self) -> None:
         """Stop watching, and wait for a store call in flight: a process that exits while
