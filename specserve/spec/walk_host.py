@@ -1,9 +1,10 @@
 """The greedy walk on the host: spec/accept.py's rule over Python lists, for logits on the
 CPU, where each of the vectorised walk's dozen small tensor ops (`_walk_torch`) costs
 microseconds that a batch-1 step on a CPU cannot spare; and for trees drafted on the host
-(NGRAM's) whatever the logits' device: the target's argmax is taken there and read back,
-instead of copying the trees (tokens, parents, valid flags, masks) to the GPU for the walk
-kernel, four copies a step that cost the host more than the walk.
+(NGRAM's) on a GPU at small batches (accept.py `HOST_WALK_ROWS`): the target's argmax is
+taken there and read back, instead of copying the trees (tokens, parents, valid flags,
+masks) to the GPU for the walk kernel, four copies a step that cost the host more than the
+walk.
 
 The rule is `accept.walk_greedy`'s: a node *hits* when it is valid, carries the target's
 argmax at its parent and no earlier sibling hits; a node is accepted when it and every
