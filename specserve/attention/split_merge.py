@@ -11,10 +11,10 @@ sum_s 2^lse_s o_s / sum_s 2^lse_s, added in split order (`_merge`).
 itself in on a per-(program group) counter once its partials are stored, and the one
 that counts NUM_SPLITS merges the group's rows, whoever came last, and sets the counter
 back to 0 for the next launch, as the few-token products sum their K parts
-(kernels/skinny.py `split_sum`). That saves a launch a layer but measured 1-5% slower a
-step on an H200 (docs/benchmarks.md): with programmatic dependent launch the separate
-merge starts early, and the last split's atomic, barrier and merge lengthen the layer's
-critical path more than the launch costs. More groups than counters take `reduce_splits`.
+(kernels/skinny.py `split_sum`). That saves a launch a layer but is slower a step
+(docs/benchmarks.md): with programmatic dependent launch the separate merge starts early,
+and the last split's atomic, barrier and merge lengthen the layer's critical path more
+than the launch costs. More groups than counters take `reduce_splits`.
 
 Launches on one stream never overlap where they count: with programmatic dependent
 launch a kernel starts early but counts only after its wait, which waits for the kernel

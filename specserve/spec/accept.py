@@ -112,8 +112,8 @@ def accept(drafts: Drafts, logits: torch.Tensor, sb: SamplingBatch, coins: torch
 
 
 # Host trees on a GPU walk on the host up to this many rows: the walk over Python lists costs
-# about twice the device walk's parse a row (~2 against ~1 us), which the device walk's four
-# host-to-device copies outweigh only at small batches
+# more a row than parsing the device walk's result, which the device walk's four host-to-device
+# copies outweigh only at small batches (docs/benchmarks.md)
 HOST_WALK_ROWS = 16
 
 
