@@ -28,6 +28,7 @@ from specserve.models.layers import cpu_layout, gpu_layout
 from specserve.models.llama import LlamaConfig, LlamaForCausalLM
 from specserve.models.quant_linear import quant_linear
 from specserve.models.rope import RotaryEmbedding
+from specserve.models.token_map import cut_head
 
 
 class DraftModel(nn.Module, ABC):
@@ -95,8 +96,4 @@ class DraftModel(nn.Module, ABC):
         if token_map is None:
             self.lm_head = target.lm_head
             return
-        weight = target.lm_head.weight.detach()
-        ids = token_map.to(weight.device)
-        head = nn.Linear(weight.shape[1], ids.numel(), bias=False, device="meta")
-        head.weight = nn.Parameter(weight[ids], requires_grad=False)  # a copy: [draft_vocab, H]
-        self.lm_head, self.token_map = head, ids
+        self.lm_head, self.token_map = cut_head(target.lm_head.weight, token_map)  # a copy: [draft_vocab, H]

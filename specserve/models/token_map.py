@@ -44,6 +44,14 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     return ids
 
 
+def cut_head(weight: torch.Tensor, ids: torch.Tensor) -> tuple[nn.Linear, torch.Tensor]:
+    """(an lm_head of the rows `ids` of `weight` [V, H], a copy; `ids` on its device)."""
+    ids = ids.to(weight.device)
+    head = nn.Linear(weight.shape[1], ids.numel(), bias=False, device="meta")
+    head.weight = nn.Parameter(weight.detach()[ids], requires_grad=False)  # [len(ids), H]
+    return head, ids
+
+
 def truncate_head(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     """Cut a draft LLM's lm_head (models/llama.py `LlamaForCausalLM`) to the rows `ids`, a
     copy (a tied embedding keeps its whole table): its logit i then means token ids[i]. A
@@ -57,9 +65,6 @@ def truncate_head(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     if not weight.is_floating_point() or weight.is_meta or weight.shape[0] <= int(ids.max()):
         raise ValueError(f"--speculative-token-map: the draft's lm_head ({tuple(weight.shape)}, {weight.dtype}) "
                          "cannot be truncated to the map's token ids")
-    ids = ids.to(weight.device)
-    head = nn.Linear(weight.shape[1], ids.numel(), bias=False, device="meta")
-    head.weight = nn.Parameter(weight[ids], requires_grad=False)
-    model.lm_head = head
+    model.lm_head, ids = cut_head(weight, ids)
     model.head_blocks = None  # a GGUF's head blocks (the float head stays beside them): the cut rows serve
     return ids
