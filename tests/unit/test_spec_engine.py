@@ -192,7 +192,8 @@ def test_standalone_graph_shaped_drafting_reads_nothing_back(smollm2_dir, refere
                     speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
     _graph_shaped(engine, max_bs=4)  # batches of 5-8 catch up eagerly, 3 pads to 4
     p, calls = engine.scheduler.spec.proposer, {"graphed": 0, "eager": 0}
-    for name, key in (("_catch_up_graphed", "graphed"), ("_catch_up_eager", "eager")):
+    # a step drafted ahead (the pipeline, on a GPU) replays the catch-up graph in draft_ahead
+    for name, key in (("_catch_up_graphed", "graphed"), ("draft_ahead", "graphed"), ("_catch_up_eager", "eager")):
         real = getattr(p, name)
         monkeypatch.setattr(p, name, lambda *a, real=real, key=key: (calls.__setitem__(key, calls[key] + 1), real(*a))[1])
     proposing, propose, read = [False], p.propose, ReqToTokenTable.read

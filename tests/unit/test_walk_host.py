@@ -26,7 +26,9 @@ def _trees(rng: random.Random, batch: int, vocab: int) -> Drafts:
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_host_walk_equals_the_vectorised_one(fused):
     """With the fused kernels on (the GPU's path for trees drafted on the host, here under
-    Triton's interpreter) the host walk takes its targets from kernels/argmax.py."""
+    Triton's interpreter; on a GPU machine, the logits on the GPU as the engine has them)
+    the host walk takes its targets from kernels/argmax.py."""
+    device = "cuda" if fused and torch.cuda.is_available() else "cpu"
     rng = random.Random(0)
     walked = 0
     with kernels.fused_kernels(fused):
@@ -35,6 +37,6 @@ def test_the_host_walk_equals_the_vectorised_one(fused):
             logits = torch.randn(drafts.batch_size, drafts.num_nodes, 3, generator=torch.Generator().manual_seed(seed))
             with kernels.fused_kernels(False):
                 want = _parse_walk(walk_greedy(drafts, logits, None)[0].tolist(), drafts.num_nodes)
-            assert walk_host(drafts, logits) == want
+            assert walk_host(drafts, logits.to(device)) == want
             walked += sum(len(p) > 1 for p in want[0])
     assert walked > (20 if fused else 100)  # most trees accepted some drafts: the rule was exercised
