@@ -95,6 +95,13 @@ def split_merge_allowed() -> bool:
     return os.environ.get("SPECSERVE_SPLIT_MERGE", "0") == "1"
 
 
+def ngram_on_device() -> bool:
+    """SPECSERVE_NGRAM_ON_DEVICE=1 lets NGRAM draft on the device where the worker pipelines
+    (spec/ngram/lookup.py; off by default: on a real model it has not yet measured faster
+    than the trie's host drafts)."""
+    return os.environ.get("SPECSERVE_NGRAM_ON_DEVICE", "0") == "1"
+
+
 def torch_compile_mode() -> str:
     """SPECSERVE_TORCH_COMPILE_MODE: inductor's mode for --enable-torch-compile (default "default")."""
     return os.environ.get("SPECSERVE_TORCH_COMPILE_MODE", "default")

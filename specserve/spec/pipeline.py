@@ -77,15 +77,15 @@ class InFlightSpec:
         return len(self.dropped) == len(self.reqs)
 
 
-def eligible(reqs: list[Req], num_steps: int, context_length: int, sampled: bool = False) -> bool:
+def eligible(reqs: list[Req], depth: int, context_length: int, sampled: bool = False) -> bool:
     """Whether a step over `reqs` may be left in flight: greedy walks (or, with `sampled`,
     seeded sampling: step_graphs.py walks its Gumbel targets), full trees,
     no logprobs (the verify graph's logits are overwritten by the next step) and room in
-    the context for two more steps' tokens (the host checks limits a step late; positions
+    the context for two more steps' tokens, `depth` + 1 each (the host checks limits a step late; positions
     stay in range). A request near max_new_tokens may be left in flight: a step that ends
     it by length drops it from the next one, as an EOS does, and that wasted step costs
     less than the unpipelined steps its last tokens would otherwise take."""
-    room = 2 * (num_steps + 1)
+    room = 2 * (depth + 1)
     for req in reqs:
         p = req.params
         if p.logprobs or p.processed:

@@ -176,12 +176,18 @@ class SpecWorker:
             and self.spec.accept_threshold_single >= 1.0 and self.spec.accept_threshold_acc >= 1.0
         ahead = self.ahead
         if not self.pipeline or ahead is None or not ahead.can_draft_ahead(len(reqs)) \
-                or not pipeline.eligible(reqs, self.spec.tree[0], self.context_length, sampled):
+                or not pipeline.eligible(reqs, self._depth, self.context_length, sampled):
             return False
         prev = self._inflight
         # a run keeps its tree shape: a batch that shrinks across batch_from drains (batch_tree.py)
         return prev is None or (prev.live_rows(reqs) is not None and prev.graphed == self._graphed(len(reqs))
                                 and prev.nodes == self._nodes(len(reqs)) and ahead.has_drafted_ahead(prev.reqs))
+
+    @property
+    def _depth(self) -> int:
+        """A bound on a step's tree depth: N - 1, a chain's (NGRAM's on the device; EAGLE's
+        trees reach num_steps <= N - 1)."""
+        return self.proposer.max_nodes - 1
 
     def _graphed(self, bsz: int) -> bool:
         """Whether a pipelined step over `bsz` requests is one step-graph replay."""

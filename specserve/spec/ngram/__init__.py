@@ -2,7 +2,8 @@
 
 trie.py counts the n-grams, proposer.py matches a request's recent tokens against them and
 builds its tree (BFS by recency or PROB by frequency), adapter.py puts that behind the
-`Proposer` protocol. This file is the registry entry: which flags apply, their checks
+`Proposer` protocol; lookup.py drafts chains on the device for pipelined steps (opt-in:
+SPECSERVE_NGRAM_ON_DEVICE). This file is the registry entry: which flags apply, their checks
 (SGLang's NGRAM constructor rules, with our flag names) and defaults.
 """
 from __future__ import annotations

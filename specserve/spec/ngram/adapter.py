@@ -3,17 +3,40 @@
 A request's match state goes when it leaves (finished, aborted or retracted); a retracted
 request that resumes is registered again from scratch. A request whose match is too short
 to pay at the governor's price is given no draft (gate.py).
+
+With SPECSERVE_NGRAM_ON_DEVICE=1 (core/env.py; off by default until it measures faster on a
+real model), where the worker pipelines (a GPU: `whole_step`, called when it does), batches
+of up to `DEVICE_ROWS` requests draft on the device instead (lookup.py): chains from each
+request's own tokens, drafted ahead from the walk (`DraftsAhead`), so a step is launched
+before the previous one is read back. Larger batches keep the trie and its gate: a full
+chain for every request costs a verify of B x N tokens, which a pipeline's saved host
+time repays only at small batches.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.core import env
 from specserve.core.request import Req
+from specserve.engine.speculation import Decoded
+from specserve.spec.accept import GreedyWalk
 from specserve.spec.drafts import Drafts
 from specserve.spec.ngram.gate import MatchGate
+from specserve.spec.ngram.lookup import DeviceLookup
 from specserve.spec.ngram.proposer import NgramProposer
-from specserve.spec.proposer import Proposer, Verified
+from specserve.spec.proposer import DraftsAhead, Proposer, Verified, WholeStep
+from specserve.spec.tree.ahead import TreesAhead
+
+if TYPE_CHECKING:
+    from specserve.engine.kv_manager import KVManager
+    from specserve.runner.model_runner import ModelRunner
+
+DEVICE_ROWS = 8  # batches up to this many requests draft on the device when the worker pipelines
 
 
-class NgramAdapter(Proposer):
+class NgramAdapter(Proposer, DraftsAhead):
     """NgramProposer (keyed by request id) behind the Proposer protocol.
 
     The prompt and committed tokens are indexed lazily, in order, from the request's own
@@ -28,6 +51,8 @@ class NgramAdapter(Proposer):
         self._indexed: dict[str, int] = {}
         self.gate = MatchGate()
         self._drafted_from: dict[str, int] = {}  # rid -> the match length its last draft rested on
+        self.lookup: DeviceLookup | None = None  # set by whole_step when the worker pipelines
+        self.trees_ahead = TreesAhead()
 
     def add_request(self, req: Req) -> None:
         self.ngram.add_request(req.rid, [])
@@ -38,6 +63,8 @@ class NgramAdapter(Proposer):
         self._indexed.pop(req.rid, None)
         self._drafted_from.pop(req.rid, None)
         self.ngram.remove_request(req.rid)
+        if self.lookup is not None:
+            self.lookup.forget(req)
 
     def on_price(self, ratio: float | None) -> None:
         self.gate.price = ratio
@@ -45,6 +72,10 @@ class NgramAdapter(Proposer):
     def propose(self, reqs: list[Req], budgets: list[int]) -> Drafts:
         if max(budgets) == 1:  # penalties only: no lookup, no catching up
             return Drafts.roots([r.last_id for r in reqs])
+        if self._on_device(len(reqs)):
+            ahead = self.trees_ahead.take(reqs, self.max_nodes)
+            assert self.lookup is not None, "_on_device"
+            return ahead if ahead is not None else self.lookup.draft(reqs)
         self._catch_up(reqs)
         gated = []
         for req, budget in zip(reqs, budgets):
@@ -75,6 +106,41 @@ class NgramAdapter(Proposer):
             if self._indexed[req.rid] < len(ids):
                 self.ngram.on_tokens(req.rid, ids[self._indexed[req.rid]:])
                 self._indexed[req.rid] = len(ids)
+
+    def on_decoded(self, reqs: list[Req], step: Decoded) -> None:
+        self.trees_ahead.clear()  # drafted before this token
+
+    # -- drafting ahead on the device (lookup.py; spec/pipeline.py) ----------------------------
+    def whole_step(self, runner: ModelRunner, kv: KVManager, max_bs: int) -> WholeStep | None:
+        """The worker pipelines: small batches draft on the device from now on, where
+        SPECSERVE_NGRAM_ON_DEVICE allows it (no whole-step graph either way)."""
+        if not env.ngram_on_device():
+            return None
+        ng, self.table = self.ngram, kv.table.table
+        self.lookup = DeviceLookup(kv.table.table.shape[0], kv.table.table.shape[1], runner.device,
+                                   self.max_nodes, ng.max_window, ng.min_window)
+        return None
+
+    def _on_device(self, bsz: int) -> bool:
+        return self.lookup is not None and bsz <= DEVICE_ROWS
+
+    def can_draft_ahead(self, bsz: int) -> bool:
+        return self._on_device(bsz)
+
+    def draft_ahead(self, reqs: list[Req], walk: GreedyWalk, features: torch.Tensor | None, slots: torch.Tensor,
+                    trees: bool, row_start: torch.Tensor) -> torch.Tensor:
+        assert self.lookup is not None, "can_draft_ahead"
+        drafts, kv_after = self.lookup.draft_ahead(walk, slots, row_start, self.table)
+        self.trees_ahead.clear()
+        if trees:
+            self.trees_ahead.hold(reqs, drafts)
+        return kv_after
+
+    def keep_ahead(self, reqs: list[Req], rows: list[int], index: torch.Tensor) -> None:
+        self.trees_ahead.keep(reqs, rows, index)
+
+    def has_drafted_ahead(self, reqs: list[Req]) -> bool:
+        return self.trees_ahead.has(reqs)
 
     def on_verified(self, reqs: list[Req], verified: Verified) -> None:
         """What each draft earned goes to the gate; the committed tokens are indexed from

@@ -1,6 +1,6 @@
 """TreesAhead: the next step's trees, drafted ahead on the device, held for its propose.
 
-A proposer that drafts ahead (spec/proposer.py `DraftsAhead`: EAGLE, STANDALONE) queues
+A proposer that drafts ahead (spec/proposer.py `DraftsAhead`: EAGLE, STANDALONE, NGRAM on the device) queues
 the next step's trees before the step that committed their roots is read back. They are
 valid for one propose only, over exactly the requests they were drafted for, in order
 (or a subset of them, kept by `keep` when some ended); anything that changes a request's
