@@ -67,6 +67,10 @@ def test_pipelined_ngram_steps_are_token_identical(tiny, smollm2_dir, monkeypatc
     # the device drafts were accepted where the answers repeat what came before
     assert max(o["meta_info"]["spec_accept_length"] for o in outs) > 1.5, [o["meta_info"] for o in outs]
     clean(eng)
+    # the trie's forecast says nothing of the device's drafts: the governor decides alone
+    proposer = eng.scheduler.spec.proposer
+    proposer.on_price(1.2)
+    assert proposer.drafts_pay([]) is None
 
 
 def test_without_the_switch_ngram_keeps_the_trie(tiny, smollm2_dir, monkeypatch):

@@ -92,9 +92,11 @@ class NgramAdapter(Proposer, DraftsAhead):
         of one (the governor's, in plain steps) times the tokens a plain step gives (one a
         request), from each request's match (gate.py `expected`); None: no price yet.
         Indexes the host's ids first: during plain steps the trie keeps up, a step behind
-        the device when the plain steps overlap."""
+        the device when the plain steps overlap. None too where the batch drafts on the
+        device: the trie's match says nothing of those drafts, and the gate learns nothing
+        from them; the governor's measured steps decide."""
         price = self.gate.price
-        if price is None:
+        if price is None or self._on_device(len(reqs)):
             return None
         self._catch_up(reqs)
         return sum(self.gate.expected(self.ngram.match_length(r.rid)) for r in reqs) >= price * len(reqs)
