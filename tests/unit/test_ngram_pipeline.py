@@ -82,3 +82,18 @@ def test_without_the_switch_ngram_keeps_the_trie(tiny, smollm2_dir, monkeypatch)
     worker.capture_graphs(8)
     assert worker.proposer.lookup is None and not worker.proposer.can_draft_ahead(1)
     assert [o["output_ids"] for o in run(eng, ps[:2], params[:2])] == ref[:2]
+
+
+def test_sampled_requests_take_device_drafts_unpipelined(tiny, smollm2_dir, monkeypatch):
+    """Seeded sampling (temperature, top-p) next to a greedy request: such a batch is not
+    left in flight, yet it drafts on the device (chains from `DeviceLookup.draft`); seeded
+    outputs are plain sampling's, token for token."""
+    target, ps, _, _ = tiny
+    params = [{"temperature": t, "seed": 31 + i, "max_new_tokens": 24, **extra}
+              for i, (t, extra) in enumerate(((1.0, {}), (0.0, {}), (0.8, {"top_p": 0.9})))]
+    want = [o["output_ids"] for o in run(engine(target, smollm2_dir), ps[:3], params)]
+    counts: dict = {}
+    eng = _pipelined(target, smollm2_dir, monkeypatch, counts)
+    count_calls(eng.scheduler.spec.proposer.lookup, "draft", counts, monkeypatch)
+    assert [o["output_ids"] for o in run(eng, ps[:3], params)] == want
+    assert counts.get("draft", 0) >= 5 and counts.get("_launch", 0) == 0, counts
