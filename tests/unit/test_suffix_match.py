@@ -27,9 +27,15 @@ def _expected(row: list[int], length: int, max_w: int, min_w: int, n: int) -> li
     return [row[last]] + [row[end + 1 + k % (last - end)] for k in range(n - 1)]
 
 
+def _device(fused: bool) -> str:
+    """The fused form runs under the interpreter on the CPU, compiled on a GPU machine."""
+    return "cuda" if fused and torch.cuda.is_available() else "cpu"
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_both_forms_follow_the_rule(fused):
     rng = random.Random(0)
+    dev = _device(fused)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 4, (6, 300), generator=g)
     ids[2, :120] = torch.tensor([5, 6, 7] * 40)  # a period of 3: drafts wrap past the known tokens
@@ -41,7 +47,8 @@ def test_both_forms_follow_the_rule(fused):
         max_w, n = rng.randint(1, 6), rng.randint(1, 12)
         min_w = rng.randint(1, max_w)
         with kernels.fused_kernels(fused):
-            got = suffix_match(ids, torch.tensor(rows), torch.tensor(lens), max_w, min_w, n)
+            got = suffix_match(ids.to(dev), torch.tensor(rows, device=dev), torch.tensor(lens, device=dev),
+                               max_w, min_w, n)
         want = [_expected(ids[r].tolist(), ln, max_w, min_w, n) for r, ln in zip(rows, lens)]
         assert got.tolist() == want, (rows, lens, max_w, min_w, n)
 
@@ -65,11 +72,12 @@ def test_the_commit_and_match_forms_agree():
         table = torch.randint(0, 1000, (7, 80), generator=g)
         results = []
         for fused in (False, True):
-            t, i = table.clone(), ids.clone()
+            dev = _device(fused)
+            p, t, i = packed.to(dev), table.to(dev), ids.to(dev)
             with kernels.fused_kernels(fused):
-                chains, kv_after = commit_and_match(packed[:, :n], tokens, packed[:, 2 * n:][:, 0], slots,
-                                                    torch.cat([rows, start]), t, i, 3, 1)
-            results.append((chains.tolist(), kv_after.tolist(), t, i))
+                chains, kv_after = commit_and_match(p[:, :n], tokens.to(dev), p[:, 2 * n:][:, 0], slots.to(dev),
+                                                    torch.cat([rows, start]).to(dev), t, i, 3, 1)
+            results.append((chains.tolist(), kv_after.tolist(), t.cpu(), i.cpu()))
         (c0, k0, t0, i0), (c1, k1, t1, i1) = results
         assert c0 == c1 and k0 == k1 and torch.equal(t0, t1) and torch.equal(i0, i1)
         assert k0 == [s + a + 1 for s, a in zip(start.tolist(), accepted)]
