@@ -84,8 +84,11 @@ GPU_TEST_KV_SLOTS = 16384
 # Engines whose output tests compare token for token with another engine's (speculative vs
 # plain, batch 8 vs batch 1) run in float32 on a GPU too: bf16 is not batch-invariant, so a
 # verify over 16 tree tokens and a decode of one may round a near-tie apart. Their KV pool
-# is bounded there, so that several fit beside the session's shared engine.
-EXACT_ON_GPU = {"dtype": "float32", "max_total_tokens": GPU_TEST_KV_SLOTS} if torch.cuda.is_available() else {}
+# is bounded there, so that several fit beside the session's shared engine. They capture no
+# prefill graphs (30 captures, some 10 s an engine): those have tests of their own
+# (test_prefill_graphs.py, test_spec_pipeline.py's captured prefills).
+EXACT_ON_GPU = {"dtype": "float32", "max_total_tokens": GPU_TEST_KV_SLOTS,
+                "cuda_graph_max_prefill_tokens": 0} if torch.cuda.is_available() else {}
 
 
 def tiny_engine(target: Path, tokenizer_dir: Path, **flags):

@@ -249,10 +249,10 @@ def test_standalone_on_cuda_replays_graphs_and_never_syncs_while_drafting(smollm
     bound, and neither a proposal nor a draft-ahead synchronises with the GPU (torch's
     sync debug mode turns any synchronising call into an error)."""
     steps, topk, n = tree
-    engine = Engine(str(smollm2_dir), log_level="warning", **EXACT_ON_GPU, **FIXED, speculative_algorithm="STANDALONE",
-                    speculative_draft_model_path=str(smollm2_dir), speculative_num_steps=steps,
-                    speculative_eagle_topk=topk, speculative_num_draft_tokens=n,
-                    cuda_graph_max_bs=8, cuda_graph_max_prefill_tokens=512)  # the batches here: fewer captures
+    small = {"cuda_graph_max_bs": 8, "cuda_graph_max_prefill_tokens": 512}  # the batches here: fewer captures
+    engine = Engine(str(smollm2_dir), log_level="warning", **(EXACT_ON_GPU | small), **FIXED,
+                    speculative_algorithm="STANDALONE", speculative_draft_model_path=str(smollm2_dir),
+                    speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
     worker, p = engine.scheduler.spec, engine.scheduler.spec.proposer
     assert p.extend_graphs is not None and p.tree.graphs is not None and worker.pipeline
     calls = {"draft_ahead": 0}
