@@ -10,7 +10,8 @@ instead: `matvec.py`); per tree-drafting depth, the children's top-k log-probabi
 (`topk.py`) and the frontier's bookkeeping (`frontier.py`), per pass the kept nodes and
 their ancestor masks (`node_select.py`); per sampled step, the seeded Gumbel noise
 (`gumbel.py`), or the whole Gumbel-max draw without storing the noise (`argmax.py`); per
-verify, the greedy accept walk (`walk.py`), over seeded sampling's targets too. Under
+verify, the greedy accept walk (`walk.py`), over seeded sampling's targets too. Per pipelined
+step of drafts matched from a request's own tokens, the commit and the match (`suffix.py`). Under
 --enable-deterministic-inference every linear layer runs `invariant_mm.py` instead of the
 GEMVs and cuBLAS (fp8 weights too; quantized blocks: `blocks_x16.py` at any row count): its
 rows' arithmetic does not depend on how many rows there are.
@@ -404,3 +405,28 @@ def greedy_walk(tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor
     if not walk.supports(tokens.shape[1]):
         return None
     return walk.greedy_walk(tokens, parents, valid, mask, logits, tempered)
+
+
+def suffix_match(ids: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, max_w: int, min_w: int,
+                 n: int) -> torch.Tensor:
+    """[B, n] int64: per request, the token at lens - 1 of its row of `ids` [R, C] int64 and
+    the n - 1 tokens after its suffix's best earlier match (suffix.py), one launch.
+    rows, lens [B] int64 on ids' device, 1 <= lens <= C; 1 <= min_w <= max_w."""
+    from specserve.kernels import suffix as sm
+
+    return sm.suffix_match(ids, rows, lens, max_w, min_w, n)
+
+
+def commit_and_match(on_path: torch.Tensor, tokens: torch.Tensor, bonus: torch.Tensor, slots: torch.Tensor,
+                     row_start: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, max_w: int,
+                     min_w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A greedy walk over chains of N nodes committed on the device, and the next chains, in
+    one launch (suffix.py): on_path [B, N] (nonzero on the root and the accepted
+    nodes, a prefix of each chain; rows may be strided), tokens [B, N], bonus [B], slots
+    [B, N] contiguous, row_start [2B] the table rows then kv_lens before the verify. Writes
+    the kept slots into `table` at kv_len .. and the committed tokens (the accepted nodes',
+    then the bonus) into `ids` at kv_len + 1 .. Returns the next chains [B, N]
+    (`suffix_match` from the bonus) and kv_len after [B]."""
+    from specserve.kernels import suffix as sm
+
+    return sm.commit_and_match(on_path, tokens, bonus, slots, row_start, table, ids, max_w, min_w)

@@ -1,4 +1,4 @@
-"""kernels/suffix_match.py: both forms against a plain Python statement of the rule, on
+"""spec/ngram/match.py and kernels/suffix.py: both forms against a plain Python statement of the rule, on
 random rows over a small vocabulary (many matches, ties among equal lengths), rows that
 repeat with a short period (the draft wraps past the known tokens), and no match."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specserve import kernels
-from specserve.kernels.suffix_match import commit_and_match, suffix_match
+from specserve.spec.ngram.match import commit_and_match, suffix_match
 
 
 def _expected(row: list[int], length: int, max_w: int, min_w: int, n: int) -> list[int]:

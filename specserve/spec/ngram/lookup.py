@@ -11,7 +11,7 @@ NGRAM steps can be left in flight as EAGLE's are:
     request's row holds its all_ids at positions 0 .. kv_len (the root last), whatever
     the host has read back;
   * `draft` matches the last tokens against the request's earlier ones (the max match
-    window down to the min, kernels/suffix_match.py) and drafts the tokens that followed
+    window down to the min, match.py) and drafts the tokens that followed
     the best match as a chain of N nodes from the root: every step verifies a full chain,
     as a pipelined step must (no host gate);
   * `draft_ahead` also writes the commit's table cells (the kept nodes' slots at their
@@ -29,9 +29,9 @@ import torch
 
 from specserve.core.h2d import h2d_many
 from specserve.core.request import Req
-from specserve.kernels.suffix_match import commit_and_match, suffix_match
 from specserve.spec.accept import GreedyWalk
 from specserve.spec.drafts import Drafts
+from specserve.spec.ngram.match import commit_and_match, suffix_match
 
 
 class DeviceLookup:
@@ -74,7 +74,7 @@ class DeviceLookup:
         """The commit's table writes, the committed tokens into `ids` and the next chains,
         from a walk over chains [B, N] whose verify slots are `slots` [B, N]; row_start
         [2B]: table rows, then kv_lens before the verify. (drafts, kv_len after [B]); one
-        launch on a GPU (kernels/suffix_match.py `commit_and_match`)."""
+        launch on a GPU (match.py `commit_and_match`)."""
         tokens, kv_after = commit_and_match(walk.on_path, walk.tokens, walk.bonus, slots.contiguous(), row_start,
                                             table, self.ids, self.max_w, self.min_w)
         return self._drafts(tokens), kv_after

@@ -8,18 +8,17 @@ token at `last` followed by n - 1 tokens read on from the best candidate's end, 
 with the period `last - end` (a text that repeats goes on repeating past what is known);
 with no match, the token at `last` n times.
 
-Both forms compute exactly that, with no host read: `_torch` in tensor ops over the whole
-row (every position, max_w passes), the kernel one program per row scanning positions
-below `last` in blocks. `suffix_match` picks the kernel where the fused kernels run
-(`kernels.use_fused`).
+The kernels compute exactly that, with no host read, one program per row scanning the
+positions below `last` in blocks; `commit_and_match` first commits a greedy walk over
+chains (its entry point in kernels/__init__.py says what it writes). Their torch forms,
+which run everywhere else, live with their caller in spec/ and are tested equal to
+these.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from specserve import kernels
 
 BLOCK = 1024  # positions a program compares per pass
 
@@ -85,34 +84,8 @@ def _commit_match_kernel(on_ptr, s_on, tok_ptr, s_tok, bonus_ptr, s_bonus, slots
     tl.store(out_ptr + b * N, tl.load(base + last))
 
 
-def _torch(ids: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, max_w: int, min_w: int, n: int) -> torch.Tensor:
-    h = ids.index_select(0, rows)
-    c = h.shape[1]
-    pos = torch.arange(c, device=h.device)
-    last = lens - 1
-    run = pos[None, :] < last[:, None]
-    m = torch.zeros(h.shape, dtype=torch.int64, device=h.device)
-    for j in range(max_w):
-        cand = h.index_select(1, (pos - j).clamp(min=0))
-        suffix = h.gather(1, (last - j).clamp(min=0)[:, None])
-        run = run & (pos >= j)[None, :] & (cand == suffix)
-        m += run
-    top = torch.where(m >= min_w, m * c + pos, -1).max(1).values
-    found = top >= 0
-    end = torch.where(found, top % c, last)
-    period = (last - end).clamp(min=1)
-    k = torch.arange(n - 1, device=h.device)
-    follow = torch.where(found[:, None], end[:, None] + 1 + k[None, :] % period[:, None], last[:, None])
-    return torch.cat([h.gather(1, last[:, None]), h.gather(1, follow)], 1)
-
-
 def suffix_match(ids: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, max_w: int, min_w: int,
                  n: int) -> torch.Tensor:
-    """[B, n] int64: per request, the token at lens - 1 of its row of `ids` [R, C] int64 and
-    the n - 1 tokens after its best match (module docstring). rows, lens [B] int64 on
-    ids' device, 1 <= lens <= C; 1 <= min_w <= max_w."""
-    if not kernels.use_fused(ids):
-        return _torch(ids, rows, lens, max_w, min_w, n)
     b = rows.shape[0]
     out = torch.empty(b, n, dtype=torch.int64, device=ids.device)
     _match_kernel[(b,)](ids, ids.stride(0), rows, lens, out, ids.shape[1], n, MAX_W=max_w, MIN_W=min_w,
@@ -123,25 +96,7 @@ def suffix_match(ids: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, max_
 def commit_and_match(on_path: torch.Tensor, tokens: torch.Tensor, bonus: torch.Tensor, slots: torch.Tensor,
                      row_start: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, max_w: int,
                      min_w: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A greedy walk over chains of N nodes committed on the device, and the next chains:
-    on_path [B, N] (nonzero on the root and the accepted nodes, a prefix of each chain),
-    tokens [B, N], bonus [B], slots [B, N] the verify's, row_start [2B] the table rows then
-    kv_lens before the verify. Writes the kept slots into `table` at kv_len .. and the
-    committed tokens (the accepted nodes', then the bonus) into `ids` at kv_len + 1 ..
-    Returns the next chains [B, N] (`suffix_match` from the bonus) and kv_len after [B]."""
     b, n = tokens.shape
-    rows, start = row_start[:b], row_start[b:]
-    if not kernels.use_fused(ids):
-        lens = (on_path != 0).sum(1)
-        col = torch.arange(n, device=ids.device)
-        keep = col < lens[:, None]
-        cells = (rows[:, None].expand(b, n), start[:, None] + col)
-        table[cells] = torch.where(keep, slots, table[cells])
-        committed = torch.where(col < lens[:, None] - 1, tokens.roll(-1, 1), bonus[:, None])
-        after = (cells[0], cells[1] + 1)
-        ids[after] = torch.where(keep, committed, ids[after])
-        kv_after = start + lens
-        return _torch(ids, rows, kv_after + 1, max_w, min_w, n), kv_after
     out = torch.empty(b, n, dtype=torch.int64, device=ids.device)
     kv_after = torch.empty(b, dtype=torch.int64, device=ids.device)
     _commit_match_kernel[(b,)](on_path, on_path.stride(0), tokens, tokens.stride(0), bonus, bonus.stride(0),
