@@ -118,9 +118,7 @@ class NgramAdapter(Proposer, DraftsAhead):
         SPECSERVE_NGRAM_ON_DEVICE allows it (no whole-step graph either way)."""
         if not env.ngram_on_device():
             return None
-        ng, self.table = self.ngram, kv.table.table
-        self.lookup = DeviceLookup(kv.table.table.shape[0], kv.table.table.shape[1], runner.device,
-                                   self.max_nodes, ng.max_window, ng.min_window)
+        self.lookup = DeviceLookup(kv.table.table, self.max_nodes, self.ngram.max_window, self.ngram.min_window)
         return None
 
     def _on_device(self, bsz: int) -> bool:
@@ -132,7 +130,7 @@ class NgramAdapter(Proposer, DraftsAhead):
     def draft_ahead(self, reqs: list[Req], walk: GreedyWalk, features: torch.Tensor | None, slots: torch.Tensor,
                     trees: bool, row_start: torch.Tensor) -> torch.Tensor:
         assert self.lookup is not None, "can_draft_ahead"
-        drafts, kv_after = self.lookup.draft_ahead(walk, slots, row_start, self.table)
+        drafts, kv_after = self.lookup.draft_ahead(walk, slots, row_start)
         self.trees_ahead.clear()
         if trees:
             self.trees_ahead.hold(reqs, drafts)

@@ -37,9 +37,10 @@ from specserve.spec.ngram.match import commit_and_match, suffix_match
 class DeviceLookup:
     """Each table row's token ids on the device, and the chains drafted from them."""
 
-    def __init__(self, rows: int, columns: int, device: torch.device, num_nodes: int, max_w: int,
-                 min_w: int) -> None:
-        self.ids = torch.zeros(rows, columns + num_nodes, dtype=torch.int64, device=device)
+    def __init__(self, table: torch.Tensor, num_nodes: int, max_w: int, min_w: int) -> None:
+        self.table = table  # the target's req_to_token table (device), which draft_ahead's commit writes
+        rows, columns = table.shape
+        self.ids = torch.zeros(rows, columns + num_nodes, dtype=torch.int64, device=table.device)
         self.n, self.max_w, self.min_w = num_nodes, max_w, min_w
         self._synced: dict[str, int] = {}  # rid -> leading ids of the request known to be in its row
         self._chains: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -69,14 +70,14 @@ class DeviceLookup:
         rows, lens = h2d_many([[r.row for r in reqs], [len(r.all_ids) for r in reqs]], self.ids.device)
         return self._chain(rows, lens)
 
-    def draft_ahead(self, walk: GreedyWalk, slots: torch.Tensor, row_start: torch.Tensor,
-                    table: torch.Tensor) -> tuple[Drafts, torch.Tensor]:
+    def draft_ahead(self, walk: GreedyWalk, slots: torch.Tensor,
+                    row_start: torch.Tensor) -> tuple[Drafts, torch.Tensor]:
         """The commit's table writes, the committed tokens into `ids` and the next chains,
         from a walk over chains [B, N] whose verify slots are `slots` [B, N]; row_start
         [2B]: table rows, then kv_lens before the verify. (drafts, kv_len after [B]); one
         launch on a GPU (match.py `commit_and_match`)."""
         tokens, kv_after = commit_and_match(walk.on_path, walk.tokens, walk.bonus, slots.contiguous(), row_start,
-                                            table, self.ids, self.max_w, self.min_w)
+                                            self.table, self.ids, self.max_w, self.min_w)
         return self._drafts(tokens), kv_after
 
     def _chain(self, rows: torch.Tensor, lens: torch.Tensor) -> Drafts:
