@@ -84,11 +84,13 @@ def config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     smem, sms = device_limits(device)
     if w_bytes == 4 and device.type == "cuda":  # the interpreter keeps the larger tiles: fewer programs
         return f32_config(n, k, gated, sms)
+    if not gated and n >= 16384 and k <= 1024:  # a narrow model's lm_head (SmolLM2's, its draft heads')
+        return Config(64, 64, 4, warps=2)
     mid = _mid_width(n, k, gated, block_t, w_bytes, smem)
     if mid is not None:
         return mid
     if not gated and k > 1024 and triton.cdiv(n, 16) < sms // 2 and n < 16384:  # SmolLM2's down_proj
-        return Config(16, 512, 1, triton.cdiv(k, 512))
+        return Config(16, 512, 1, triton.cdiv(k, 512)) if block_t == 16 else Config(32, 256, 4, triton.cdiv(k, 256))
     if not gated and k <= 1024 and n < 16384 and (block_t == 16 or not norm):
         block_n, block_k = (64 if norm else 16), max(16, triton.next_power_of_2(k))
         if (block_n + block_t) * block_k * w_bytes <= smem:
@@ -99,11 +101,14 @@ def config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: int,
     block_k = (128 if block_n == 128 else 256) * 2 // w_bytes
     if block_n == 128 and block_t == 32 and k <= 2048:  # a narrow model's lm_head: faster than 128 deep
         block_k = 64 * 2 // w_bytes
+    warps = 4
+    if gated and block_n == 16:  # a narrow model's gate_up (SmolLM2's): shallower tiles, 2 warps at 16 tokens
+        block_k, warps = (128, 2) if block_t == 16 else (64, 4)
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
     # A wide model's lm_head: 3 stages, which stream it faster than 4
     most = 3 if n >= 16384 and k > 2048 and not gated else 4
-    return Config(block_n, block_k, max(1, min(most, smem // stage)))
+    return Config(block_n, block_k, max(1, min(most, smem // stage)), warps=warps)
 
 
 def _mid_width(n: int, k: int, gated: bool, block_t: int, w_bytes: int, smem: int) -> Config | None:
