@@ -4,9 +4,16 @@ Invariant: row i of a call over M rows equals, bit for bit, the call over that r
 for every M. A row's arithmetic is fixed by the weight's shape and the dtypes only:
   * tiles of BLOCK_M = 16 rows for every M (a decode step pads its one row to 16): M
     only sets how many row tiles the grid has, never a tile's shape;
-  * BLOCK_N and BLOCK_K come from (N, K) alone (`config`), and K is never split over
-    programs: one program sums all of a row's K columns, BLOCK_K at a time, in order,
-    into one fp32 accumulator through tl.dot;
+  * BLOCK_N and BLOCK_K come from (N, K) alone (`config`), and so does whether K is
+    split, one K tile a split (`split_k`: a weight too narrow to fill the GPU). Without
+    splits one program sums all of a row's K columns, BLOCK_K at a time, in order, into
+    one fp32 accumulator through tl.dot. With splits each K tile's dot is summed from
+    zero on its own and added to the output's accumulator, from zero, in K order: a call
+    of up to SPLIT_ROWS rows gives each tile a program (its weight tile fetched before
+    the PDL wait) that stores its sum, and the last of them to arrive adds the stored
+    sums in order (`_split_sum`); a longer call walks the tiles in one program
+    (`_walk_splits`). Both are the same fp32 operations in the same order, so the bits
+    are too;
   * M is not specialised on (`do_not_specialize`), so one compiled kernel serves all M.
 cuBLAS chooses its kernel (tile, split-K, stream-K) from M, which is why a verify of N
 tokens and a decode of one round the same row differently there.
@@ -47,9 +54,12 @@ from specserve.core.quant import QuantWeight
 from specserve.kernels import pdl_flags
 from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.pdl import wait_and_release
+from specserve.kernels.skinny_config import counts
 
 BLOCK_M = 16
 SUMSQ_GROUP = 32  # columns per partial sum of squares from `row_sumsq`
+SPLIT_TILES = 24  # a weight of fewer output tiles has its K split (`split_k`)
+SPLIT_ROWS = 4 * BLOCK_M  # a call of at most this many rows gives each of a split weight's K tiles a program
 
 
 @triton.jit
@@ -58,47 +68,75 @@ def _w_tile(w_ptr, rows, ks, sw, swk, mask):
 
 
 @triton.jit
-def _product(x, w_ptr, s_ptr, acc, rows, nmask, ks, kmask, k0, sw, swk, ssc, PREC: tl.constexpr,
-             SCALE: tl.constexpr, GROUP: tl.constexpr):
-    """acc + x times the weight rows `rows` at columns ks; fp8 weights (SCALE) widened to
-    x's dtype (exactly), and with scales on GROUP columns (SCALE 2) the tile's dot scaled
-    by its group's before it is added."""
-    w = _w_tile(w_ptr, rows, ks, sw, swk, nmask[:, None] & kmask[None, :])
+def _group_scales(s_ptr, rows, nmask, k0, ssc, SCALE: tl.constexpr, GROUP: tl.constexpr):
+    """The scales of the weight rows `rows` for the group holding column k0 (SCALE 2), else 1."""
+    if SCALE == 2:
+        return tl.load(s_ptr + rows.to(tl.int64) * ssc + k0 // GROUP, mask=nmask, other=0.0)
+    return tl.full(rows.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _dot_tile(x, w, s, acc, PREC: tl.constexpr, SCALE: tl.constexpr):
+    """acc + x times the weight tile w; fp8 weights (SCALE) widened to x's dtype (exactly),
+    and with scales on groups of columns (SCALE 2) the tile's dot scaled by its group's `s`
+    before it is added."""
     if SCALE == 0:
         return tl.dot(x, tl.trans(w), acc, input_precision=PREC)
     w = w.to(x.dtype)
     if SCALE == 1:
         return tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-    s = tl.load(s_ptr + rows.to(tl.int64) * ssc + k0 // GROUP, mask=nmask, other=0.0)
     return acc + tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
 
 
-@triton.jit(do_not_specialize=["M"])
-def _invariant_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, M, N, K, sx, sw, swk, ssc, sy, sr,
-                         n_ss, eps, SCALE: tl.constexpr, GROUP: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, S_IN: tl.constexpr, GATED: tl.constexpr,
-                         RES: tl.constexpr, SS_OUT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask, nmask = rows < M, cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    wait_and_release(USE_PDL)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx + ks[None, :], mask=rmask[:, None] & kmask[None, :],
-                    other=0.0)
-        acc = _product(x, w_ptr, s_ptr, acc, cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE, GROUP)
-        if GATED:
-            acc_up = _product(x, w_ptr, s_ptr, acc_up, N + cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE,
-                              GROUP)
+@triton.jit
+def _product(x, w_ptr, s_ptr, acc, rows, nmask, ks, kmask, k0, sw, swk, ssc, PREC: tl.constexpr,
+             SCALE: tl.constexpr, GROUP: tl.constexpr):
+    """`_dot_tile` of the weight rows `rows` at columns ks, loaded here."""
+    w = _w_tile(w_ptr, rows, ks, sw, swk, nmask[:, None] & kmask[None, :])
+    return _dot_tile(x, w, _group_scales(s_ptr, rows, nmask, k0, ssc, SCALE, GROUP), acc, PREC, SCALE)
+
+
+@triton.jit
+def _split_sum(part_ptr, count_ptr, acc, acc_up, rows, cols, mask, M, N, GATED: tl.constexpr,
+               SPLITS: tl.constexpr):
+    """(acc, acc_up, last): the SPLITS programs of this output tile (program axis 2) store
+    their sums at part_ptr [SPLITS, M, N or 2N] and count themselves in on the device's
+    counts (skinny_config.counts); the one that counts SPLITS adds the stored sums in split
+    order from zero, whoever came last, and sets the count back to 0 for the next launch
+    (`last`; the others' sums are not the output's). The barrier puts every thread's stores
+    before the counting atomic (acq_rel, GPU scope); the sums are read past L1 (.cg)."""
+    width = 2 * N if GATED else N
+    at = rows[:, None].to(tl.int64) * width + cols[None, :]
+    mine = part_ptr + tl.program_id(2).to(tl.int64) * M * width
+    tl.store(mine + at, acc, mask=mask)
+    if GATED:
+        tl.store(mine + N + at, acc_up, mask=mask)
+    tl.debug_barrier()
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
+    if last:
+        acc = tl.zeros(acc.shape, dtype=tl.float32)
+        acc_up = tl.zeros(acc.shape, dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            theirs = part_ptr + s * M.to(tl.int64) * width
+            acc = acc + tl.load(theirs + at, mask=mask, other=0.0, cache_modifier=".cg")
+            if GATED:
+                acc_up = acc_up + tl.load(theirs + N + at, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tile, 0)
+    return acc, acc_up, last
+
+
+@triton.jit
+def _epilogue(acc, acc_up, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, rows, cols, rmask, nmask, M, N, K, ssc,
+              sy, sr, n_ss, eps, dt: tl.constexpr, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+              NORM: tl.constexpr, S_IN: tl.constexpr, GATED: tl.constexpr, RES: tl.constexpr,
+              SS_OUT: tl.constexpr):
+    """The output tile from the whole of K's sums: row scales, norm, bias, SiLU*mul and
+    residual as the module docstring rounds them, then the store (and sums of squares)."""
     if SCALE == 1:  # one scale a row (an fp8 weight's output channel)
         acc *= tl.load(s_ptr + cols.to(tl.int64) * ssc, mask=nmask, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(s_ptr + (N + cols).to(tl.int64) * ssc, mask=nmask, other=0.0)[None, :]
-    dt = x_ptr.dtype.element_ty
     if NORM:  # 1/rms of the row from its partial sums of squares, in index order
         s = tl.arange(0, S_IN)
         part = tl.load(ss_in + rows[:, None].to(tl.int64) * n_ss + s[None, :],
@@ -109,7 +147,7 @@ def _invariant_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out
         acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(b_ptr + N + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    if GATED:  # gate_up rounded to x's dtype, then F.silu's rounding, then the product's
+    if GATED:  # gate_up rounded to x's dtype, then F.silu's rounding, then the product
         g = acc.to(dt).to(tl.float32)
         acc = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
     mask = rmask[:, None] & nmask[None, :]
@@ -122,6 +160,107 @@ def _invariant_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out
         yf = tl.where(mask, y.to(tl.float32), 0.0)
         tl.store(ss_out + rows.to(tl.int64) * tl.num_programs(1) + tl.program_id(1), tl.sum(yf * yf, axis=1),
                  mask=rmask)
+
+
+@triton.jit
+def _x_tile(x_ptr, rows, rmask, ks, kmask, sx):
+    return tl.load(x_ptr + rows[:, None].to(tl.int64) * sx + ks[None, :], mask=rmask[:, None] & kmask[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, PREC: tl.constexpr,
+          SCALE: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """(acc, acc_up): all of K in one accumulator, tile after tile (a weight without splits)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    wait_and_release(USE_PDL)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        x = _x_tile(x_ptr, rows, rmask, ks, kmask, sx)
+        acc = _product(x, w_ptr, s_ptr, acc, cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE, GROUP)
+        if GATED:
+            acc_up = _product(x, w_ptr, s_ptr, acc_up, N + cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE,
+                              GROUP)
+    return acc, acc_up
+
+
+@triton.jit
+def _walk_splits(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC: tl.constexpr,
+                 SCALE: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """(acc, acc_up): all of a split weight's K tiles in one program, each tile's dot summed
+    from `zero` (0.0 at runtime: from a constant the compiler would fold the tile's dot into
+    the accumulator's) and added to the accumulator in order: `_one_split`'s arithmetic."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + zero
+    wait_and_release(USE_PDL)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        x = _x_tile(x_ptr, rows, rmask, ks, kmask, sx)
+        acc = acc + _product(x, w_ptr, s_ptr, z, cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE, GROUP)
+        if GATED:
+            acc_up = acc_up + _product(x, w_ptr, s_ptr, z, N + cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE,
+                                       GROUP)
+    return acc, acc_up
+
+
+@triton.jit
+def _one_split(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, PREC: tl.constexpr,
+               SCALE: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """(acc, acc_up): the one K tile of this program's split (program axis 2), its weight
+    (and scales) fetched before the PDL wait: no earlier kernel writes them, so only x's
+    tile is left on the chain of dependent launches. The tile's dot is summed from zero and
+    added to a zero accumulator, as `_walk_splits` adds each of its tiles."""
+    k0 = tl.program_id(2) * BLOCK_K
+    ks = k0 + tl.arange(0, BLOCK_K)
+    kmask = ks < K
+    w = _w_tile(w_ptr, cols, ks, sw, swk, nmask[:, None] & kmask[None, :])
+    s = _group_scales(s_ptr, cols, nmask, k0, ssc, SCALE, GROUP)
+    if GATED:
+        wu = _w_tile(w_ptr, N + cols, ks, sw, swk, nmask[:, None] & kmask[None, :])
+        su = _group_scales(s_ptr, N + cols, nmask, k0, ssc, SCALE, GROUP)
+    wait_and_release(USE_PDL)
+    x = _x_tile(x_ptr, rows, rmask, ks, kmask, sx)
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = zero + _dot_tile(x, w, s, zero, PREC, SCALE)
+    acc_up = zero
+    if GATED:
+        acc_up = zero + _dot_tile(x, wu, su, zero, PREC, SCALE)
+    return acc, acc_up
+
+
+@triton.jit(do_not_specialize=["M", "zero"])
+def _invariant_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, part_ptr, count_ptr, M, N, K, sx,
+                         sw, swk, ssc, sy, sr, n_ss, eps, zero, SCALE: tl.constexpr, GROUP: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, S_IN: tl.constexpr, GATED: tl.constexpr,
+                         RES: tl.constexpr, SS_OUT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask, nmask = rows < M, cols < N
+    if SPLITS > 1:  # one K tile a program (`split_k`)
+        acc, acc_up = _one_split(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, PREC, SCALE,
+                                 GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
+    elif SPLIT_K:
+        acc, acc_up = _walk_splits(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC,
+                                   SCALE, GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
+    else:
+        acc, acc_up = _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, PREC, SCALE,
+                            GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
+    last = True
+    if SPLITS > 1:
+        acc, acc_up, last = _split_sum(part_ptr, count_ptr, acc, acc_up, rows, cols, rmask[:, None] & nmask[None, :],
+                                       M, N, GATED, SPLITS)
+    if last:
+        _epilogue(acc, acc_up, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, rows, cols, rmask, nmask, M, N, K, ssc,
+                  sy, sr, n_ss, eps, x_ptr.dtype.element_ty, SCALE, HAS_BIAS, NORM, S_IN, GATED, RES, SS_OUT)
 
 
 @triton.jit
@@ -141,6 +280,13 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
     over enough programs; longer rows take longer K tiles."""
     block_k = 128 if k < 1024 else 256 if k <= 4096 else 512
     return (64 if n >= 16384 else 32), min(block_k, max(16, triton.next_power_of_2(k))), 4, (4 if block_k <= 256 else 3)
+
+
+def split_k(n: int, block_n: int) -> bool:
+    """Whether weight [n, k]'s K is split, one K tile a split: a function of the weight
+    alone, true for one of fewer than SPLIT_TILES output tiles (too narrow to fill a GPU at
+    one row: each of its K tiles can have a program)."""
+    return triton.cdiv(n, block_n) < SPLIT_TILES
 
 
 def fp8_scales_served(qw: QuantWeight) -> bool:
@@ -179,6 +325,8 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     elif scale is not None:
         mode, group = 2, scale.group
         block_k = min(block_k, group)  # a K tile inside one scale group
+    split = split_k(n, block_n)
+    splits = triton.cdiv(k, block_k) if split and m <= SPLIT_ROWS else 1
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     ss = torch.empty(m, triton.cdiv(n, block_n), dtype=torch.float32, device=x.device) if sumsq else y
     if m == 0:
@@ -191,15 +339,17 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     # row tiles vary fastest: the programs that read one weight tile run together, so at
     # many rows the weight streams from memory about once (the rest hit L2)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), splits)
     s = scale.scale if scale is not None else y
+    part = torch.empty(splits * m * n * (2 if gated else 1) if splits > 1 else 1, dtype=torch.float32,
+                       device=x.device)
     _invariant_mm_kernel[grid](
         x, weight, s, bias if bias is not None else weight, y, residual if residual is not None else y, ss_in, ss,
-        m, n, k, x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), y.stride(0),
-        residual.stride(0) if residual is not None else 0, n_ss, eps, SCALE=mode, GROUP=group,
+        part, counts(x.device), m, n, k, x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), y.stride(0),
+        residual.stride(0) if residual is not None else 0, n_ss, eps, 0.0, SCALE=mode, GROUP=group,
         HAS_BIAS=bias is not None, NORM=norm is not None, S_IN=triton.next_power_of_2(n_ss), GATED=gated,
         RES=residual is not None, SS_OUT=sumsq, PREC=prec, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages, **pdl_flags(x.device))
+        SPLIT_K=split, SPLITS=splits, num_warps=warps, num_stages=stages, **pdl_flags(x.device))
     return (y, ss) if sumsq else y
 
 

@@ -146,6 +146,43 @@ def test_the_fused_epilogues_keep_rows_alone_and_their_values(n, k):
     torch.testing.assert_close(ss_y.sum(1), y.float().square().sum(1))
 
 
+@pytest.mark.parametrize("form", ["plain", "gated", "normed", "residual", "fp8_rows", "fp8_groups"])
+def test_a_split_k_is_the_same_bits_as_one_program_walking_it(form, monkeypatch):
+    """A narrow weight's K splits (`split_k`: fixed by the weight) are summed the same
+    way whether each split has a program of its own (a few rows, the last to arrive adding the
+    stored sums) or one program walks them all (more rows): the same rows, bit for bit,
+    in every epilogue, with fp8 scales a row and a group; and the two-launch count leaves 0s."""
+    from specserve.core import quant
+    from specserve.kernels import invariant_mm
+    from specserve.kernels.skinny_config import counts
+
+    g = torch.Generator().manual_seed(11)
+    n, k, m = 40, 520, 12  # 5 K tiles of 128 (a tail of 8), two output tiles
+    w = torch.randn(2 * n if form == "gated" else n, k, generator=g) / k ** 0.5
+    x, r = torch.randn(m, k, generator=g).to(DEV, BF16), torch.randn(m, n, generator=g).to(DEV, BF16)
+    scale = None
+    if form.startswith("fp8"):
+        data, s = quant.quantize_fp8(w, 64 if form == "fp8_groups" else None)
+        scale = quant.QuantWeight(data.to(DEV), s.to(DEV), 64 if form == "fp8_groups" else k)
+        w = scale.data
+    else:
+        w = w.to(DEV, BF16)
+    fused = {"gated": {"gated": True}, "normed": {"norm": (1e-5, kernels.row_sumsq(x))},
+             "residual": {"residual": r, "sumsq": True}}.get(form, {})
+    assert invariant_mm.split_k(n, 32)
+
+    out_dtype = torch.float32 if form in ("plain", "fp8_rows", "fp8_groups") else None  # the head's fp32 logits
+
+    def run() -> torch.Tensor:
+        y = invariant_mm.invariant_matmul(x, w, scale=scale, out_dtype=out_dtype, **fused)
+        return torch.cat([t.float() for t in y], 1) if isinstance(y, tuple) else y
+
+    split = run()
+    monkeypatch.setattr(invariant_mm, "SPLIT_ROWS", 0)  # one program walks all of K
+    assert torch.equal(run(), split)
+    assert not counts(x.device).any()
+
+
 def test_row_local_kernels_do_not_depend_on_the_row_count():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(max(ROWS), 96, generator=g).to(DEV, BF16)
