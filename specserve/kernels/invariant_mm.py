@@ -46,6 +46,8 @@ transposed layout under the interpreter).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -127,17 +129,16 @@ def _split_sum(part_ptr, count_ptr, acc, acc_up, rows, cols, mask, M, N, GATED: 
 
 
 @triton.jit
-def _epilogue(acc, acc_up, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, rows, cols, rmask, nmask, M, N, K, ssc,
-              sy, sr, n_ss, eps, dt: tl.constexpr, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-              NORM: tl.constexpr, S_IN: tl.constexpr, GATED: tl.constexpr, RES: tl.constexpr,
-              SS_OUT: tl.constexpr):
-    """The output tile from the whole of K's sums: row scales, norm, bias, SiLU*mul and
-    residual as the module docstring rounds them, then the store (and sums of squares)."""
+def _finished_sums(acc, acc_up, s_ptr, b_ptr, ss_in, rows, rmask, cols, nmask, N, K, ssc, n_ss, eps,
+                    SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, S_IN: tl.constexpr,
+                    GATED: tl.constexpr):
+    """The sums of all of K with what no product holds: an fp8 weight's row scales, the
+    norm's 1/rms (from the row's partial sums of squares, in index order) and the bias."""
     if SCALE == 1:  # one scale a row (an fp8 weight's output channel)
         acc *= tl.load(s_ptr + cols.to(tl.int64) * ssc, mask=nmask, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(s_ptr + (N + cols).to(tl.int64) * ssc, mask=nmask, other=0.0)[None, :]
-    if NORM:  # 1/rms of the row from its partial sums of squares, in index order
+    if NORM:
         s = tl.arange(0, S_IN)
         part = tl.load(ss_in + rows[:, None].to(tl.int64) * n_ss + s[None, :],
                        mask=rmask[:, None] & (s < n_ss)[None, :], other=0.0)
@@ -147,6 +148,18 @@ def _epilogue(acc, acc_up, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, rows, cols
         acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(b_ptr + N + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    return acc, acc_up
+
+
+@triton.jit
+def _epilogue(acc, acc_up, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out, rows, cols, rmask, nmask, M, N, K, ssc,
+              sy, sr, n_ss, eps, dt: tl.constexpr, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+              NORM: tl.constexpr, S_IN: tl.constexpr, GATED: tl.constexpr, RES: tl.constexpr,
+              SS_OUT: tl.constexpr):
+    """The output tile from the whole of K's sums (`_finished_sums`), then SiLU*mul and
+    the residual as the module docstring rounds them, the store (and sums of squares)."""
+    acc, acc_up = _finished_sums(acc, acc_up, s_ptr, b_ptr, ss_in, rows, rmask, cols, nmask, N, K, ssc, n_ss, eps,
+                                  SCALE, HAS_BIAS, NORM, S_IN, GATED)
     if GATED:  # gate_up rounded to x's dtype, then F.silu's rounding, then the product
         g = acc.to(dt).to(tl.float32)
         acc = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
@@ -282,6 +295,40 @@ def config(n: int, k: int) -> tuple[int, int, int, int]:
     return (64 if n >= 16384 else 32), min(block_k, max(16, triton.next_power_of_2(k))), 4, (4 if block_k <= 256 else 3)
 
 
+class Plan(NamedTuple):
+    """A call's launch: the weight's tiles (`config`), its scales' mode (0 none, 1 a row,
+    2 a group of `group` columns), whether its K is split (`split_k`) and the programs a
+    split output tile takes (1: one walks them all)."""
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    mode: int
+    group: int
+    split: bool
+    splits: int
+
+
+def plan(m: int, n: int, k: int, scale: QuantWeight | None) -> Plan:
+    """The launch of m rows through weight [n, k] (an fp8 weight's `scale`)."""
+    block_n, block_k, warps, stages = config(n, k)
+    mode, group = 0, 1
+    if scale is not None and scale.group >= k:
+        mode = 1
+    elif scale is not None:
+        mode, group = 2, scale.group
+        block_k = min(block_k, group)  # a K tile inside one scale group
+    split = split_k(n, block_n)
+    splits = triton.cdiv(k, block_k) if split and m <= SPLIT_ROWS else 1
+    return Plan(block_n, block_k, warps, stages, mode, group, split, splits)
+
+
+def split_parts(p: Plan, m: int, width: int, device: torch.device) -> torch.Tensor:
+    """`_split_sum`'s fp32 scratch for m rows of `width` sums a split ([splits, m, width]),
+    or a placeholder when the call takes no split programs."""
+    return torch.empty(p.splits * m * width if p.splits > 1 else 1, dtype=torch.float32, device=device)
+
+
 def split_k(n: int, block_n: int) -> bool:
     """Whether weight [n, k]'s K is split, one K tile a split: a function of the weight
     alone, true for one of fewer than SPLIT_TILES output tiles (too narrow to fill a GPU at
@@ -318,15 +365,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x.stride(-1) != 1:
         x = x.contiguous()
     (m, k), n = x.shape, weight.shape[0] // (2 if gated else 1)
-    block_n, block_k, warps, stages = config(n, k)
-    mode, group = 0, 1  # no scales
-    if scale is not None and scale.group >= k:
-        mode = 1  # one scale a row
-    elif scale is not None:
-        mode, group = 2, scale.group
-        block_k = min(block_k, group)  # a K tile inside one scale group
-    split = split_k(n, block_n)
-    splits = triton.cdiv(k, block_k) if split and m <= SPLIT_ROWS else 1
+    block_n, block_k, warps, stages, mode, group, split, splits = p = plan(m, n, k, scale)
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     ss = torch.empty(m, triton.cdiv(n, block_n), dtype=torch.float32, device=x.device) if sumsq else y
     if m == 0:
@@ -341,11 +380,10 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     # many rows the weight streams from memory about once (the rest hit L2)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n), splits)
     s = scale.scale if scale is not None else y
-    part = torch.empty(splits * m * n * (2 if gated else 1) if splits > 1 else 1, dtype=torch.float32,
-                       device=x.device)
     _invariant_mm_kernel[grid](
         x, weight, s, bias if bias is not None else weight, y, residual if residual is not None else y, ss_in, ss,
-        part, counts(x.device), m, n, k, x.stride(0), weight.stride(0), weight.stride(1), s.stride(0), y.stride(0),
+        split_parts(p, m, n * (2 if gated else 1), x.device), counts(x.device), m, n, k, x.stride(0),
+        weight.stride(0), weight.stride(1), s.stride(0), y.stride(0),
         residual.stride(0) if residual is not None else 0, n_ss, eps, 0.0, SCALE=mode, GROUP=group,
         HAS_BIAS=bias is not None, NORM=norm is not None, S_IN=triton.next_power_of_2(n_ss), GATED=gated,
         RES=residual is not None, SS_OUT=sumsq, PREC=prec, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -310,12 +310,14 @@ def test_a_draft_tail_equals_the_decode(world):
     assert torch.equal(out[0], world.decode([P + depth - 1])[0])
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # fused layers (with q/k/v bias), and not (q/k norms)
-def test_a_tiny_models_logits_are_the_same_prefilled_decoded_or_verified(tmp_path, kind):
+# fused layers (with q/k/v bias; heads of 32 dims: RoPE in qkv's epilogue), and not (q/k norms)
+@pytest.mark.parametrize("kind, heads", [("llama", 4), ("llama", 2), ("qwen2", 2), ("qwen3", 4)])
+def test_a_tiny_models_logits_are_the_same_prefilled_decoded_or_verified(tmp_path, kind, heads):
     """The invariant model on the Triton kernels (the GPU's path): one sequence prefilled
     whole; prefilled in part and decoded a token at a time; and prefilled in part and
     verified as the chain of a tree with a sibling. Same logits, bit for bit."""
-    model = load_model(save_tiny_hf(kind, tmp_path / "tiny"), BF16, DEV)
+    model = load_model(save_tiny_hf(kind, tmp_path / "tiny", num_attention_heads=heads,
+                                    num_key_value_heads=heads // 2), BF16, DEV)
     ids = [5, 17, 99, 3, 250, 7, 1, 42, 8]
     with kernels.fused_kernels(True):
         model.make_invariant()
@@ -339,7 +341,7 @@ def test_the_fused_layers_compute_what_the_separate_launches_do(tmp_path, monkey
     """models/invariant.py's fused layers (norms folded) against the same invariant model on
     separate norm, SiLU*mul and add launches: the same logits up to the norms' arithmetic,
     and the aux states (EAGLE-3's) are the stream entering the layers asked for."""
-    path = save_tiny_hf("llama", tmp_path / "tiny")
+    path = save_tiny_hf("llama", tmp_path / "tiny", num_attention_heads=2, num_key_value_heads=1)  # qkv takes RoPE
     outs = []
     with kernels.fused_kernels(True):
         for fold in (True, False):
