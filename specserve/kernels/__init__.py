@@ -14,8 +14,7 @@ verify, the greedy accept walk (`walk.py`), over seeded sampling's targets too. 
 step of drafts matched from a request's own tokens, the commit and the match (`suffix.py`). Under
 --enable-deterministic-inference every linear layer runs `invariant_mm.py` instead of the
 GEMVs and cuBLAS (fp8 weights too; quantized blocks: `blocks_x16.py` at any row count): its
-rows' arithmetic does not depend on how many rows there are; an attention layer's qkv takes
-RoPE and the KV-cache write in that kernel's epilogue (`invariant_rope.py`).
+rows' arithmetic does not depend on how many rows there are.
 The model files call these only when `use_fused(tensor)` says so; everywhere else
 (CPU) they keep their exact torch path.
 
@@ -186,22 +185,6 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     from specserve.kernels import invariant_mm
 
     return invariant_mm.invariant_matmul(x, weight, bias, out_dtype, **fused)
-
-
-def invariant_qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: int, rope: RopeAt,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *,
-                       norm: tuple[float, torch.Tensor], k_scale: float = 1.0,
-                       v_scale: float = 1.0) -> torch.Tensor | None:
-    """`invariant_matmul` of x through an attention layer's fused qkv weight (norm folded
-    in), then `rope_store_kv`, in one launch (invariant_rope.py): the rotated queries
-    [M, heads, D]; None where it does not apply (heads not whole output tiles, a partial
-    rotary table), for the caller's two launches."""
-    from specserve.kernels import invariant_rope
-
-    if not invariant_rope.fuses(weight, k_cache.shape[-1], rope):
-        return None
-    return invariant_rope.invariant_qkv_rope(x, weight, bias, heads, rope, k_cache, v_cache, slots, norm=norm,
-                                             k_scale=k_scale, v_scale=v_scale)
 
 
 def invariant_quantized_serve(qw: QuantWeight, dtype: torch.dtype) -> bool:

@@ -16,15 +16,13 @@ they only propose, and exact verification makes the output the target's):
   * on the GPU the norms, SiLU*mul and the residual adds ride on those kernels'
     epilogues (`forward_layers`): a layer is qkv (x normalised: the input norm's weight
     folded into the weight at start-up, `fold_norms`, and 1/rms applied to the
-    accumulator) with RoPE and the KV write in its epilogue (kernels/invariant_rope.py;
-    a launch of their own where a head is not whole output tiles), attention, o_proj
-    (+ residual, and the stream's partial sums of squares the next norm reads), gate_up
-    (normalised likewise; silu(gate) * up from its epilogue, or from a SiLU*mul launch
-    where kernels/invariant_mm.py measured that faster), down_proj (+ residual); the
-    stream is one tensor between layers, as in the few-token path. Layers with q/k
-    norms (Qwen3) keep separate row-local launches for norms, SiLU*mul and adds
-    (`LlamaForCausalLM.forward_eager`); either way every forward of a model takes the
-    same path;
+    accumulator), RoPE + KV write, attention, o_proj (+ residual, and the stream's partial
+    sums of squares the next norm reads), gate_up (normalised likewise; silu(gate) * up
+    from its epilogue, or from a SiLU*mul launch where kernels/invariant_mm.py measured
+    that faster), down_proj (+ residual); the stream is one tensor between layers, as in the
+    few-token path. Layers with q/k norms (Qwen3) keep separate row-local launches for
+    norms, SiLU*mul and adds (`LlamaForCausalLM.forward_eager`); either way every forward
+    of a model takes the same path;
   * attention walks each query's keys in position order with splits fixed by its own
     length (`attention/triton_invariant.py`, chosen by the runner's `make_backend`);
   * on a GPU, quantized layers with half activations take the mode's kernels too
@@ -146,14 +144,10 @@ def _layer(layer: DecoderLayer, h: torch.Tensor, sumsq: torch.Tensor, fb: Forwar
            rope: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
     attn, mlp, pool = layer.self_attn, layer.mlp, fb.kv_pool
     eps = cast(RMSNorm, layer.input_layernorm).eps
-    k_cache, v_cache = pool.k[attn.layer_id], pool.v[attn.layer_id]
-    q = kernels.invariant_qkv_rope(h, _weight(attn.qkv_proj), attn.qkv_proj.bias, attn.heads, rope, k_cache, v_cache,
-                                   fb.out_slots, norm=(eps, sumsq), k_scale=pool.k_scale, v_scale=pool.v_scale)
-    if q is None:  # heads that are not whole output tiles: the product, then RoPE and the KV write
-        qkv = kernels.invariant_matmul(h, _weight(attn.qkv_proj), attn.qkv_proj.bias, norm=(eps, sumsq))
-        q = kernels.rope_store_kv(qkv.view(-1, attn.heads + 2 * attn.kv_heads, attn.head_dim), attn.heads,
-                                  *rope.tables(), k_cache, v_cache, fb.out_slots, k_scale=pool.k_scale,
-                                  v_scale=pool.v_scale)
+    qkv = kernels.invariant_matmul(h, _weight(attn.qkv_proj), attn.qkv_proj.bias, norm=(eps, sumsq))
+    q = kernels.rope_store_kv(qkv.view(-1, attn.heads + 2 * attn.kv_heads, attn.head_dim), attn.heads,
+                              *rope.tables(), pool.k[attn.layer_id], pool.v[attn.layer_id], fb.out_slots,
+                              k_scale=pool.k_scale, v_scale=pool.v_scale)
     out = fb.attn_backend.forward(q, None, None, attn.layer_id, fb, attn.scale).reshape(h.shape[0], -1)
     h, sumsq = kernels.invariant_matmul(out, _weight(attn.o_proj), residual=h, sumsq=True)
     eps = layer.post_attention_layernorm.eps

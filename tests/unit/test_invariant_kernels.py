@@ -310,7 +310,7 @@ def test_a_draft_tail_equals_the_decode(world):
     assert torch.equal(out[0], world.decode([P + depth - 1])[0])
 
 
-# fused layers (with q/k/v bias; heads of 32 dims: RoPE in qkv's epilogue), and not (q/k norms)
+# fused layers (with q/k/v bias; heads of 16 and 32 dims), and not (q/k norms)
 @pytest.mark.parametrize("kind, heads", [("llama", 4), ("llama", 2), ("qwen2", 2), ("qwen3", 4)])
 def test_a_tiny_models_logits_are_the_same_prefilled_decoded_or_verified(tmp_path, kind, heads):
     """The invariant model on the Triton kernels (the GPU's path): one sequence prefilled
@@ -341,7 +341,7 @@ def test_the_fused_layers_compute_what_the_separate_launches_do(tmp_path, monkey
     """models/invariant.py's fused layers (norms folded) against the same invariant model on
     separate norm, SiLU*mul and add launches: the same logits up to the norms' arithmetic,
     and the aux states (EAGLE-3's) are the stream entering the layers asked for."""
-    path = save_tiny_hf("llama", tmp_path / "tiny", num_attention_heads=2, num_key_value_heads=1)  # qkv takes RoPE
+    path = save_tiny_hf("llama", tmp_path / "tiny", num_attention_heads=2, num_key_value_heads=1)
     outs = []
     with kernels.fused_kernels(True):
         for fold in (True, False):
