@@ -24,6 +24,7 @@ from specserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from specserve.attention.triton_backend import InvariantTritonBackend  # noqa: E402
 from specserve.cache.kv_pool import KVPool  # noqa: E402
 from specserve.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from specserve.kernels import invariant_mm  # noqa: E402
 from specserve.models import invariant  # noqa: E402
 from specserve.models.loader import load_model  # noqa: E402
 from tests.unit.model_utils import BareRunner, save_tiny_hf  # noqa: E402
@@ -153,7 +154,6 @@ def test_a_split_k_is_the_same_bits_as_one_program_walking_it(form, monkeypatch)
     stored sums) or one program walks them all (more rows): the same rows, bit for bit,
     in every epilogue, with fp8 scales a row and a group; and the two-launch count leaves 0s."""
     from specserve.core import quant
-    from specserve.kernels import invariant_mm
     from specserve.kernels.skinny_config import counts
 
     g = torch.Generator().manual_seed(11)
@@ -315,10 +315,13 @@ def test_a_draft_tail_equals_the_decode(world):
 def test_a_tiny_models_logits_are_the_same_prefilled_decoded_or_verified(tmp_path, kind, heads):
     """The invariant model on the Triton kernels (the GPU's path): one sequence prefilled
     whole; prefilled in part and decoded a token at a time; and prefilled in part and
-    verified as the chain of a tree with a sibling. Same logits, bit for bit."""
+    verified as the chain of a tree with a sibling. Same logits, bit for bit. The whole
+    prefill is longer than invariant_mm.SPLIT_ROWS: its MLP (K split in three tiles) walks
+    the splits in one program, where the decodes and the verify give each split a program."""
     model = load_model(save_tiny_hf(kind, tmp_path / "tiny", num_attention_heads=heads,
-                                    num_key_value_heads=heads // 2), BF16, DEV)
-    ids = [5, 17, 99, 3, 250, 7, 1, 42, 8]
+                                    num_key_value_heads=heads // 2, intermediate_size=320), BF16, DEV)
+    ids = [5, 17, 99, 3, 250, 7, 1, 42, 8] + [(7 * i) % 500 for i in range(60)]
+    assert len(ids) > invariant_mm.SPLIT_ROWS
     with kernels.fused_kernels(True):
         model.make_invariant()
         assert model.folded_norms == (kind != "qwen3")
