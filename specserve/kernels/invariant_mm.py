@@ -12,7 +12,7 @@ for every M. A row's arithmetic is fixed by the weight's shape and the dtypes on
     of up to SPLIT_ROWS rows gives each tile a program (its weight tile fetched before
     the PDL wait) that stores its sum, and the last of them to arrive adds the stored
     sums in order (`_split_sum`); a longer call walks the tiles in one program
-    (`_walk_splits`). Both are the same fp32 operations in the same order, so the bits
+    (`_walk`). Both are the same fp32 operations in the same order, so the bits
     are too;
   * M is not specialised on (`do_not_specialize`), so one compiled kernel serves all M.
 cuBLAS chooses its kernel (tile, split-K, stream-K) from M, which is why a verify of N
@@ -182,31 +182,13 @@ def _x_tile(x_ptr, rows, rmask, ks, kmask, sx):
 
 
 @triton.jit
-def _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, PREC: tl.constexpr,
+def _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC: tl.constexpr,
           SCALE: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """(acc, acc_up): all of K in one accumulator, tile after tile (a weight without splits)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    wait_and_release(USE_PDL)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        x = _x_tile(x_ptr, rows, rmask, ks, kmask, sx)
-        acc = _product(x, w_ptr, s_ptr, acc, cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE, GROUP)
-        if GATED:
-            acc_up = _product(x, w_ptr, s_ptr, acc_up, N + cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE,
-                              GROUP)
-    return acc, acc_up
-
-
-@triton.jit
-def _walk_splits(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC: tl.constexpr,
-                 SCALE: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """(acc, acc_up): all of a split weight's K tiles in one program, each tile's dot summed
-    from `zero` (0.0 at runtime: from a constant the compiler would fold the tile's dot into
-    the accumulator's) and added to the accumulator in order: `_one_split`'s arithmetic."""
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """(acc, acc_up): all of K in one program, tile after tile. Without splits the tiles'
+    dots accumulate into one accumulator; a split weight's (SPLIT_K) each start from `zero`
+    (0.0 at runtime: from a constant the compiler would fold the tile's dot into the
+    accumulator's) and are added to the accumulator in order, `_one_split`'s arithmetic."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + zero
@@ -215,10 +197,16 @@ def _walk_splits(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, sw
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
         x = _x_tile(x_ptr, rows, rmask, ks, kmask, sx)
-        acc = acc + _product(x, w_ptr, s_ptr, z, cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE, GROUP)
-        if GATED:
-            acc_up = acc_up + _product(x, w_ptr, s_ptr, z, N + cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE,
-                                       GROUP)
+        if SPLIT_K:
+            acc = acc + _product(x, w_ptr, s_ptr, z, cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE, GROUP)
+            if GATED:
+                acc_up = acc_up + _product(x, w_ptr, s_ptr, z, N + cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC,
+                                           SCALE, GROUP)
+        else:
+            acc = _product(x, w_ptr, s_ptr, acc, cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC, SCALE, GROUP)
+            if GATED:
+                acc_up = _product(x, w_ptr, s_ptr, acc_up, N + cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC,
+                                  SCALE, GROUP)
     return acc, acc_up
 
 
@@ -229,7 +217,7 @@ def _one_split(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk,
     """(acc, acc_up): the one K tile of this program's split (program axis 2), its weight
     (and scales) fetched before the PDL wait: no earlier kernel writes them, so only x's
     tile is left on the chain of dependent launches. The tile's dot is summed from zero and
-    added to a zero accumulator, as `_walk_splits` adds each of its tiles."""
+    added to a zero accumulator, as `_walk` adds each of a split weight's tiles."""
     k0 = tl.program_id(2) * BLOCK_K
     ks = k0 + tl.arange(0, BLOCK_K)
     kmask = ks < K
@@ -261,12 +249,9 @@ def _invariant_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out
     if SPLITS > 1:  # one K tile a program (`split_k`)
         acc, acc_up = _one_split(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, PREC, SCALE,
                                  GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
-    elif SPLIT_K:
-        acc, acc_up = _walk_splits(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC,
-                                   SCALE, GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
     else:
-        acc, acc_up = _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, PREC, SCALE,
-                            GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
+        acc, acc_up = _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC, SCALE,
+                            GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_PDL)
     last = True
     if SPLITS > 1:
         acc, acc_up, last = _split_sum(part_ptr, count_ptr, acc, acc_up, rows, cols, rmask[:, None] & nmask[None, :],
@@ -324,9 +309,11 @@ def plan(m: int, n: int, k: int, scale: QuantWeight | None) -> Plan:
 
 
 def split_parts(p: Plan, m: int, width: int, device: torch.device) -> torch.Tensor:
-    """`_split_sum`'s fp32 scratch for m rows of `width` sums a split ([splits, m, width]),
-    or a placeholder when the call takes no split programs."""
-    return torch.empty(p.splits * m * width if p.splits > 1 else 1, dtype=torch.float32, device=device)
+    """`_split_sum`'s fp32 scratch for m rows of `width` sums a split ([splits, m, width]);
+    without split programs the device's counts (never dereferenced: no allocation a call)."""
+    if p.splits == 1:
+        return counts(device)
+    return torch.empty(p.splits * m * width, dtype=torch.float32, device=device)
 
 
 def split_k(n: int, block_n: int) -> bool:
