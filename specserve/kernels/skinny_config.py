@@ -163,8 +163,15 @@ def tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: i
     512 columns; gated 256 in 2 stages; an lm_head (16384 rows or more) 128 rows by 256 in 2
     stages. At 32 tokens only the gated layers and the lm_head take theirs; the others are
     fastest on the half weights' boxes. From sweeps of the same shapes at 16 and 32 tokens
-    (docs/benchmarks.md)."""
-    smem, _ = device_limits(device)
+    (docs/benchmarks.md).
+
+    Narrow fp8 layers (`_fp8_split`) split K instead: at 64 rows a program too few programs
+    widen the tiles to stream them."""
+    smem, sms = device_limits(device)
+    split = _fp8_split(n, k, gated, block_t, sms) if fp8 else 1
+    if split > 1:
+        stage = 64 * 256 + block_t * 256 * w_bytes
+        return Config(64, 256, max(1, min(4, smem // stage)), split)
     if fp8 and (block_t == 16 or gated or n >= 16384):
         block_n, block_k = (128, 256) if n >= 16384 and not gated else (64, 256 if gated else 512)
         stage = (2 if gated else 1) * block_n * block_k + block_t * block_k * w_bytes
@@ -173,3 +180,19 @@ def tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: i
     block_n, block_k = 64, (128 if gated else 256) * 2 // w_bytes
     stage = ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes
     return Config(block_n, block_k, max(1, min(4, smem // stage)))
+
+
+def _fp8_split(n: int, k: int, gated: bool, block_t: int, sms: int) -> int:
+    """The K split of an fp8 layer on the TMA path (64 x 256 boxes; 1: none). Each program
+    widens its tiles to fp16 before the dot, so a layer with fewer 64-row programs than SMs
+    is bound by its programs' arithmetic, not the bytes: Llama-8B's o_proj and down_proj (64
+    programs on an H200's 132 SMs) take K in 4 parts at 16 and 32 tokens; Llama-70B's (128
+    programs, K 8192 and more) in 2 at 32 tokens, and none at 16, where down_proj's 512-deep
+    boxes are as fast. Llama-8B's qkv (96 programs, K 4096) was slower split at 32 tokens.
+    Not gated layers (as many programs again) nor lm_heads (16384 rows or more). From
+    sweeps of those shapes (docs/benchmarks.md); half weights gain nothing from a split there."""
+    blocks = triton.cdiv(n, 64)
+    if gated or n >= 16384 or blocks >= sms:
+        return 1
+    split = 4 if 2 * blocks <= sms else 2 if block_t == 32 and k >= 8192 else 1
+    return max(1, min(split, triton.cdiv(k, 256)))

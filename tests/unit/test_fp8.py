@@ -110,6 +110,26 @@ def test_tma_path_reads_fp8():
     torch.testing.assert_close(got, _reference(x, qw, None, None, False), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("group", [None, 128])
+def test_tma_path_splits_a_narrow_fp8_layer(group, monkeypatch):
+    """A narrow fp8 layer on the descriptor path takes K in parts (skinny_config._fp8_split:
+    one 64-row program against 132 SMs, 1104 columns in 4 parts of 256-deep boxes, the last
+    without a column): plain, with its deferred norm and with a residual, as the reference;
+    the split's counts are 0 again after each launch."""
+    from specserve.kernels import skinny, skinny_config
+
+    monkeypatch.setattr(skinny_config, "device_limits", lambda device: (1 << 20, 132))
+    monkeypatch.setattr(skinny, "TMA_OVERRIDE", True)
+    qw, x = _fp8(64, 1104, group), torch.randn(5, 1104, device=DEV)
+    assert skinny._tma_config(64, 1104, False, True, 4, 16, DEV, fp8=True).split == 4
+    norm_weight, residual = torch.rand(1104, device=DEV) + 0.5, torch.randn(5, 64, device=DEV)
+    for nw, res in ((None, None), (norm_weight, None), (None, residual)):
+        with kernels.fused_kernels(True), torch.no_grad():
+            got = kernels.gemv(x, qw, norm_weight=nw, eps=1e-6, residual=res)
+        torch.testing.assert_close(got, _reference(x, qw, nw, res, False), atol=2e-5, rtol=2e-5)
+        assert not skinny_config.counts(DEV).any()
+
+
 def test_qkv_rope_store_reads_fp8():
     """The fused qkv + RoPE + KV write takes an fp8 weight as the plain GEMV does."""
     from specserve.models.rope import RotaryEmbedding

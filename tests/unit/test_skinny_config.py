@@ -61,8 +61,15 @@ def test_skinny_config_fits_the_device(monkeypatch):
         block_n, block_k, stages, split, _ = skinny._tma_config(n, k, gated, True, w_bytes, block_t, DEV)
         assert 1 <= stages <= 4 and split == 1 and block_k * w_bytes == (256 if gated else 512), (n, k)
         assert stages * ((2 if gated else 1) * block_n + block_t) * block_k * w_bytes <= budget, (n, k, w_bytes)
-        # fp8 weights: the same bytes a stage, twice the columns; at 32 tokens only gated layers and heads
+        # fp8 weights: the same bytes a stage, twice the columns; at 32 tokens only gated layers and heads;
+        # layers on fewer 64-row programs than SMs split K on the half weights' boxes
         fp8 = skinny._tma_config(n, k, gated, True, 2, block_t, DEV, fp8=True)
+        if fp8.split > 1:
+            blocks = -(-n // 64)
+            assert not gated and n < 16384 and blocks < sms and (2 * blocks <= sms or block_t == 32 and k >= 8192)
+            assert tuple(fp8)[:2] == (64, 256) and fp8.split <= -(-k // 256), (n, k, fp8)
+            assert fp8.stages * (64 + 2 * block_t) * 256 <= budget, (n, k)
+            continue
         if block_t == 32 and not gated and n < 16384:
             assert fp8 == skinny._tma_config(n, k, gated, True, 2, block_t, DEV), (n, k)
             continue
@@ -70,6 +77,26 @@ def test_skinny_config_fits_the_device(monkeypatch):
         assert block_n * block_k == (64 * 256 if gated else 64 * 512 if n < 16384 else 128 * 256), (n, k)
         assert 1 <= stages <= (2 if gated or n >= 16384 else 4), (n, k, stages)
         assert stages * ((2 if gated else 1) * block_n + 2 * block_t) * block_k <= budget, (n, k)
+
+
+def test_narrow_fp8_layers_split_k_on_the_tma_path(monkeypatch):
+    """fp8 layers on fewer 64-row programs than SMs (an H200's 132) take K in parts on 64 x
+    256 boxes: Llama-8B's o_proj and down_proj 4 ways at 16 and 32 tokens, Llama-70B's 2 ways
+    at 32 tokens only; gated layers, lm_heads, half weights, wide enough layers and Llama-8B's qkv
+    (96 programs, K 4096) do not."""
+    from specserve.kernels import skinny, skinny_config
+
+    monkeypatch.setattr(skinny_config, "device_limits", lambda device: (219 * 1024, 132))
+
+    def split(n, k, block_t, gated=False, fp8=True):
+        return skinny._tma_config(n, k, gated, False, 2, block_t, DEV, fp8=fp8).split
+
+    assert [split(4096, k, t) for k in (4096, 14336) for t in (16, 32)] == [4] * 4
+    assert [split(8192, k, t) for k in (8192, 28672) for t in (16, 32)] == [1, 2, 1, 2]
+    assert split(4096, 4096, 16, fp8=False) == split(14336, 4096, 16, gated=True) == 1
+    assert split(128256, 4096, 16) == split(10240, 8192, 32) == 1  # a head; 160 programs
+    assert split(6144, 4096, 16) == split(6144, 4096, 32) == 1
+    assert split(4096, 512, 16) == 2  # no part without a tile
 
 
 def test_l2_prefetch_only_for_a_looped_contiguous_layer(monkeypatch):
