@@ -165,8 +165,8 @@ def tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: i
     fastest on the half weights' boxes. From sweeps of the same shapes at 16 and 32 tokens
     (docs/benchmarks.md).
 
-    Narrow fp8 layers (`_fp8_split`) split K instead: at 64 rows a program too few programs
-    widen the tiles to stream them."""
+    Narrow fp8 layers split K over programs instead (`_fp8_split`): at 64 rows a program
+    they have too few programs to widen their tiles as fast as the bytes arrive."""
     smem, sms = device_limits(device)
     split = _fp8_split(n, k, gated, block_t, sms) if fp8 else 1
     if split > 1:
@@ -189,8 +189,9 @@ def _fp8_split(n: int, k: int, gated: bool, block_t: int, sms: int) -> int:
     programs on an H200's 132 SMs) take K in 4 parts at 16 and 32 tokens; Llama-70B's (128
     programs, K 8192 and more) in 2 at 32 tokens, and none at 16, where down_proj's 512-deep
     boxes are as fast. Llama-8B's qkv (96 programs, K 4096) was slower split at 32 tokens.
-    Not gated layers (as many programs again) nor lm_heads (16384 rows or more). From
-    sweeps of those shapes (docs/benchmarks.md); half weights gain nothing from a split there."""
+    Gated layers (their rows twice over) and lm_heads (16384 rows or more) are not split.
+    From sweeps of those shapes (docs/benchmarks.md); half weights gained nothing from a
+    split there."""
     blocks = triton.cdiv(n, 64)
     if gated or n >= 16384 or blocks >= sms:
         return 1
