@@ -184,14 +184,12 @@ def tma_config(n: int, k: int, gated: bool, norm: bool, w_bytes: int, block_t: i
 
 def _fp8_split(n: int, k: int, gated: bool, block_t: int, sms: int) -> int:
     """The K split of an fp8 layer on the TMA path (64 x 256 boxes; 1: none). Each program
-    widens its tiles to fp16 before the dot, so a layer with fewer 64-row programs than SMs
-    is bound by its programs' arithmetic, not the bytes: Llama-8B's o_proj and down_proj (64
-    programs on an H200's 132 SMs) take K in 4 parts at 16 and 32 tokens; Llama-70B's (128
-    programs, K 8192 and more) in 2 at 32 tokens, and none at 16, where down_proj's 512-deep
-    boxes are as fast. Llama-8B's qkv (96 programs, K 4096) was slower split at 32 tokens.
-    Gated layers (their rows twice over) and lm_heads (16384 rows or more) are not split.
-    From sweeps of those shapes (docs/benchmarks.md); half weights gained nothing from a
-    split there."""
+    widens its tiles to fp16 before the dot, so a layer on fewer 64-row programs than SMs
+    is bound by its programs' arithmetic, not the bytes. At most half as many programs as
+    SMs (Llama-8B's o_proj and down_proj): K in 4 parts at 16 and 32 tokens. Fewer than the
+    SMs with K of 8192 or more (Llama-70B's): 2 parts at 32 tokens only. Narrower K there
+    (Llama-8B's qkv), gated layers (their rows twice over) and lm_heads (16384 rows or
+    more) stay whole; the sweep behind each choice is in docs/benchmarks.md."""
     blocks = triton.cdiv(n, 64)
     if gated or n >= 16384 or blocks >= sms:
         return 1

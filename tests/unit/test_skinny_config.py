@@ -80,7 +80,7 @@ def test_skinny_config_fits_the_device(monkeypatch):
 
 
 def test_narrow_fp8_layers_split_k_on_the_tma_path(monkeypatch):
-    """fp8 layers on fewer 64-row programs than SMs (an H200's 132) take K in parts on 64 x
+    """fp8 layers on fewer 64-row programs than SMs (132 here) take K in parts on 64 x
     256 boxes: Llama-8B's o_proj and down_proj 4 ways at 16 and 32 tokens, Llama-70B's 2 ways
     at 32 tokens only; gated layers, lm_heads, half weights, wide enough layers and Llama-8B's qkv
     (96 programs, K 4096) do not."""
