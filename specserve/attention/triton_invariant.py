@@ -16,7 +16,8 @@ How: every query walks the *logical* sequence of the keys it may see, positions
 The walk is split into pieces of SPLIT(L) = max(BLOCK_N, next_pow2(ceil(L / S_CAP)))
 positions (a function of L alone, at most S_CAP of them), each folded block by block of
 BLOCK_N positions aligned at 0 (online softmax, as the other kernels); a second kernel
-merges a query's pieces in order. One program handles one query token, one kv head and
+merges a query's pieces in order (unrolled to S_CAP, the pieces past its last left out by a
+select, so that all their loads are issued at once). One program handles one query token, one kv head and
 one piece, its group of query heads padded to 16 rows of tl.dot. The grid has a row per
 request in a decode and a row per token row in an extend (each finds its request,
 `_owner`): a (requests x longest extend) grid would launch, for a prefill graph whose
@@ -190,17 +191,23 @@ def _merge_kernel(Out, PAcc, PM, PL, SeqLens, Prefix, Extend, QStarts, Mask, Mas
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         base = (t.to(tl.int64) * H + h) * S_CAP
-        # the running max and sum kept as [BLOCK_D] vectors of one value (loop-carried tensors)
+        # the running max and sum kept as [BLOCK_D] vectors of one value. The pieces are
+        # unrolled to S_CAP, those past `pieces` left out by a select, so every load is
+        # issued up front rather than one piece's after the last one's arithmetic
         m_run = tl.full((BLOCK_D,), float("-inf"), dtype=tl.float32)
         l_run = tl.zeros((BLOCK_D,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for piece in range(0, pieces):
-            m_s = tl.load(PM + base + piece)
+        for piece in tl.static_range(S_CAP):
+            live = pieces > piece
+            at = base + tl.minimum(pieces - 1, piece)  # a piece past the last reads the last
+            m_s = tl.load(PM + at)
+            l_s = tl.load(PL + at)
+            o_s = tl.load(PAcc + at * D + offs_d, mask=mask_d, other=0.0)
             m_new = tl.maximum(m_run, m_s)
             alpha, beta = tl.exp2(m_run - m_new), tl.exp2(m_s - m_new)
-            l_run = l_run * alpha + tl.load(PL + base + piece) * beta
-            acc = acc * alpha + tl.load(PAcc + (base + piece) * D + offs_d, mask=mask_d, other=0.0) * beta
-            m_run = m_new
+            l_run = tl.where(live, l_run * alpha + l_s * beta, l_run)
+            acc = tl.where(live, acc * alpha + o_s * beta, acc)
+            m_run = tl.where(live, m_new, m_run)
         out = acc / l_run * v_scale
         tl.store(Out + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty),
                  mask=mask_d)

@@ -14,7 +14,9 @@ for every M. A row's arithmetic is fixed by the weight's shape and the dtypes on
     sums in order (`_split_sum`); a longer call walks the tiles in one program
     (`_walk`). Both are the same fp32 operations in the same order, so the bits
     are too;
-  * M is not specialised on (`do_not_specialize`), so one compiled kernel serves all M.
+  * M is not specialised on (`do_not_specialize`), so one compiled kernel serves all M
+    (two on a GPU: a few-row call's walking programs may first ask L2 for their weight
+    rows, `prefetch_rule`, which touches no arithmetic).
 cuBLAS chooses its kernel (tile, split-K, stream-K) from M, which is why a verify of N
 tokens and a decode of one round the same row differently there.
 
@@ -55,13 +57,14 @@ import triton.language as tl
 from specserve.core.quant import QuantWeight
 from specserve.kernels import pdl_flags
 from specserve.kernels.activation import silu_and_mul
-from specserve.kernels.pdl import wait_and_release
+from specserve.kernels.pdl import L2_PREFETCH, wait_and_release
 from specserve.kernels.skinny_config import counts
 
 BLOCK_M = 16
 SUMSQ_GROUP = 32  # columns per partial sum of squares from `row_sumsq`
 SPLIT_TILES = 24  # a weight of fewer output tiles has its K split (`split_k`)
 SPLIT_ROWS = 4 * BLOCK_M  # a call of at most this many rows gives each of a split weight's K tiles a program
+PREFETCH_K = 1024  # a walking program of a few-row call asks L2 for rows shorter than this (`prefetch`)
 
 
 @triton.jit
@@ -182,16 +185,37 @@ def _x_tile(x_ptr, rows, rmask, ks, kmask, sx):
 
 
 @triton.jit
+def _prefetch_rows(w_ptr, cols, nmask, sw, n_cols, STEP: tl.constexpr):
+    """Ask L2 for columns [0, n_cols) of the weight rows `cols` (unit column stride), one
+    `prefetch.global.L2` per STEP columns (a 128-byte line), four lines a row per round.
+    Nothing waits for them and nothing reads them here: the arithmetic is untouched."""
+    lines = tl.arange(0, 4) * STEP
+    base = w_ptr + cols[:, None].to(tl.int64) * sw
+    for c0 in range(0, n_cols, 4 * STEP):
+        at = c0 + lines
+        ptrs = tl.where(nmask[:, None] & (at < n_cols)[None, :], base + at[None, :], w_ptr)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC: tl.constexpr,
           SCALE: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """(acc, acc_up): all of K in one program, tile after tile. Without splits the tiles'
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
+          USE_PDL: tl.constexpr):
+    """(acc, acc_up): all of K in one program, tile after tile. With PREFETCH (elements a
+    line) it first asks L2 for its weight rows, before the PDL wait (no earlier kernel
+    writes the weight). Without splits the tiles'
     dots accumulate into one accumulator; a split weight's (SPLIT_K) each start from `zero`
     (0.0 at runtime: from a constant the compiler would fold the tile's dot into the
     accumulator's) and are added to the accumulator in order, `_one_split`'s arithmetic."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + zero
+    if PREFETCH:
+        _prefetch_rows(w_ptr, cols, nmask, sw, K, PREFETCH)
+        if GATED:
+            _prefetch_rows(w_ptr, N + cols, nmask, sw, K, PREFETCH)
     wait_and_release(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -242,7 +266,7 @@ def _invariant_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out
                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, S_IN: tl.constexpr, GATED: tl.constexpr,
                          RES: tl.constexpr, SS_OUT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, nmask = rows < M, cols < N
@@ -250,8 +274,8 @@ def _invariant_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out
         acc, acc_up = _one_split(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, PREC, SCALE,
                                  GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
     else:
-        acc, acc_up = _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC, SCALE,
-                            GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, USE_PDL)
+        acc, acc_up = _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC,
+                            SCALE, GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH, USE_PDL)
     last = True
     if SPLITS > 1:
         acc, acc_up, last = _split_sum(part_ptr, count_ptr, acc, acc_up, rows, cols, rmask[:, None] & nmask[None, :],
@@ -306,6 +330,26 @@ def plan(m: int, n: int, k: int, scale: QuantWeight | None) -> Plan:
     split = split_k(n, block_n)
     splits = triton.cdiv(k, block_k) if split and m <= SPLIT_ROWS else 1
     return Plan(block_n, block_k, warps, stages, mode, group, split, splits)
+
+
+def prefetch(weight: torch.Tensor, p: Plan, m: int) -> int:
+    """The PREFETCH constexpr of a call of m rows through `weight` on plan p (`prefetch_rule`):
+    0 off a GPU, where no inline asm runs, and with SPECSERVE_L2_PREFETCH=0."""
+    if not (weight.is_cuda and L2_PREFETCH):
+        return 0
+    return prefetch_rule((weight.shape[0], weight.shape[1]), weight.stride(1), weight.element_size(), p, m)
+
+
+def prefetch_rule(shape: tuple[int, int], col_stride: int, w_bytes: int, p: Plan, m: int) -> int:
+    """Elements a 128-byte line when a walking program of a call of m rows asks L2 for its
+    whole weight rows before the PDL wait (`_prefetch_rows`), else 0. Only for rows shorter
+    than PREFETCH_K (a small model's qkv and gate_up), in a few-row call (a decode or a
+    verify, at most SPLIT_ROWS), from a weight of unit column stride that is not too wide
+    for its programs to run at once (an lm_head). Longer rows were slower asking for their
+    first tiles, and for all of them (docs/benchmarks.md)."""
+    n, k = shape
+    fits = k < PREFETCH_K and n < 16384 and m <= SPLIT_ROWS and p.splits == 1 and col_stride == 1
+    return 128 // w_bytes if fits else 0
 
 
 def split_parts(p: Plan, m: int, width: int, device: torch.device) -> torch.Tensor:
@@ -374,7 +418,8 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         residual.stride(0) if residual is not None else 0, n_ss, eps, 0.0, SCALE=mode, GROUP=group,
         HAS_BIAS=bias is not None, NORM=norm is not None, S_IN=triton.next_power_of_2(n_ss), GATED=gated,
         RES=residual is not None, SS_OUT=sumsq, PREC=prec, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, SPLITS=splits, num_warps=warps, num_stages=stages, **pdl_flags(x.device))
+        SPLIT_K=split, SPLITS=splits, PREFETCH=prefetch(weight, p, m), num_warps=warps, num_stages=stages,
+        **pdl_flags(x.device))
     return (y, ss) if sumsq else y
 
 

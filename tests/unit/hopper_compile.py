@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from specserve.kernels import argmax, filters, filters_spread, gumbel, walk
+from specserve.kernels import argmax, filters, filters_spread, gumbel, invariant_mm, walk
 
 HOPPER = GPUTarget("cuda", 90, 32)
 CHUNKS = {"x_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i64", "temp_ptr": "*fp32", "greedy_ptr": "*i1",
@@ -30,6 +30,12 @@ SPREAD_FINAL = {"x_ptr": "*fp32", **{f"{b}_ptr": "*fp32" for b in ("out", "state
 _S = filters_spread
 _FINAL = {"ROUNDS": _S.ROUNDS, "CUTS": _S.CUTS, "CAP": _S.CAP, "SLOT": _S.SLOT, "BLOCK": filters.BLOCK, "BLOCK_C": 64,
           "VALUE_PASSES": filters.VALUE_PASSES}
+INVARIANT_MM = {**{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr")},
+                **{p: "*fp32" for p in ("s_ptr", "ss_in", "ss_out", "part_ptr")}, "count_ptr": "*i32",
+                **{a: "i32" for a in ("M", "N", "K", "sx", "sw", "ssc", "sy", "sr", "n_ss")}, "eps": "fp32",
+                "zero": "fp32"}
+_INV = {"swk": 1, "SCALE": 0, "GROUP": 1, "HAS_BIAS": False, "NORM": True, "S_IN": 32, "PREC": "tf32", "BLOCK_M": 16,
+        "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": False, "SPLITS": 1, "PREFETCH": 64, "USE_PDL": True}
 # (name, kernel, signature of its runtime arguments, its constexprs, text its PTX must hold)
 KERNELS = [
     (f"argmax chunks tempered={t} floored={f} pdl={p}", argmax._chunks_kernel, CHUNKS,
@@ -59,6 +65,10 @@ KERNELS = [
     ("greedy walk", walk._walk_kernel, {"tok_ptr": "*i64", "par_ptr": "*i64", "valid_ptr": "*i1", "mask_ptr": "*u8",
                                         "val_ptr": "*fp32", "idx_ptr": "*i64", "out_ptr": "*i64", "N": "i32",
                                         "C": "i32"}, {"BLOCK": 32, "BLOCK_C": 16, "USE_PDL": True}, ""),
+    ("invariant product, L2 prefetch, residual", invariant_mm._invariant_mm_kernel, INVARIANT_MM,
+     {**_INV, "GATED": False, "RES": True, "SS_OUT": True}, "prefetch.global.L2"),
+    ("invariant product, L2 prefetch, gated", invariant_mm._invariant_mm_kernel, INVARIANT_MM,
+     {**_INV, "GATED": True, "RES": False, "SS_OUT": False}, "prefetch.global.L2"),
     ("gumbel noise", gumbel._gumbel_kernel, {"seed_ptr": "*i64", "counter_ptr": "*i64", "out_ptr": "*fp32",
                                              "V": "i32"}, {"BLOCK": 4096, "USE_PDL": True}, ""),
 ]

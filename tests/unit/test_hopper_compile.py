@@ -1,4 +1,5 @@
-"""The sampled draw's, the sampling filters' and the accept walk's Triton kernels compile for a Hopper GPU
+"""The sampled draw's, the sampling filters', the accept walk's and the invariant product's (its L2
+prefetch) Triton kernels compile for a Hopper GPU
 (hopper_compile.py, in a subprocess without TRITON_INTERPRET), so a kernel that only the
 interpreter accepts fails here rather than on the first GPU that runs it."""
 from __future__ import annotations
