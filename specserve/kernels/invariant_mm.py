@@ -57,14 +57,14 @@ import triton.language as tl
 from specserve.core.quant import QuantWeight
 from specserve.kernels import pdl_flags
 from specserve.kernels.activation import silu_and_mul
-from specserve.kernels.pdl import L2_PREFETCH, wait_and_release
+from specserve.kernels.pdl import L2_PREFETCH, prefetch_l2, wait_and_release
 from specserve.kernels.skinny_config import counts
 
 BLOCK_M = 16
 SUMSQ_GROUP = 32  # columns per partial sum of squares from `row_sumsq`
 SPLIT_TILES = 24  # a weight of fewer output tiles has its K split (`split_k`)
 SPLIT_ROWS = 4 * BLOCK_M  # a call of at most this many rows gives each of a split weight's K tiles a program
-PREFETCH_K = 1024  # a walking program of a few-row call asks L2 for rows shorter than this (`prefetch`)
+PREFETCH_K = 1024  # a walking program of a few-row call asks L2 for rows shorter than this (`prefetch_rule`)
 
 
 @triton.jit
@@ -185,37 +185,25 @@ def _x_tile(x_ptr, rows, rmask, ks, kmask, sx):
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, cols, nmask, sw, n_cols, STEP: tl.constexpr):
-    """Ask L2 for columns [0, n_cols) of the weight rows `cols` (unit column stride), one
-    `prefetch.global.L2` per STEP columns (a 128-byte line), four lines a row per round.
-    Nothing waits for them and nothing reads them here: the arithmetic is untouched."""
-    lines = tl.arange(0, 4) * STEP
-    base = w_ptr + cols[:, None].to(tl.int64) * sw
-    for c0 in range(0, n_cols, 4 * STEP):
-        at = c0 + lines
-        ptrs = tl.where(nmask[:, None] & (at < n_cols)[None, :], base + at[None, :], w_ptr)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC: tl.constexpr,
           SCALE: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
           USE_PDL: tl.constexpr):
-    """(acc, acc_up): all of K in one program, tile after tile. With PREFETCH (elements a
-    line) it first asks L2 for its weight rows, before the PDL wait (no earlier kernel
-    writes the weight). Without splits the tiles'
+    """(acc, acc_up): all of K in one program, tile after tile. Without splits the tiles'
     dots accumulate into one accumulator; a split weight's (SPLIT_K) each start from `zero`
     (0.0 at runtime: from a constant the compiler would fold the tile's dot into the
-    accumulator's) and are added to the accumulator in order, `_one_split`'s arithmetic."""
+    accumulator's) and are added to the accumulator in order, `_one_split`'s arithmetic.
+    With PREFETCH (elements a 128-byte line) the program first asks L2 for its weight rows,
+    one contiguous block, before the PDL wait (no earlier kernel writes the weight)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + zero
     if PREFETCH:
-        _prefetch_rows(w_ptr, cols, nmask, sw, K, PREFETCH)
+        row0 = tl.program_id(1) * BLOCK_N
+        n_el = tl.minimum(BLOCK_N, N - row0) * sw
+        prefetch_l2(w_ptr + row0.to(tl.int64) * sw, n_el, 128, PREFETCH)
         if GATED:
-            _prefetch_rows(w_ptr, N + cols, nmask, sw, K, PREFETCH)
+            prefetch_l2(w_ptr + (N + row0).to(tl.int64) * sw, n_el, 128, PREFETCH)
     wait_and_release(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -337,18 +325,19 @@ def prefetch(weight: torch.Tensor, p: Plan, m: int) -> int:
     0 off a GPU, where no inline asm runs, and with SPECSERVE_L2_PREFETCH=0."""
     if not (weight.is_cuda and L2_PREFETCH):
         return 0
-    return prefetch_rule((weight.shape[0], weight.shape[1]), weight.stride(1), weight.element_size(), p, m)
+    return prefetch_rule((weight.shape[0], weight.shape[1]), (weight.stride(0), weight.stride(1)),
+                         weight.element_size(), p, m)
 
 
-def prefetch_rule(shape: tuple[int, int], col_stride: int, w_bytes: int, p: Plan, m: int) -> int:
+def prefetch_rule(shape: tuple[int, int], strides: tuple[int, int], w_bytes: int, p: Plan, m: int) -> int:
     """Elements a 128-byte line when a walking program of a call of m rows asks L2 for its
     whole weight rows before the PDL wait (`_prefetch_rows`), else 0. Only for rows shorter
     than PREFETCH_K (a small model's qkv and gate_up), in a few-row call (a decode or a
-    verify, at most SPLIT_ROWS), from a weight of unit column stride that is not too wide
-    for its programs to run at once (an lm_head). Longer rows were slower asking for their
+    verify, at most SPLIT_ROWS), from a contiguous weight (a program's rows one block) not
+    too wide for its programs to run at once (an lm_head). Longer rows were slower asking for their
     first tiles, and for all of them (docs/benchmarks.md)."""
     n, k = shape
-    fits = k < PREFETCH_K and n < 16384 and m <= SPLIT_ROWS and p.splits == 1 and col_stride == 1
+    fits = k < PREFETCH_K and n < 16384 and m <= SPLIT_ROWS and p.splits == 1 and strides == (k, 1)
     return 128 // w_bytes if fits else 0
 
 

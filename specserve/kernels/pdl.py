@@ -6,7 +6,8 @@ visible (gdc_wait) and lets the kernel after it launch (gdc_launch_dependents). 
 with no work that is independent of their inputs call it first and gain the launch
 latency only; the GEMVs (`matvec.py`, `skinny.py`) call it after fetching their first
 weight tile, which no earlier kernel writes; skinny.py's looped ones also ask L2 for the
-rest of their rows there (`prefetch_l2`, where `prefetch_step` says so).
+rest of their rows there (`prefetch_l2`, where `prefetch_step` says so), and so do the
+deterministic mode's products of short rows (`invariant_mm.prefetch_rule`).
 """
 import torch
 import triton

@@ -186,16 +186,17 @@ def test_a_split_k_is_the_same_bits_as_one_program_walking_it(form, monkeypatch)
 def test_short_rows_are_prefetched_in_few_row_calls_only():
     """`prefetch_rule`: a walking program of a call of at most SPLIT_ROWS rows asks L2 for
     weight rows shorter than PREFETCH_K (a line is 64 bf16 or 128 fp8 elements); not for
-    long rows, an lm_head, a split weight, a longer call or a strided weight."""
+    long rows, an lm_head, a split weight, a longer call or a weight that is not contiguous."""
     rule, plan = invariant_mm.prefetch_rule, invariant_mm.plan
-    assert rule((960, 576), 1, 2, plan(1, 960, 576, None), 1) == 64  # SmolLM2's qkv at one row
-    assert rule((3072, 576), 1, 2, plan(16, 1536, 576, None), 16) == 64  # its gate_up, a verify
-    assert rule((3072, 576), 1, 1, plan(1, 1536, 576, None), 1) == 128  # fp8 bytes
-    assert rule((6144, 4096), 1, 2, plan(1, 6144, 4096, None), 1) == 0  # long rows
-    assert rule((49152, 576), 1, 2, plan(1, 49152, 576, None), 1) == 0  # an lm_head
-    assert rule((576, 576), 1, 2, plan(1, 576, 576, None), 1) == 0  # split: one tile a program
-    assert rule((960, 576), 1, 2, plan(65, 960, 576, None), 65) == 0  # past SPLIT_ROWS
-    assert rule((960, 576), 2, 2, plan(1, 960, 576, None), 1) == 0  # strided columns
+    assert rule((960, 576), (576, 1), 2, plan(1, 960, 576, None), 1) == 64  # SmolLM2's qkv at one row
+    assert rule((3072, 576), (576, 1), 2, plan(16, 1536, 576, None), 16) == 64  # its gate_up, a verify
+    assert rule((3072, 576), (576, 1), 1, plan(1, 1536, 576, None), 1) == 128  # fp8 bytes
+    assert rule((6144, 4096), (4096, 1), 2, plan(1, 6144, 4096, None), 1) == 0  # long rows
+    assert rule((49152, 576), (576, 1), 2, plan(1, 49152, 576, None), 1) == 0  # an lm_head
+    assert rule((576, 576), (576, 1), 2, plan(1, 576, 576, None), 1) == 0  # split: one tile a program
+    assert rule((960, 576), (576, 1), 2, plan(65, 960, 576, None), 65) == 0  # past SPLIT_ROWS
+    assert rule((960, 576), (640, 1), 2, plan(1, 960, 576, None), 1) == 0  # rows apart: not one block
+    assert rule((960, 576), (1, 960), 2, plan(1, 960, 576, None), 1) == 0  # transposed
 
 
 def test_a_prefetching_call_equals_a_longer_one():
