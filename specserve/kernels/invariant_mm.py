@@ -58,6 +58,7 @@ from specserve.core.quant import QuantWeight
 from specserve.kernels import pdl_flags
 from specserve.kernels.activation import silu_and_mul
 from specserve.kernels.pdl import L2_PREFETCH, prefetch_l2, wait_and_release
+from specserve.kernels.pdl import prefetch_rule as gemv_prefetch_rule
 from specserve.kernels.skinny_config import counts
 
 BLOCK_M = 16
@@ -331,14 +332,13 @@ def prefetch(weight: torch.Tensor, p: Plan, m: int) -> int:
 
 def prefetch_rule(shape: tuple[int, int], strides: tuple[int, int], w_bytes: int, p: Plan, m: int) -> int:
     """Elements a 128-byte line when a walking program of a call of m rows asks L2 for its
-    whole weight rows before the PDL wait (`_prefetch_rows`), else 0. Only for rows shorter
-    than PREFETCH_K (a small model's qkv and gate_up), in a few-row call (a decode or a
-    verify, at most SPLIT_ROWS), from a contiguous weight (a program's rows one block) not
-    too wide for its programs to run at once (an lm_head). Longer rows were slower asking for their
-    first tiles, and for all of them (docs/benchmarks.md)."""
-    n, k = shape
-    fits = k < PREFETCH_K and n < 16384 and m <= SPLIT_ROWS and p.splits == 1 and strides == (k, 1)
-    return 128 // w_bytes if fits else 0
+    whole weight rows before the PDL wait (`pdl.prefetch_l2`), else 0: for rows shorter than
+    PREFETCH_K (a small model's qkv and gate_up) in a few-row call (a decode or a verify, at
+    most SPLIT_ROWS), where `pdl.prefetch_rule` takes the weight (a contiguous one, not an
+    lm_head). Longer rows were slower asking for their first tiles, and for all of them
+    (docs/benchmarks.md)."""
+    few_short = shape[1] < PREFETCH_K and m <= SPLIT_ROWS and p.splits == 1
+    return gemv_prefetch_rule(shape, strides, w_bytes, p.block_k, 1, False) if few_short else 0
 
 
 def split_parts(p: Plan, m: int, width: int, device: torch.device) -> torch.Tensor:
