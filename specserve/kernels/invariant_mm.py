@@ -15,8 +15,9 @@ for every M. A row's arithmetic is fixed by the weight's shape and the dtypes on
     (`_walk`). Both are the same fp32 operations in the same order, so the bits
     are too;
   * M is not specialised on (`do_not_specialize`), so one compiled kernel serves all M
-    (two on a GPU: a few-row call's walking programs may first ask L2 for their weight
-    rows, `prefetch_rule`, which touches no arithmetic).
+    (three on a GPU: a few-row call's walking programs may first ask L2 for their short
+    weight rows, `prefetch_rule`, or release the next kernel after their K loop over long
+    ones, `release_late`; neither touches the arithmetic).
 cuBLAS chooses its kernel (tile, split-K, stream-K) from M, which is why a verify of N
 tokens and a decode of one round the same row differently there.
 
@@ -30,11 +31,9 @@ launches it saves):
     ([M, S] float32, summed here in index order, so no program passes over the row) and
     scales the accumulator;
   * `gated`: the weight is gate_up [2N, K]; a program keeps the gate's and the up's tiles
-    of the same columns and writes silu(gate) * up, rounded as gate_up followed by
-    kernels/activation.py would round them. Where the plain gate_up would take wider
-    tiles than the gate's (`config`: an 8B model's MLP), two tiles a program measured
-    slower than one wide tile plus the SiLU*mul launch, so that shape takes the two
-    launches (docs/benchmarks.md); the choice follows the weight's shape alone;
+    of the same columns, as wide as the whole weight's (`plan`: 64 rows each for an 8B
+    model's MLP, in two stages), and writes silu(gate) * up, rounded as gate_up followed
+    by kernels/activation.py would round them;
   * `residual`: y = residual + x W^T, rounded as torch's `residual + y`; with `sumsq` it
     also returns each output tile's sum of squares of y, the partial sums the next
     layer's norm reads.
@@ -56,14 +55,14 @@ import triton.language as tl
 
 from specserve.core.quant import QuantWeight
 from specserve.kernels import pdl_flags
-from specserve.kernels.activation import silu_and_mul
-from specserve.kernels.pdl import L2_PREFETCH, prefetch_l2, wait_and_release
+from specserve.kernels.pdl import L2_PREFETCH, prefetch_l2, release_dependents, wait_and_release, wait_for_inputs
 from specserve.kernels.pdl import prefetch_rule as gemv_prefetch_rule
 from specserve.kernels.skinny_config import counts
 
 BLOCK_M = 16
 SUMSQ_GROUP = 32  # columns per partial sum of squares from `row_sumsq`
 SPLIT_TILES = 24  # a weight of fewer output tiles has its K split (`split_k`)
+SPLIT_TILES_LONG = 65  # ... and one of rows of PREFETCH_K columns or more, fewer than this
 SPLIT_ROWS = 4 * BLOCK_M  # a call of at most this many rows gives each of a split weight's K tiles a program
 PREFETCH_K = 1024  # a walking program of a few-row call asks L2 for rows shorter than this (`prefetch_rule`)
 
@@ -189,13 +188,14 @@ def _x_tile(x_ptr, rows, rmask, ks, kmask, sx):
 def _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC: tl.constexpr,
           SCALE: tl.constexpr, GROUP: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
-          USE_PDL: tl.constexpr):
+          LATE: tl.constexpr, USE_PDL: tl.constexpr):
     """(acc, acc_up): all of K in one program, tile after tile. Without splits the tiles'
     dots accumulate into one accumulator; a split weight's (SPLIT_K) each start from `zero`
     (0.0 at runtime: from a constant the compiler would fold the tile's dot into the
     accumulator's) and are added to the accumulator in order, `_one_split`'s arithmetic.
     With PREFETCH (elements a 128-byte line) the program first asks L2 for its weight rows,
-    one contiguous block, before the PDL wait (no earlier kernel writes the weight)."""
+    one contiguous block, before the PDL wait (no earlier kernel writes the weight); with
+    LATE it lets the next kernel launch only after its K loop (`release_late`)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     z = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + zero
@@ -205,7 +205,9 @@ def _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc,
         prefetch_l2(w_ptr + row0.to(tl.int64) * sw, n_el, 128, PREFETCH)
         if GATED:
             prefetch_l2(w_ptr + (N + row0).to(tl.int64) * sw, n_el, 128, PREFETCH)
-    wait_and_release(USE_PDL)
+    wait_for_inputs(USE_PDL)
+    if not LATE:
+        release_dependents(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
@@ -220,6 +222,8 @@ def _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc,
             if GATED:
                 acc_up = _product(x, w_ptr, s_ptr, acc_up, N + cols, nmask, ks, kmask, k0, sw, swk, ssc, PREC,
                                   SCALE, GROUP)
+    if LATE:
+        release_dependents(USE_PDL)
     return acc, acc_up
 
 
@@ -255,7 +259,7 @@ def _invariant_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out
                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, S_IN: tl.constexpr, GATED: tl.constexpr,
                          RES: tl.constexpr, SS_OUT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS: tl.constexpr,
-                         PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+                         PREFETCH: tl.constexpr, LATE: tl.constexpr, USE_PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, nmask = rows < M, cols < N
@@ -264,7 +268,7 @@ def _invariant_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, r_ptr, ss_in, ss_out
                                  GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
     else:
         acc, acc_up = _walk(x_ptr, w_ptr, s_ptr, rows, rmask, cols, nmask, N, K, sx, sw, swk, ssc, zero, PREC,
-                            SCALE, GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH, USE_PDL)
+                            SCALE, GROUP, GATED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PREFETCH, LATE, USE_PDL)
     last = True
     if SPLITS > 1:
         acc, acc_up, last = _split_sum(part_ptr, count_ptr, acc, acc_up, rows, cols, rmask[:, None] & nmask[None, :],
@@ -307,16 +311,21 @@ class Plan(NamedTuple):
     splits: int
 
 
-def plan(m: int, n: int, k: int, scale: QuantWeight | None) -> Plan:
-    """The launch of m rows through weight [n, k] (an fp8 weight's `scale`)."""
-    block_n, block_k, warps, stages = config(n, k)
+def plan(m: int, n: int, k: int, scale: QuantWeight | None, gated: bool = False) -> Plan:
+    """The launch of m rows through weight [n, k] (an fp8 weight's `scale`), or through a
+    gate_up [2n, k] (`gated`), which takes the whole weight's tiles (`config(2n, k)`):
+    where those are 64 rows wide, each stage holds a gate and an up tile, so it keeps
+    two stages."""
+    block_n, block_k, warps, stages = config(2 * n if gated else n, k)
+    if gated and block_n == 64:
+        stages = 2
     mode, group = 0, 1
     if scale is not None and scale.group >= k:
         mode = 1
     elif scale is not None:
         mode, group = 2, scale.group
         block_k = min(block_k, group)  # a K tile inside one scale group
-    split = split_k(n, block_n)
+    split = split_k(n, k, block_n)
     splits = triton.cdiv(k, block_k) if split and m <= SPLIT_ROWS else 1
     return Plan(block_n, block_k, warps, stages, mode, group, split, splits)
 
@@ -341,6 +350,15 @@ def prefetch_rule(shape: tuple[int, int], strides: tuple[int, int], w_bytes: int
     return gemv_prefetch_rule(shape, strides, w_bytes, p.block_k, 1, False) if few_short else 0
 
 
+def release_late(p: Plan, m: int, k: int) -> bool:
+    """Whether the walking programs of a call of m rows let the next kernel launch only
+    after their K loop (the LATE constexpr) rather than at their PDL wait: in a few-row
+    call (a decode or a verify, at most SPLIT_ROWS) over rows of PREFETCH_K columns or more,
+    which take no prefetch. Such calls ran faster releasing late, the short rows' slower
+    (docs/benchmarks.md)."""
+    return p.splits == 1 and k >= PREFETCH_K and m <= SPLIT_ROWS
+
+
 def split_parts(p: Plan, m: int, width: int, device: torch.device) -> torch.Tensor:
     """`_split_sum`'s fp32 scratch for m rows of `width` sums a split ([splits, m, width]);
     without split programs the device's counts (never dereferenced: no allocation a call)."""
@@ -349,11 +367,14 @@ def split_parts(p: Plan, m: int, width: int, device: torch.device) -> torch.Tens
     return torch.empty(p.splits * m * width, dtype=torch.float32, device=device)
 
 
-def split_k(n: int, block_n: int) -> bool:
+def split_k(n: int, k: int, block_n: int) -> bool:
     """Whether weight [n, k]'s K is split, one K tile a split: a function of the weight
     alone, true for one of fewer than SPLIT_TILES output tiles (too narrow to fill a GPU at
-    one row: each of its K tiles can have a program)."""
-    return triton.cdiv(n, block_n) < SPLIT_TILES
+    one row: each of its K tiles can have a program), or of fewer than SPLIT_TILES_LONG
+    over rows of PREFETCH_K columns or more (a 1.5B model's layers but its MLP's gate_up).
+    Splitting wider weights, or narrow ones of short rows, was slower (docs/benchmarks.md)."""
+    tiles = triton.cdiv(n, block_n)
+    return tiles < SPLIT_TILES or (k >= PREFETCH_K and tiles < SPLIT_TILES_LONG)
 
 
 def fp8_scales_served(qw: QuantWeight) -> bool:
@@ -378,14 +399,10 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     assert not sumsq or residual is not None, "the partial sums come from the residual epilogue"
     assert not (gated and residual is not None), "a gated product takes no residual"
     assert scale is None or fp8_scales_served(scale), (scale.method, scale.group)
-    if gated and config(weight.shape[0], x.shape[1])[0] != config(weight.shape[0] // 2, x.shape[1])[0]:
-        gate_up = invariant_matmul(x, weight, bias, out_dtype, norm=norm, scale=scale)
-        assert isinstance(gate_up, torch.Tensor)  # no sumsq: one tensor
-        return silu_and_mul(gate_up)
     if x.stride(-1) != 1:
         x = x.contiguous()
     (m, k), n = x.shape, weight.shape[0] // (2 if gated else 1)
-    block_n, block_k, warps, stages, mode, group, split, splits = p = plan(m, n, k, scale)
+    block_n, block_k, warps, stages, mode, group, split, splits = p = plan(m, n, k, scale, gated)
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     ss = torch.empty(m, triton.cdiv(n, block_n), dtype=torch.float32, device=x.device) if sumsq else y
     if m == 0:
@@ -407,8 +424,8 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         residual.stride(0) if residual is not None else 0, n_ss, eps, 0.0, SCALE=mode, GROUP=group,
         HAS_BIAS=bias is not None, NORM=norm is not None, S_IN=triton.next_power_of_2(n_ss), GATED=gated,
         RES=residual is not None, SS_OUT=sumsq, PREC=prec, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, SPLITS=splits, PREFETCH=prefetch(weight, p, m), num_warps=warps, num_stages=stages,
-        **pdl_flags(x.device))
+        SPLIT_K=split, SPLITS=splits, PREFETCH=prefetch(weight, p, m), LATE=release_late(p, m, k),
+        num_warps=warps, num_stages=stages, **pdl_flags(x.device))
     return (y, ss) if sumsq else y
 
 

@@ -2,12 +2,14 @@
 
 A kernel launched with `kernels.pdl_flags` (launch_pdl) may start while the kernel ahead
 of it is still running. `wait_and_release` waits until every earlier kernel's writes are
-visible (gdc_wait) and lets the kernel after it launch (gdc_launch_dependents). Kernels
+visible (gdc_wait, `wait_for_inputs`) and lets the kernel after it launch
+(gdc_launch_dependents, `release_dependents`). Kernels
 with no work that is independent of their inputs call it first and gain the launch
 latency only; the GEMVs (`matvec.py`, `skinny.py`) call it after fetching their first
 weight tile, which no earlier kernel writes; skinny.py's looped ones also ask L2 for the
 rest of their rows there (`prefetch_l2`, where `prefetch_step` says so), and so do the
-deterministic mode's products of short rows (`invariant_mm.prefetch_rule`).
+deterministic mode's products of short rows (`invariant_mm.prefetch_rule`); its products of
+long rows release the next kernel only after their K loop (`invariant_mm.release_late`).
 """
 import torch
 import triton
@@ -20,8 +22,19 @@ L2_PREFETCH = env.l2_prefetch_allowed()  # SPECSERVE_L2_PREFETCH=0 turns it off
 
 @triton.jit
 def wait_and_release(USE_PDL: tl.constexpr):
+    wait_for_inputs(USE_PDL)
+    release_dependents(USE_PDL)
+
+
+@triton.jit
+def wait_for_inputs(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release_dependents(USE_PDL: tl.constexpr):
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -18,8 +18,7 @@ they only propose, and exact verification makes the output the target's):
     folded into the weight at start-up, `fold_norms`, and 1/rms applied to the
     accumulator), RoPE + KV write, attention, o_proj (+ residual, and the stream's partial
     sums of squares the next norm reads), gate_up (normalised likewise; silu(gate) * up
-    from its epilogue, or from a SiLU*mul launch where kernels/invariant_mm.py measured
-    that faster), down_proj (+ residual); the stream is one tensor between layers, as in the
+    from its epilogue), down_proj (+ residual); the stream is one tensor between layers, as in the
     few-token path. Layers with q/k norms (Qwen3) keep separate row-local launches for
     norms, SiLU*mul and adds (`LlamaForCausalLM.forward_eager`); either way every forward
     of a model takes the same path;

@@ -35,7 +35,7 @@ INVARIANT_MM = {**{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_p
                 **{a: "i32" for a in ("M", "N", "K", "sx", "sw", "ssc", "sy", "sr", "n_ss")}, "eps": "fp32",
                 "zero": "fp32"}
 _INV = {"swk": 1, "SCALE": 0, "GROUP": 1, "HAS_BIAS": False, "NORM": True, "S_IN": 32, "PREC": "tf32", "BLOCK_M": 16,
-        "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": False, "SPLITS": 1, "PREFETCH": 64, "USE_PDL": True}
+        "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": False, "SPLITS": 1, "PREFETCH": 64, "LATE": False, "USE_PDL": True}
 # (name, kernel, signature of its runtime arguments, its constexprs, text its PTX must hold)
 KERNELS = [
     (f"argmax chunks tempered={t} floored={f} pdl={p}", argmax._chunks_kernel, CHUNKS,
@@ -69,6 +69,9 @@ KERNELS = [
      {**_INV, "GATED": False, "RES": True, "SS_OUT": True}, "prefetch.global.L2"),
     ("invariant product, L2 prefetch, gated", invariant_mm._invariant_mm_kernel, INVARIANT_MM,
      {**_INV, "GATED": True, "RES": False, "SS_OUT": False}, "prefetch.global.L2"),
+    ("invariant product, released after the K loop", invariant_mm._invariant_mm_kernel, INVARIANT_MM,
+     {**_INV, "GATED": True, "RES": False, "SS_OUT": False, "PREFETCH": 0, "LATE": True, "BLOCK_N": 64,
+      "BLOCK_K": 256}, "griddepcontrol.launch_dependents"),
     ("gumbel noise", gumbel._gumbel_kernel, {"seed_ptr": "*i64", "counter_ptr": "*i64", "out_ptr": "*fp32",
                                              "V": "i32"}, {"BLOCK": 4096, "USE_PDL": True}, ""),
 ]

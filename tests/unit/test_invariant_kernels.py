@@ -138,7 +138,7 @@ def test_the_fused_epilogues_keep_rows_alone_and_their_values(n, k):
     torch.testing.assert_close(normed(slice(None)), kernels.invariant_matmul(kernels.rms_norm(x, nw, 1e-5), w[:n]),
                                rtol=2e-2, atol=2e-2)
     assert torch.equal(gated(slice(None)), kernels.silu_and_mul(kernels.invariant_matmul(x, w)))
-    wide = torch.randn(2 * 8192, k, generator=g).to(DEV, BF16) / k ** 0.5  # plain tiles wider than the gate's
+    wide = torch.randn(2 * 8192, k, generator=g).to(DEV, BF16) / k ** 0.5  # 64-row tiles, gated or not
     assert torch.equal(kernels.invariant_matmul(x[:2], wide, gated=True),
                        kernels.silu_and_mul(kernels.invariant_matmul(x[:2], wide)))
     y, ss_y = kernels.invariant_matmul(x, w[:n], residual=r, sumsq=True)
@@ -169,7 +169,7 @@ def test_a_split_k_is_the_same_bits_as_one_program_walking_it(form, monkeypatch)
         w = w.to(DEV, BF16)
     fused = {"gated": {"gated": True}, "normed": {"norm": (1e-5, kernels.row_sumsq(x))},
              "residual": {"residual": r, "sumsq": True}}.get(form, {})
-    assert invariant_mm.split_k(n, 32)
+    assert invariant_mm.split_k(n, k, 32)
 
     out_dtype = torch.float32 if form in ("plain", "fp8_rows", "fp8_groups") else None  # the head's fp32 logits
 
@@ -199,12 +199,35 @@ def test_short_rows_are_prefetched_in_few_row_calls_only():
     assert rule((960, 576), (1, 960), 2, plan(1, 960, 576, None), 1) == 0  # transposed
 
 
-def test_a_prefetching_call_equals_a_longer_one():
-    """A few-row call of an unsplit weight with short rows (prefetched on a GPU) gives the
-    bits of a call past SPLIT_ROWS (not prefetched): the prefetch touches no arithmetic."""
+def test_long_rows_release_late_in_few_row_calls_only():
+    """`release_late`: a walking program of a call of at most SPLIT_ROWS rows over rows of
+    PREFETCH_K columns or more releases the next kernel after its K loop; not over short
+    rows (prefetched instead), for a split weight or in a longer call."""
+    late, plan = invariant_mm.release_late, invariant_mm.plan
+    assert late(plan(1, 6144, 4096, None), 1, 4096) and late(plan(16, 14336, 4096, None, True), 16, 4096)
+    assert late(plan(1, 128256, 4096, None), 1, 4096)  # an lm_head too
+    assert not late(plan(1, 960, 576, None), 1, 576)  # short rows
+    assert not late(plan(1, 576, 1536, None), 1, 1536)  # split: one tile a program
+    assert not late(plan(1, 1536, 8960, None), 1, 8960)  # long rows of a narrow weight split too
+    assert not late(plan(65, 6144, 4096, None), 65, 4096)  # past SPLIT_ROWS
+
+
+def test_a_wide_gate_up_takes_the_whole_weights_tiles():
+    """`plan(gated)`: a gate_up's tiles are those of the whole [2n, k] weight; 64-row ones
+    keep two stages (a gate and an up tile each)."""
+    assert invariant_mm.plan(1, 14336, 4096, None, True)[:4] == (64, 256, 4, 2)
+    assert invariant_mm.plan(1, 28672, 4096, None)[:4] == (64, 256, 4, 4)
+    assert invariant_mm.plan(1, 1536, 576, None, True)[:4] == invariant_mm.plan(1, 1536, 576, None)[:4]
+
+
+@pytest.mark.parametrize("n, k", [(800, 200), (2080, 1024)])
+def test_a_prefetching_or_late_call_equals_a_longer_one(n, k):
+    """A few-row call of an unsplit weight with short rows (prefetched on a GPU) or long
+    ones (releasing late) gives the bits of a call past SPLIT_ROWS (neither): the prefetch
+    and the release point touch no arithmetic."""
     g = torch.Generator().manual_seed(5)
-    n, k, m = 800, 200, invariant_mm.SPLIT_ROWS + 1
-    assert not invariant_mm.split_k(n, 32)
+    m = invariant_mm.SPLIT_ROWS + 1
+    assert not invariant_mm.split_k(n, k, 32)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, BF16)
     x = torch.randn(m, k, generator=g).to(DEV, BF16)
     whole = kernels.invariant_matmul(x, w)
